@@ -1,0 +1,109 @@
+"""Allocate+free pair cost vs live blocks: RangeAllocator against the naive first-fit baseline.
+
+The pool is fragmented first: 2N blocks of mixed sizes, every other one freed, so N live blocks
+and about N free holes. Each pair allocates a random size and frees it again.
+Run: python benchmarks/bench_allocator.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any, Protocol
+
+from benchmarks.baselines import NaiveAllocator
+from embcache import RangeAllocator
+
+ALIGN = 256
+
+
+class Allocator(Protocol):
+    def allocate(self, nbytes: int) -> int | None: ...
+    def free(self, offset: int) -> int: ...
+
+
+def fragmented(make: Any, live: int, seed: int) -> Allocator:
+    rng = random.Random(seed)
+    sizes = [ALIGN * rng.randint(1, 8) for _ in range(2 * live)]
+    alloc = make(sum(sizes) + 64 * ALIGN * 8, ALIGN)
+    offsets = [alloc.allocate(s) for s in sizes]
+    if isinstance(alloc, NaiveAllocator):  # its free() is O(n log n): build the same holes directly
+        holes = {off: alloc.allocated.pop(off) for off in offsets[::2]}
+        tail = alloc.free_list[-1]
+        alloc.free_list = [[o, s] for o, s in sorted(holes.items())]
+        if tail[0] == max(holes) + holes[max(holes)]:
+            alloc.free_list[-1][1] += tail[1]
+        else:
+            alloc.free_list.append(tail)
+    else:
+        for off in offsets[::2]:
+            alloc.free(off)
+    return alloc
+
+
+def pair_cost(alloc: Allocator, pairs: int, seed: int) -> float:
+    """Seconds per allocate+free pair."""
+    rng = random.Random(seed)
+    sizes = [ALIGN * rng.randint(1, 8) for _ in range(pairs)]
+    start = time.perf_counter()
+    for size in sizes:
+        off = alloc.allocate(size)
+        assert off is not None
+        alloc.free(off)
+    return (time.perf_counter() - start) / pairs
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    """Rows ``{name, ours, baseline, unit, ratio, target, met}`` for 1k, 10k and 100k blocks."""
+    sizes = [1_000, 10_000] if quick else [1_000, 10_000, 100_000]
+    rows, ours_at = [], {}
+    for live in sizes:
+        ours_alloc = fragmented(RangeAllocator, live, seed=live)
+        naive_alloc = fragmented(NaiveAllocator, live, seed=live)
+        ours = pair_cost(ours_alloc, 20_000 if not quick else 2_000, seed=1)
+        naive = pair_cost(naive_alloc, max(10, 2_000_000 // live // (10 if quick else 1)), seed=1)
+        ours_at[live] = ours
+        ratio = naive / ours
+        target = 300.0 if live == 100_000 else None
+        rows.append(
+            {
+                "name": f"allocator pair, {live} live blocks",
+                "ours": ours * 1e6,
+                "baseline": naive * 1e6,
+                "unit": "us/pair",
+                "ratio": ratio,
+                "target": ">= 300x" if target else "",
+                "met": (ratio >= target) if target else None,
+            }
+        )
+    growth = ours_at[sizes[-1]] / ours_at[sizes[0]]
+    rows.append(
+        {
+            "name": f"allocator growth {sizes[-1]} vs {sizes[0]} blocks",
+            "ours": growth,
+            "baseline": None,
+            "unit": "x",
+            "ratio": growth,
+            "target": "<= 3x",
+            "met": growth <= 3.0,
+        }
+    )
+    return rows
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    print(f"{'benchmark':44} {'ours':>12} {'baseline':>12} {'unit':>8} {'ratio':>9}  target")
+    for r in rows:
+        base = "" if r["baseline"] is None else f"{r['baseline']:12.2f}"
+        met = {True: "met", False: "MISSED", None: ""}[r["met"]]
+        print(
+            f"{r['name']:44} {r['ours']:12.2f} {base:>12} {r['unit']:>8} "
+            f"{r['ratio']:9.1f}  {r['target']} {met}"
+        )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    print_rows(run(parser.parse_args().quick))

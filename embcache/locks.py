@@ -1,0 +1,100 @@
+"""The lock hierarchy of DESIGN.md, with an optional checker.
+
+Level 1 is the cache lock, level 2 the allocator's lock. A thread may only take a lock of a
+strictly higher level than every lock it already holds, and must hold no lock at all while it
+does blocking work (a store call, a payload copy, an encoder call, a callback, a wait).
+
+Checking is off by default: ``HierarchyLock`` then costs one global read over a plain
+``threading.Lock``. The test suite turns it on (``EMBCACHE_LOCK_CHECK=1`` or
+``enable_lock_checking()``) and every violation raises ``LockOrderError``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from types import TracebackType
+
+from embcache.errors import LockOrderError
+
+CACHE_LEVEL = 1
+ALLOCATOR_LEVEL = 2
+
+_checking = os.environ.get("EMBCACHE_LOCK_CHECK", "") not in ("", "0")
+_held = threading.local()
+
+
+def enable_lock_checking(enabled: bool = True) -> None:
+    """Turn the hierarchy checker on or off for every lock, process-wide."""
+    global _checking
+    _checking = enabled
+
+
+def lock_checking_enabled() -> bool:
+    """Whether the checker is on."""
+    return _checking
+
+
+def _held_stack() -> list[HierarchyLock]:
+    stack: list[HierarchyLock] | None = getattr(_held, "stack", None)
+    if stack is None:
+        stack = []
+        _held.stack = stack
+    return stack
+
+
+def assert_unlocked(what: str) -> None:
+    """Raise ``LockOrderError`` if this thread holds any hierarchy lock while doing ``what``."""
+    if _checking and _held_stack():
+        names = ", ".join(lock.name for lock in _held_stack())
+        raise LockOrderError(f"{what} while holding {names}: release every lock first")
+
+
+class HierarchyLock:
+    """A non-reentrant lock with a level in the hierarchy."""
+
+    __slots__ = ("_lock", "level", "name")
+
+    def __init__(self, level: int, name: str) -> None:
+        self._lock = threading.Lock()
+        self.level = level
+        self.name = name
+
+    def acquire(self) -> None:
+        """Take the lock; with checking on, refuse an acquisition against the hierarchy."""
+        if _checking:
+            stack = _held_stack()
+            if stack and stack[-1].level >= self.level:
+                raise LockOrderError(
+                    f"taking {self.name} (level {self.level}) while holding "
+                    f"{stack[-1].name} (level {stack[-1].level}): locks must be taken in "
+                    "increasing level order"
+                )
+            self._lock.acquire()
+            stack.append(self)
+        else:
+            self._lock.acquire()
+
+    def release(self) -> None:
+        """Release the lock."""
+        if _checking:
+            stack = _held_stack()
+            if self in stack:
+                stack.remove(self)
+        self._lock.release()
+
+    def locked(self) -> bool:
+        """Whether some thread holds the lock."""
+        return self._lock.locked()
+
+    def __enter__(self) -> HierarchyLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()

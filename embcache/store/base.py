@@ -1,0 +1,76 @@
+"""The global-store protocol the cache talks to, and the outcome of one transfer.
+
+A store moves bytes between named objects and ranges of one registered buffer (the pool).
+Every batch call returns one result per key; the cache never lets one item's failure hold up
+the others. ``classify`` turns a store's negative code into what the cache must do with the
+range: FAILED means nothing can still touch it (free it), UNKNOWN means a transfer may still be
+touching it (quarantine it until ``fence``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class TransferOutcome(enum.Enum):
+    """How a transfer into or out of a pool range ended."""
+
+    OK = "OK"
+    FAILED = "FAILED"
+    UNKNOWN = "UNKNOWN"
+
+
+@runtime_checkable
+class GlobalStore(Protocol):
+    """A store shared by encode workers. Offsets are relative to the registered buffer.
+
+    Implementations are called from I/O worker threads, never under a cache lock, and may be
+    called concurrently. A method that raises fails all of its items as UNKNOWN.
+    """
+
+    def register_buffer(self, buffer: torch.Tensor) -> None:
+        """Register the pool (a contiguous uint8 tensor) once, before any transfer."""
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored."""
+
+    def get_into(
+        self, keys: Sequence[str], offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        """Read each object into ``pool[offset:offset+size]``; per key bytes read or a code < 0."""
+
+    def put_from(
+        self, keys: Sequence[str], offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        """Write each ``pool[offset:offset+size]`` as an object; per key 0 or a code < 0."""
+
+    def classify(self, code: int) -> TransferOutcome:
+        """The outcome a negative ``code`` means for the range it touched."""
+
+    def fence(self) -> None:
+        """Return once no transfer started before the call can still touch the pool."""
+
+    def close(self) -> None:
+        """Release the store's resources; later calls fail their items."""
+
+
+def get_outcome(store: GlobalStore, code: int, size: int) -> TransferOutcome:
+    """Outcome of one ``get_into`` result: OK only for exactly ``size`` bytes; a short read FAILED."""
+    if code == size:
+        return TransferOutcome.OK
+    if code >= 0:
+        return TransferOutcome.FAILED
+    return store.classify(code)
+
+
+def put_outcome(store: GlobalStore, code: int) -> TransferOutcome:
+    """Outcome of one ``put_from`` result."""
+    if code == 0:
+        return TransferOutcome.OK
+    if code > 0:
+        return TransferOutcome.FAILED
+    return store.classify(code)

@@ -1,0 +1,1 @@
+"""Obviously-correct executable reference models of embcache (not installed; tests import them)."""

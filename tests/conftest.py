@@ -1,0 +1,27 @@
+"""Shared test setup: Hypothesis profiles and the lock-order checker.
+
+Profiles (choose with HYPOTHESIS_PROFILE): ``dev`` is fast for local loops, ``ci`` runs at
+least 1000 state-machine examples (CI sets it; Hypothesis would otherwise load its own small
+built-in ``ci`` profile whenever ``CI`` is set), ``nightly`` is 100x ``ci``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for `models`
+
+_common = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("dev", max_examples=60, stateful_step_count=30, **_common)
+settings.register_profile("ci", max_examples=1000, stateful_step_count=60, **_common)
+settings.register_profile("nightly", max_examples=100_000, stateful_step_count=60, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+if os.environ.get("EMBCACHE_LOCK_CHECK", "1") not in ("", "0"):
+    from embcache.locks import enable_lock_checking
+
+    enable_lock_checking()

@@ -1,0 +1,388 @@
+--------------------------- MODULE EmbeddingCache ---------------------------
+(***************************************************************************)
+(* The entry lifecycle of embcache: one pool of Units allocation units,    *)
+(* one entry per key, requests that pin and wait, and transfers in flight  *)
+(* that outlive the lock.  The design is ../../shared/DESIGN.md; every     *)
+(* action below has the name of the code's action and trace event.         *)
+(*                                                                         *)
+(* Theory of operation.                                                    *)
+(*  - An entry is a record (state, range off..off+size-1, holders, pins,   *)
+(*    waiters, doomed, publisher, quarantinePending).  ABSENT is NoEntry.  *)
+(*  - The allocator is the set `free` of free units.  It is maintained by  *)
+(*    the actions, never derived, so Accounting and NoOverlap can fail.    *)
+(*  - The LRU is a sequence, oldest first: exactly the evictable entries.  *)
+(*  - Transfers are explicit: a load writes into a LOADING range, a read   *)
+(*    (a holder copying the bytes out) or a publish reads a pinned range.  *)
+(*    A transfer that ends with outcome UNKNOWN leaves a zombie that may   *)
+(*    still touch its units until the store is fenced.  Each transfer      *)
+(*    keeps the units it was started on: if the cache frees or reuses      *)
+(*    them early, NoUseAfterFree or QuarantineHolds fails.                 *)
+(*  - Requests open once and close once; a request closes only when it     *)
+(*    holds and waits on nothing.  Who completes a load (a store worker,   *)
+(*    or the request filling its reservation) is not modelled: EndLoad is  *)
+(*    enabled for every LOADING entry.                                     *)
+(*  - Allocation is a contiguous run at an offset the spec chooses among   *)
+(*    the runs the eviction rule allows (see Placements); the victims are  *)
+(*    exactly the entries the run overlaps.                                *)
+(*  - Actions whose code counterpart can be a no-op (a Lookup that misses, *)
+(*    a BeginLoad with no room, a Remove of a doomed or QUARANTINED entry) *)
+(*    include that no-op as an UNCHANGED branch, so a trace of the code is *)
+(*    a behaviour of this spec event by event.                             *)
+(***************************************************************************)
+EXTENDS Naturals, Sequences, FiniteSets
+
+CONSTANTS
+    Units,            \* pool capacity in allocation units: units 0..Units-1
+    Keys,             \* embedding hashes
+    Requests,         \* requests; each opens at most once
+    Sizes,            \* entry sizes (in units) a BeginLoad may ask for
+    MaxEvictionBatch, \* the most victims one BeginLoad may evict
+    NoRequest         \* a model value: "no request"
+
+ASSUME /\ Units \in Nat \ {0}
+       /\ Sizes \subseteq 1..Units
+       /\ MaxEvictionBatch \in Nat
+       /\ NoRequest \notin Requests
+
+ABSENT      == "ABSENT"
+LOADING     == "LOADING"
+READY       == "READY"
+QUARANTINED == "QUARANTINED"
+States      == {ABSENT, LOADING, READY, QUARANTINED}
+
+OK       == "OK"
+FAILED   == "FAILED"
+UNKNOWN  == "UNKNOWN"
+Outcomes == {OK, FAILED, UNKNOWN}
+
+VARIABLES
+    entry,     \* entry[k]: the entry record of key k (NoEntry when ABSENT)
+    free,      \* the allocator's free units
+    lru,       \* evictable keys, oldest first
+    transfers, \* live transfers: [kind, req, key, units]
+    zombies,   \* transfers that ended UNKNOWN: [key, units], gone at Fence
+    request    \* request[r] \in {"new", "open", "closed"}
+
+vars == <<entry, free, lru, transfers, zombies, request>>
+
+Pool == 0..(Units - 1)
+Run(o, n) == o..(o + n - 1)
+
+NoEntry == [state |-> ABSENT, off |-> 0, size |-> 0, holders |-> {},
+            waiters |-> {}, pins |-> 0, doomed |-> FALSE,
+            publisher |-> NoRequest, quarantinePending |-> FALSE]
+
+Owned(k) == IF entry[k].state = ABSENT THEN {}
+            ELSE Run(entry[k].off, entry[k].size)
+UnitsOf(S) == UNION {Owned(k) : k \in S}
+Present == {k \in Keys : entry[k].state # ABSENT}
+LruSet == {lru[i] : i \in 1..Len(lru)}
+Without(s, k) == SelectSeq(s, LAMBDA j : j # k)
+
+RECURSIVE SumSizes(_)
+SumSizes(S) == IF S = {} THEN 0
+               ELSE LET k == CHOOSE x \in S : TRUE
+                    IN  entry[k].size + SumSizes(S \ {k})
+
+LoadInto(k, R)  == [kind |-> "load", req |-> NoRequest, key |-> k, units |-> R]
+ReadBy(r, k)    == [kind |-> "read", req |-> r, key |-> k, units |-> Owned(k)]
+PublishBy(r, k) == [kind |-> "publish", req |-> r, key |-> k, units |-> Owned(k)]
+Zombie(k)       == [key |-> k, units |-> Owned(k)]
+LoadDone(k) == {t \in transfers : ~(t.kind = "load" /\ t.key = k)}
+
+(***************************************************************************)
+(* Eviction that respects contiguity.  A placement of n units at offset o  *)
+(* is allowed with the p oldest LRU entries when the run is made only of   *)
+(* free units and of those entries, with at most MaxEvictionBatch victims. *)
+(* The victims are exactly the entries the run overlaps, so none is        *)
+(* evicted for nothing.  Prefix(n) is the smallest such p (0: a free run   *)
+(* fits and nothing is evicted).  The code then picks one placement by     *)
+(* fewest victims, fewest bytes, lowest offset and best fit; the spec      *)
+(* allows any placement within that prefix (see README: why).              *)
+(***************************************************************************)
+Oldest(p) == {lru[i] : i \in 1..p}
+Victims(R) == {j \in Present : Owned(j) \cap R # {}}
+Feasible(o, n, p) ==
+    LET R == Run(o, n)
+        V == Victims(R)
+    IN  /\ R \subseteq free \cup UnitsOf(V)
+        /\ V \subseteq Oldest(p)
+        /\ Cardinality(V) <= MaxEvictionBatch
+Placements(n, p) == {o \in 0..(Units - n) : Feasible(o, n, p)}
+HasRoom(n) == \E p \in 0..Len(lru) : Placements(n, p) # {}
+Prefix(n) == CHOOSE p \in 0..Len(lru) :
+                 /\ Placements(n, p) # {}
+                 /\ \A q \in 0..(p - 1) : Placements(n, q) = {}
+
+\* Evict(V): the victims leave the table, the LRU, and give back their units.
+EvictEntries(V) == [j \in Keys |-> IF j \in V THEN NoEntry ELSE entry[j]]
+EvictUnits(V)   == free \cup UnitsOf(V)
+EvictLru(V)     == SelectSeq(lru, LAMBDA j : j \notin V)
+
+Loading(r, o, n) == [NoEntry EXCEPT !.state = LOADING, !.off = o, !.size = n,
+                                    !.waiters = {r}]
+Quarantined(e) == [e EXCEPT !.state = QUARANTINED, !.holders = {}, !.waiters = {},
+                            !.pins = 0, !.doomed = FALSE,
+                            !.quarantinePending = FALSE]
+
+-----------------------------------------------------------------------------
+(* Actions. *)
+
+Init ==
+    /\ entry = [k \in Keys |-> NoEntry]
+    /\ free = Pool
+    /\ lru = <<>>
+    /\ transfers = {}
+    /\ zombies = {}
+    /\ request = [r \in Requests |-> "new"]
+
+OpenRequest(r) ==
+    /\ request[r] = "new"
+    /\ request' = [request EXCEPT ![r] = "open"]
+    /\ UNCHANGED <<entry, free, lru, transfers, zombies>>
+
+CloseRequest(r) ==
+    /\ request[r] = "open"
+    /\ \A k \in Keys : r \notin entry[k].holders \cup entry[k].waiters
+    /\ request' = [request EXCEPT ![r] = "closed"]
+    /\ UNCHANGED <<entry, free, lru, transfers, zombies>>
+
+Pin(r, k) ==
+    /\ entry' = [entry EXCEPT ![k].holders = @ \cup {r}, ![k].pins = @ + 1]
+    /\ lru' = Without(lru, k)
+    /\ transfers' = transfers \cup {ReadBy(r, k)}
+    /\ UNCHANGED <<free, zombies, request>>
+
+Wait(r, k) ==
+    /\ entry' = [entry EXCEPT ![k].waiters = @ \cup {r}]
+    /\ UNCHANGED <<free, lru, transfers, zombies, request>>
+
+\* A hit pins, a LOADING entry is waited on; a miss, a doomed entry or a
+\* key r already holds or waits on changes nothing.
+Lookup(r, k) ==
+    /\ request[r] = "open"
+    /\ IF r \in entry[k].holders \cup entry[k].waiters \/ entry[k].doomed
+         THEN UNCHANGED vars
+       ELSE IF entry[k].state = READY THEN Pin(r, k)
+       ELSE IF entry[k].state = LOADING THEN Wait(r, k)
+       ELSE UNCHANGED vars
+
+\* A store read, a reservation or the copy of a fresh encoder output.  The
+\* code emits one Evict event per victim just before this BeginLoad event.
+BeginLoad(r, k, n) ==
+    /\ request[r] = "open"
+    /\ entry[k].state = ABSENT
+    /\ IF HasRoom(n)
+         THEN \E o \in Placements(n, Prefix(n)) :
+                LET R == Run(o, n)
+                    V == Victims(R)
+                IN  /\ entry' = [EvictEntries(V) EXCEPT ![k] = Loading(r, o, n)]
+                    /\ free' = EvictUnits(V) \ R
+                    /\ lru' = EvictLru(V)
+                    /\ transfers' = transfers \cup {LoadInto(k, R)}
+                    /\ UNCHANGED <<zombies, request>>
+         ELSE UNCHANGED vars
+
+\* The waiters become holders in the same step: no gap to evict in.
+HandOff(k) ==
+    LET e == entry[k] IN
+    /\ entry' = [entry EXCEPT ![k] = [e EXCEPT !.state = READY, !.holders = e.waiters,
+                                           !.waiters = {}, !.pins = Cardinality(e.waiters)]]
+    /\ lru' = IF e.waiters = {} THEN Append(lru, k) ELSE lru
+    /\ transfers' = LoadDone(k) \cup {ReadBy(r, k) : r \in e.waiters}
+    /\ UNCHANGED free
+
+QuarantineLoad(k) ==
+    /\ entry' = [entry EXCEPT ![k] = Quarantined(@)]
+    /\ transfers' = LoadDone(k)
+    /\ UNCHANGED <<free, lru>>
+
+DiscardLoad(k) ==
+    /\ entry' = [entry EXCEPT ![k] = NoEntry]
+    /\ free' = free \cup Owned(k)
+    /\ transfers' = LoadDone(k)
+    /\ UNCHANGED lru
+
+\* OK & !doomed: READY.  UNKNOWN: QUARANTINED (the write may still land).
+\* FAILED, or OK & doomed: freed.  Waiters not handed the entry fall back.
+EndLoad(k, outcome) ==
+    /\ entry[k].state = LOADING
+    /\ zombies' = IF outcome = UNKNOWN THEN zombies \cup {Zombie(k)} ELSE zombies
+    /\ IF outcome = OK /\ ~entry[k].doomed THEN HandOff(k)
+       ELSE IF outcome = UNKNOWN THEN QuarantineLoad(k)
+       ELSE DiscardLoad(k)
+    /\ UNCHANGED request
+
+\* Entry k after one of its pins is dropped (e: the record without that pin).
+\* At zero pins a pending quarantine wins over doomed: a zombie publish may
+\* still read the range.
+Unpin(k, e) ==
+    IF e.pins > 0 THEN entry' = [entry EXCEPT ![k] = e] /\ UNCHANGED <<free, lru>>
+    ELSE IF e.quarantinePending THEN entry' = [entry EXCEPT ![k] = Quarantined(e)] /\ UNCHANGED <<free, lru>>
+    ELSE IF e.doomed THEN entry' = [entry EXCEPT ![k] = NoEntry] /\ free' = free \cup Owned(k) /\ UNCHANGED lru
+    ELSE entry' = [entry EXCEPT ![k] = e] /\ lru' = Append(lru, k) /\ UNCHANGED free
+
+Release(r, k) ==
+    /\ r \in entry[k].holders \cup entry[k].waiters
+    /\ IF r \in entry[k].waiters
+         THEN /\ entry' = [entry EXCEPT ![k].waiters = @ \ {r}]
+              /\ UNCHANGED <<free, lru, transfers, zombies, request>>
+         ELSE /\ Unpin(k, [entry[k] EXCEPT !.holders = @ \ {r}, !.pins = @ - 1])
+              /\ transfers' = transfers \ {ReadBy(r, k)}
+              /\ UNCHANGED <<zombies, request>>
+
+\* Idle (READY, no pins): freed.  Busy: doomed.  QUARANTINED: only a Fence
+\* frees it, so Remove changes nothing (as for an already doomed entry).
+Remove(k) ==
+    /\ entry[k].state # ABSENT
+    /\ IF entry[k].state = READY /\ entry[k].pins = 0
+         THEN /\ entry' = [entry EXCEPT ![k] = NoEntry]
+              /\ free' = free \cup Owned(k)
+              /\ lru' = Without(lru, k)
+              /\ UNCHANGED <<transfers, zombies, request>>
+       ELSE IF entry[k].state \in {LOADING, READY}
+         THEN /\ entry' = [entry EXCEPT ![k].doomed = TRUE]
+              /\ UNCHANGED <<free, lru, transfers, zombies, request>>
+       ELSE UNCHANGED vars
+
+\* A write of k's range to the global store, under its own pin.
+Publish(r, k) ==
+    /\ r \in entry[k].holders
+    /\ entry[k].publisher = NoRequest
+    /\ entry' = [entry EXCEPT ![k].publisher = r, ![k].pins = @ + 1]
+    /\ transfers' = transfers \cup {PublishBy(r, k)}
+    /\ UNCHANGED <<free, lru, zombies, request>>
+
+EndPublish(r, k, outcome) ==
+    /\ entry[k].publisher = r
+    /\ zombies' = IF outcome = UNKNOWN THEN zombies \cup {Zombie(k)} ELSE zombies
+    /\ transfers' = transfers \ {PublishBy(r, k)}
+    /\ Unpin(k, [entry[k] EXCEPT !.publisher = NoRequest, !.pins = @ - 1,
+                                 !.quarantinePending = @ \/ outcome = UNKNOWN])
+    /\ UNCHANGED request
+
+\* The store is fenced: no old transfer can land any more.
+Fence ==
+    /\ zombies # {} \/ \E k \in Keys : entry[k].state = QUARANTINED
+    /\ zombies' = {}
+    /\ LET Q == {k \in Keys : entry[k].state = QUARANTINED}
+       IN  /\ entry' = [k \in Keys |-> IF k \in Q THEN NoEntry ELSE entry[k]]
+           /\ free' = free \cup UnitsOf(Q)
+    /\ UNCHANGED <<lru, transfers, request>>
+
+Next ==
+    \/ \E r \in Requests : OpenRequest(r) \/ CloseRequest(r)
+    \/ \E r \in Requests, k \in Keys : Lookup(r, k) \/ Release(r, k) \/ Publish(r, k)
+    \/ \E r \in Requests, k \in Keys, n \in Sizes : BeginLoad(r, k, n)
+    \/ \E k \in Keys, o \in Outcomes : EndLoad(k, o)
+    \/ \E r \in Requests, k \in Keys, o \in Outcomes : EndPublish(r, k, o)
+    \/ \E k \in Keys : Remove(k)
+    \/ Fence
+
+\* Completions, the holders' releases, closes and Fence are weakly fair.  A
+\* waiter does not give up on its own: it is served by EndLoad.
+Fairness ==
+    /\ \A k \in Keys : WF_vars(\E o \in Outcomes : EndLoad(k, o))
+    /\ \A r \in Requests, k \in Keys : WF_vars(\E o \in Outcomes : EndPublish(r, k, o))
+    /\ \A r \in Requests, k \in Keys : WF_vars(r \in entry[k].holders /\ Release(r, k))
+    /\ \A r \in Requests : WF_vars(CloseRequest(r))
+    /\ WF_vars(Fence)
+
+Spec == Init /\ [][Next]_vars
+LiveSpec == Spec /\ Fairness
+
+-----------------------------------------------------------------------------
+(* Invariants: the list of DESIGN.md, in its order, after TypeOK. *)
+
+Transfer == [kind : {"load", "read", "publish"}, req : Requests \cup {NoRequest},
+             key : Keys, units : SUBSET Pool]
+Entry == [state : States, off : 0..Units, size : 0..Units,
+          holders : SUBSET Requests, waiters : SUBSET Requests,
+          pins : 0..(Cardinality(Requests) + 1), doomed : BOOLEAN,
+          publisher : Requests \cup {NoRequest}, quarantinePending : BOOLEAN]
+
+TypeOK ==
+    /\ entry \in [Keys -> Entry]
+    /\ \A k \in Keys : entry[k].state = ABSENT => entry[k] = NoEntry
+    /\ free \subseteq Pool
+    /\ lru \in Seq(Keys)
+    /\ transfers \subseteq Transfer
+    /\ zombies \subseteq [key : Keys, units : SUBSET Pool]
+    /\ request \in [Requests -> {"new", "open", "closed"}]
+
+\* Allocated ranges are disjoint and inside the pool.
+NoOverlap ==
+    /\ \A k \in Present : entry[k].size > 0 /\ Owned(k) \subseteq Pool
+    /\ \A j, k \in Present : j # k => Owned(j) \cap Owned(k) = {}
+
+\* Allocated units = sizes of present entries = capacity - free.  The free
+\* set is a set of units, so "fully coalesced" holds trivially here.
+Accounting ==
+    /\ Units - Cardinality(free) = SumSizes(Present)
+    /\ free \cap UnitsOf(Present) = {}
+
+\* pins = holders + the publish in flight; pins only on READY entries,
+\* waiters only on LOADING ones; holders and waiters are open requests.
+PinsExact ==
+    \A k \in Keys :
+        /\ entry[k].pins = Cardinality(entry[k].holders)
+                           + (IF entry[k].publisher # NoRequest THEN 1 ELSE 0)
+        /\ entry[k].pins > 0 => entry[k].state = READY
+        /\ entry[k].waiters # {} => entry[k].state = LOADING
+        /\ entry[k].holders \cap entry[k].waiters = {}
+        /\ \A r \in entry[k].holders \cup entry[k].waiters : request[r] = "open"
+
+\* A live transfer touches only units its own entry owns: a load a LOADING
+\* entry, a read or publish a READY entry pinned by that reader or publish.
+NoUseAfterFree ==
+    \A t \in transfers :
+        /\ t.units \cap free = {}
+        /\ t.units \subseteq Owned(t.key)
+        /\ t.kind = "load" => entry[t.key].state = LOADING
+        /\ t.kind = "read" => entry[t.key].state = READY /\ t.req \in entry[t.key].holders
+        /\ t.kind = "publish" => entry[t.key].state = READY /\ entry[t.key].publisher = t.req
+
+\* The LRU holds each evictable entry once, and nothing else.
+EvictableExact ==
+    /\ Len(lru) = Cardinality(LruSet)
+    /\ LruSet = {k \in Keys : /\ entry[k].state = READY /\ entry[k].pins = 0
+                              /\ ~entry[k].doomed /\ ~entry[k].quarantinePending}
+
+DoomedIsBusy ==
+    \A k \in Keys : entry[k].doomed =>
+        \/ entry[k].state = LOADING
+        \/ entry[k].state = READY /\ entry[k].pins > 0
+
+\* A zombie's units stay allocated to its QUARANTINED (or quarantine-pending)
+\* entry until a Fence: neither free nor reused.
+QuarantineHolds ==
+    /\ \A z \in zombies :
+        /\ z.units \cap free = {}
+        /\ z.units \subseteq Owned(z.key)
+        /\ \/ entry[z.key].state = QUARANTINED
+           \/ entry[z.key].state = READY /\ entry[z.key].quarantinePending
+    /\ \A k \in Keys : entry[k].quarantinePending =>
+                           entry[k].state = READY /\ entry[k].pins > 0
+    /\ \A k \in Keys : entry[k].state = QUARANTINED =>
+                           /\ entry[k].pins = 0 /\ entry[k].waiters = {}
+                           /\ ~entry[k].doomed /\ entry[k].publisher = NoRequest
+
+-----------------------------------------------------------------------------
+(* Liveness, checked under LiveSpec (never with symmetry). *)
+
+NoneOpen == \A r \in Requests : request[r] # "open"
+
+Quiescent ==
+    /\ \A k \in Keys : /\ entry[k].state \in {ABSENT, READY}
+                       /\ entry[k].pins = 0 /\ ~entry[k].doomed
+    /\ transfers = {} /\ zombies = {}
+    /\ Units - Cardinality(free) = SumSizes(Present)
+
+\* Once requests stop, every pin, load, doom and quarantine drains away.
+NoLeak == <>[]NoneOpen => <>[]Quiescent
+
+\* Every waiter is eventually a holder of the READY entry or has fallen back.
+WaiterServed == \A r \in Requests, k \in Keys :
+                    r \in entry[k].waiters ~> r \notin entry[k].waiters
+
+=============================================================================
