@@ -178,9 +178,13 @@ class _Client(Protocol):
 
     def batch_is_exist(self, keys: list[str]) -> list[int]: ...
 
-    def batch_get_into(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]: ...
+    def batch_get_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]: ...
 
-    def batch_put_from(self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]) -> list[int]: ...
+    def batch_put_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]: ...
 
     def batch_remove(self, keys: list[str], force: bool) -> list[int]: ...
 
@@ -192,7 +196,9 @@ def _load_binding() -> Callable[[], _Client]:
     try:
         module = importlib.import_module("mooncake.store")
     except ImportError as exc:
-        raise StoreUnavailableError(f"MooncakeStore cannot import mooncake.store ({exc}): {_INSTALL_HINT}") from exc
+        raise StoreUnavailableError(
+            f"MooncakeStore cannot import mooncake.store ({exc}): {_INSTALL_HINT}"
+        ) from exc
     factory: Callable[[], _Client] = module.MooncakeDistributedStore
     return factory
 
@@ -346,7 +352,9 @@ class MooncakeConfig:
                 f"{device!r}: give e.g. 'mlx5_0', a comma-separated list, or 'auto-discovery'"
             )
 
-        hostname = _setting("local_hostname", local_hostname, None) or socket.gethostname()
+        hostname = _setting("local_hostname", local_hostname, None)
+        if hostname is None:
+            hostname = socket.gethostname()
         if not isinstance(hostname, str) or not hostname or any(c.isspace() for c in hostname):
             raise StoreConfigError(
                 f"{_where('local_hostname', local_hostname)}{hostname!r} is not a host name: "
@@ -528,7 +536,9 @@ class MooncakeStore:
             try:
                 fresh: _Session | None = self._open_session(pool)
             except StoreUnavailableError as exc:
-                logger.warning("MooncakeStore.fence: no new client yet (%s); reconnecting later", exc)
+                logger.warning(
+                    "MooncakeStore.fence: no new client yet (%s); reconnecting later", exc
+                )
                 fresh = None
             self._retire(self._install(fresh))
 
@@ -561,16 +571,17 @@ class MooncakeStore:
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is stored; False also when the store cannot tell. One master RPC."""
         assert_unlocked("MooncakeStore.exists")
-        names = [self._name(key) for key in keys]
-        valid = [i for i, name in enumerate(names) if name is not None]
-        found = [False] * len(names)
+        valid, names = self._names(keys)
+        found = [False] * len(keys)
         if valid:
-            codes = self._call(len(valid), lambda c: c.batch_is_exist([names[i] or "" for i in valid]))
+            codes = self._call(len(valid), lambda c: c.batch_is_exist(names))
             for i, code in zip(valid, codes, strict=True):
                 found[i] = code == 1
         return found
 
-    def get_into(self, keys: Sequence[str], offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    def get_into(
+        self, keys: Sequence[str], offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
         """``batch_get_into`` straight into pool ranges; per key bytes read or a code < 0.
 
         An object larger than its range fails with INVALID_PARAMS (-600) and writes nothing; a
@@ -579,54 +590,56 @@ class MooncakeStore:
         assert_unlocked("MooncakeStore.get_into")
         return self._batch(keys, offsets, sizes, _get_into)
 
-    def put_from(self, keys: Sequence[str], offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        """``batch_put_from`` out of pool ranges, skipping stored keys (0 for them); per key 0 or < 0."""
+    def put_from(
+        self, keys: Sequence[str], offsets: Sequence[int], sizes: Sequence[int]
+    ) -> list[int]:
+        """``batch_put_from`` out of pool ranges; a stored key is skipped (0). Per key 0 or < 0."""
         assert_unlocked("MooncakeStore.put_from")
         return self._batch(keys, offsets, sizes, _put_missing)
 
     def classify(self, code: int) -> TransferOutcome:
-        """The outcome ``code`` means for its range: the table ``CODES``; UNKNOWN if unlisted. O(1)."""
+        """The outcome ``code`` means for its range (table ``CODES``; unlisted: UNKNOWN). O(1)."""
         info = CODES.get(code)
         return UNKNOWN if info is None else info.outcome
 
     def remove(self, keys: Sequence[str], *, force: bool = False) -> list[int]:
         """Remove objects (``force`` also inside a read lease); per key 0 or a code < 0."""
         assert_unlocked("MooncakeStore.remove")
-        names = [self._name(key) for key in keys]
-        codes = [StoreCode.BAD_ITEM] * len(names)
-        valid = [i for i, name in enumerate(names) if name is not None]
+        valid, names = self._names(keys)
+        codes = [StoreCode.BAD_ITEM] * len(keys)
         if valid:
-            got = self._call(len(valid), lambda c: c.batch_remove([names[i] or "" for i in valid], force))
+            got = self._call(len(valid), lambda c: c.batch_remove(names, force))
             for i, code in zip(valid, got, strict=True):
                 codes[i] = code
         return codes
 
     # -- transfers -----------------------------------------------------------------------
 
-    def _name(self, key: object) -> str | None:
-        if not isinstance(key, str) or not key:
-            return None
-        return self._config.key_prefix + key
+    def _names(self, keys: Sequence[object]) -> tuple[list[int], list[str]]:
+        """The indices of the usable keys (non-empty str) and their prefixed names."""
+        prefix = self._config.key_prefix
+        valid = [i for i, key in enumerate(keys) if isinstance(key, str) and key]
+        return valid, [prefix + str(keys[i]) for i in valid]
 
     def _batch(
         self, keys: Sequence[str], offsets: Sequence[int], sizes: Sequence[int], op: _Op
     ) -> list[int]:
         if not len(keys) == len(offsets) == len(sizes):
             raise InvalidArgumentError(
-                f"keys, offsets and sizes differ in length: {len(keys)}, {len(offsets)}, {len(sizes)}"
+                "keys, offsets and sizes differ in length: "
+                f"{len(keys)}, {len(offsets)}, {len(sizes)}"
             )
         pool = self._pool
         if pool is None:
             return [StoreCode.NO_BUFFER] * len(keys)
         base, capacity = pool.data_ptr(), pool.numel()
         codes = [StoreCode.BAD_ITEM] * len(keys)
-        valid: list[int] = []
-        names: list[str] = []
-        for i, (key, offset, size) in enumerate(zip(keys, offsets, sizes, strict=True)):
-            name = self._name(key)
-            if name is not None and _in_pool(offset, size, capacity):
-                valid.append(i)
-                names.append(name)
+        valid, names = self._names(
+            [
+                key if _in_pool(offset, size, capacity) else None
+                for key, offset, size in zip(keys, offsets, sizes, strict=True)
+            ]
+        )
         if valid:
             ptrs = [base + offsets[i] for i in valid]
             lens = [sizes[i] for i in valid]
@@ -730,7 +743,9 @@ class MooncakeStore:
                 f"Mooncake master {cfg.master_address} refuses connections: start "
                 "mooncake_master there or fix MOONCAKE_MASTER"
             )
-        if cfg.metadata_probe is not None and not _reachable(cfg.metadata_probe, cfg.connect_timeout_s):
+        if cfg.metadata_probe is not None and not _reachable(
+            cfg.metadata_probe, cfg.connect_timeout_s
+        ):
             raise StoreUnavailableError(
                 f"metadata server {cfg.metadata_server} refuses connections: start it (e.g. "
                 "mooncake_master --enable_http_metadata_server=true) or fix the address"
@@ -785,9 +800,6 @@ class MooncakeStore:
         """Make ``session`` current; return the previous one, now retired."""
         with self._lock:
             old, self._session = self._session, session
-            if self._closed and session is not None:
-                self._session = None
-                old, session = session, old
             if old is not None:
                 old.retired = True
         return old
@@ -825,12 +837,17 @@ def _get_into(client: _Client, names: list[str], ptrs: list[int], lens: list[int
 
 
 def _put_missing(client: _Client, names: list[str], ptrs: list[int], lens: list[int]) -> list[int]:
-    """Put the objects not yet stored; a stored one (before or during the put) counts as 0."""
+    """Put the objects not yet stored; a stored one (before or during the put) counts as 0.
+
+    A key whose existence check failed (a code < 0: the master did not answer) is not put.
+    """
     stored = client.batch_is_exist(names)
-    todo = [i for i, flag in enumerate(stored) if flag != 1]
-    codes = [0] * len(names)
+    codes = [0 if flag >= 0 else flag for flag in stored]
+    todo = [i for i, flag in enumerate(stored) if flag == 0]
     if todo:
-        put = client.batch_put_from([names[i] for i in todo], [ptrs[i] for i in todo], [lens[i] for i in todo])
+        put = client.batch_put_from(
+            [names[i] for i in todo], [ptrs[i] for i in todo], [lens[i] for i in todo]
+        )
         for i, code in zip(todo, put, strict=True):
             codes[i] = 0 if code == _OBJECT_ALREADY_EXISTS else code
     return codes
