@@ -31,8 +31,9 @@ thread-safe and releases the GIL. ``_lock`` guards the current session and the i
 counts and is never held across a Mooncake call. ``_swap_lock`` serializes connect, fence,
 register and close, and is held across their slow setup and teardown, but never by a
 transfer: a transfer that finds no client tries the lock without blocking and, if a swap is
-under way, fails its items with ``NOT_CONNECTED``. Neither lock is ever taken while holding
-the other in the order ``_lock`` then ``_swap_lock``; both are leaves below the cache's locks.
+under way, fails its items with ``NOT_CONNECTED``. ``_lock`` may be taken while holding
+``_swap_lock``, never the reverse. Both rank below the cache's locks: every public method that
+may block checks (``assert_unlocked``) that its caller holds no cache or allocator lock.
 """
 
 from __future__ import annotations

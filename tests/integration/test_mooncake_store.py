@@ -30,6 +30,7 @@ SEGMENT_BYTES = 256 << 20
 OK, FAILED, UNKNOWN = TransferOutcome.OK, TransferOutcome.FAILED, TransferOutcome.UNKNOWN
 
 mooncake = pytest.mark.mooncake
+pytestmark = pytest.mark.timeout(60)
 
 
 def unique(name: str) -> str:
@@ -363,6 +364,48 @@ def test_store_started_before_master_connects_later(
             worker.pool[:16] = 0
             assert store.get_into([key], [0], [16]) == [16]
             assert bool((worker.pool[:16] == 3).all())
+
+
+class RaisingOnce:
+    """A real Mooncake client whose next ``batch_get_into`` raises (the binding misbehaving)."""
+
+    def __init__(self, client: object) -> None:
+        self._client = client
+        self.armed = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._client, name)
+
+    def batch_get_into(self, *args: object) -> object:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("injected binding failure")
+        return self._client.batch_get_into(*args)  # type: ignore[attr-defined]
+
+
+@mooncake
+def test_a_raising_binding_call_fails_its_items_unknown_and_nothing_else(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clients: list[RaisingOnce] = []
+    real_factory = mooncake_module._load_binding()
+
+    def factory() -> RaisingOnce:
+        clients.append(RaisingOnce(real_factory()))
+        return clients[-1]
+
+    monkeypatch.setattr(mooncake_module, "_load_binding", lambda: factory)
+    with make_store(mooncake_master) as store:
+        worker = Worker(store, 1 << 20)
+        key = unique("raising")
+        assert store.put_from([key], [0], [4096]) == [0]
+        clients[-1].armed = True
+        got = store.get_into([key, key], [0, 4096], [4096, 4096])
+        assert got == [StoreCode.BINDING_ERROR] * 2
+        assert store.classify(got[0]) is UNKNOWN
+        store.fence()  # what the cache does before it frees the quarantined ranges
+        assert store.get_into([key], [8192], [4096]) == [4096]
+        assert torch.equal(worker.pool[8192 : 8192 + 4096], worker.pool[:4096])
 
 
 # -- codes and lifecycle --------------------------------------------------------------------
