@@ -570,12 +570,23 @@ class MooncakeStore:
     # -- the GlobalStore protocol ----------------------------------------------------------
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is stored; False also when the store cannot tell. One master RPC."""
+        """Whether each key is stored (an empty key never is). One master RPC.
+
+        Raises ``StoreUnavailableError`` when the store could not check any key (not
+        connected, master down, closed, a failed call): the cache then reports store errors
+        instead of misses. A key whose check alone failed is reported not stored.
+        """
         assert_unlocked("MooncakeStore.exists")
         valid, names = self._names(keys)
         found = [False] * len(keys)
         if valid:
             codes = self._call(len(valid), lambda c: c.batch_is_exist(names))
+            if all(code < 0 for code in codes):
+                info = CODES.get(codes[0])
+                raise StoreUnavailableError(
+                    f"Mooncake could not check {len(codes)} keys: "
+                    f"{codes[0]} ({'unlisted' if info is None else info.name})"
+                )
             for i, code in zip(valid, codes, strict=True):
                 found[i] = code == 1
         return found

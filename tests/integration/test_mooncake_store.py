@@ -322,6 +322,8 @@ def test_master_killed_mid_batch_fails_items_then_store_reconnects(
 
         started = time.monotonic()
         assert b.store.get_into(keys[:1], [0], [size]) != [size]
+        with pytest.raises(StoreUnavailableError, match="MASTER_UNREACHABLE"):
+            b.store.exists(keys)
         assert time.monotonic() - started < 1.0, "a call with the master down must fail fast"
 
         master.start()  # a new master has no objects: put again, then load again
@@ -345,7 +347,8 @@ def test_store_started_before_master_connects_later(
     with make_store(master, global_segment_size=0) as store:
         started = time.monotonic()
         worker = Worker(store, 1 << 20)
-        assert store.exists(["x"]) == [False]
+        with pytest.raises(StoreUnavailableError, match="NOT_CONNECTED"):
+            store.exists(["x"])
         assert store.get_into(["x"], [0], [16]) == [StoreCode.NOT_CONNECTED]
         store.fence()
         with pytest.raises(StoreUnavailableError, match="refuses connections"):
@@ -464,7 +467,9 @@ def test_store_without_master_fails_items_fast(offline_store: MooncakeStore) -> 
         offline_store.register_buffer(torch.zeros(4096, dtype=torch.uint8))
     assert offline_store.get_into(["k"], [0], [16]) == [StoreCode.NOT_CONNECTED]
     assert offline_store.put_from(["k"], [0], [16]) == [StoreCode.NOT_CONNECTED]
-    assert offline_store.exists(["k"]) == [False]
+    with pytest.raises(StoreUnavailableError, match="could not check 2 keys"):
+        offline_store.exists(["k", "j", ""])
+    assert offline_store.exists([""]) == [False]
     offline_store.fence()
     assert time.monotonic() - started < 3
     offline_store.close()
