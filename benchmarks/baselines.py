@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class NaiveAllocator:
-    """First fit by linear scan of an address-sorted free list; free appends, re-sorts, re-merges."""
+    """First fit by linear scan of an address-sorted free list; free re-sorts and re-merges."""
 
     def __init__(self, capacity: int, alignment: int = 256) -> None:
         self.alignment = alignment

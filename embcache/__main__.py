@@ -25,11 +25,15 @@ def allocator_demo(blocks: int, seed: int) -> int:
             else:
                 live.append(offset)
         if step % max(1, blocks // 2) == 0:
-            print(f"step {step:6d}: {len(live):5d} live, {alloc.free_bytes:10d} bytes free, "
-                  f"largest free block {alloc.largest_free_block}")
+            print(
+                f"step {step:6d}: {len(live):5d} live, {alloc.free_bytes:10d} bytes free, "
+                f"largest free block {alloc.largest_free_block}"
+            )
     alloc.check_invariants()
-    print(f"done: {len(live)} live blocks, {failures} allocations found no fitting block, "
-          "invariants hold")
+    print(
+        f"done: {len(live)} live blocks, {failures} allocations found no fitting block, "
+        "invariants hold"
+    )
     return 0
 
 

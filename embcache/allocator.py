@@ -18,7 +18,12 @@ from typing import NamedTuple
 
 from sortedcontainers import SortedDict, SortedList
 
-from embcache.errors import InvalidArgumentError, InvalidTypeError, InvariantError, NotAllocatedError
+from embcache.errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    InvariantError,
+    NotAllocatedError,
+)
 from embcache.locks import ALLOCATOR_LEVEL, HierarchyLock
 
 
@@ -101,7 +106,7 @@ class RangeAllocator:
         return align_up(nbytes, self._alignment)
 
     def allocate(self, nbytes: int) -> int | None:
-        """Offset of a new range of ``nbytes`` (rounded up), or None if no free block fits. O(log n)."""
+        """Offset of a new range of ``nbytes`` (rounded up); None if no block fits. O(log n)."""
         size = self.rounded(nbytes)
         with self._lock:
             index = self._free_by_size.bisect_left((size, -1))

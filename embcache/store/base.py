@@ -59,7 +59,7 @@ class GlobalStore(Protocol):
 
 
 def get_outcome(store: GlobalStore, code: int, size: int) -> TransferOutcome:
-    """Outcome of one ``get_into`` result: OK only for exactly ``size`` bytes; a short read FAILED."""
+    """Outcome of one ``get_into`` result: OK only for exactly ``size`` bytes, short is FAILED."""
     if code == size:
         return TransferOutcome.OK
     if code >= 0:

@@ -1,0 +1,152 @@
+"""Victim selection that respects contiguity (DESIGN.md, "Eviction that respects contiguity").
+
+Design notes. Plain LRU frees the oldest entries until enough bytes are free; when the freed
+holes are not adjacent the allocation fails anyway and the evictions were for nothing. Here
+candidates are added in LRU order (oldest first); after adding the k-th, we ask whether a
+contiguous run made only of free blocks and candidates can hold the request with at most
+``max_batch`` victims. The first k for which one exists is the smallest such k, and every
+feasible run at that k contains the k-th candidate (any run without it already existed at
+k - 1). So only the neighbourhood of the newest candidate is examined: at most ``max_batch - 1``
+candidates on each side. Among the feasible runs we take the fewest victims, then the fewest
+victim bytes, then the lowest offset. Evicting exactly those leaves one free block (the span)
+that the best-fit allocator must then choose, since no other free block fits.
+
+``best_window`` is the pure core (CrossHair checks its contract); ``choose_victims`` walks the
+allocator's blocks to build the neighbourhood for each k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+from embcache.allocator import Block
+
+
+class Piece(NamedTuple):
+    """A block of a run: free, or an eviction candidate."""
+
+    offset: int
+    size: int
+    victim: bool
+
+
+class Window(NamedTuple):
+    """A feasible choice: evict ``victims``; the freed span starts at ``offset``."""
+
+    victims: tuple[int, ...]  # offsets of the victims, in address order
+    victim_bytes: int
+    offset: int
+    span: int
+
+
+def best_window(pieces: list[Piece], need: int, max_batch: int, must: int) -> Window | None:
+    """Best run of victims containing ``pieces[must]`` whose freed span holds ``need`` bytes.
+
+    ``pieces`` are contiguous, in address order, free pieces never adjacent to each other; the
+    blocks just outside the list are not evicted. Cost O(max_batch^2) at worst, usually O(1).
+
+    pre: need > 0 and max_batch > 0
+    pre: 0 <= must < len(pieces) and pieces[must].victim
+    pre: all(a.offset + a.size == b.offset for a, b in zip(pieces, pieces[1:]))
+    post: __return__ is None or len(__return__.victims) <= max_batch
+    post: __return__ is None or __return__.span >= need
+    post: __return__ is None or pieces[must].offset in __return__.victims
+    """
+    victims = [p for p in pieces if p.victim]
+    index_of_must = victims.index(pieces[must])
+    first_start, last_end = pieces[0].offset, pieces[-1].offset + pieces[-1].size
+
+    def span_start(a: int) -> int:
+        return victims[a - 1].offset + victims[a - 1].size if a > 0 else first_start
+
+    def span_end(b: int) -> int:
+        return victims[b + 1].offset if b + 1 < len(victims) else last_end
+
+    for count in range(1, max_batch + 1):
+        best: Window | None = None
+        for a in range(max(0, index_of_must - count + 1), index_of_must + 1):
+            b = a + count - 1
+            if b >= len(victims):
+                break
+            start, end = span_start(a), span_end(b)
+            if end - start < need:
+                continue
+            chosen = victims[a : b + 1]
+            window = Window(
+                tuple(v.offset for v in chosen), sum(v.size for v in chosen), start, end - start
+            )
+            if best is None or (window.victim_bytes, window.offset) < (
+                best.victim_bytes,
+                best.offset,
+            ):
+                best = window
+        if best is not None:
+            return best
+    return None
+
+
+def neighbourhood(
+    candidate: Block,
+    max_batch: int,
+    block_before: Callable[[int], Block | None],
+    block_at: Callable[[int], Block | None],
+    is_candidate: Callable[[int], bool],
+) -> tuple[list[Piece], int]:
+    """Pieces around ``candidate``: up to ``max_batch - 1`` candidates each side, plus free gaps.
+
+    Returns the pieces in address order and the index of ``candidate`` among them.
+    """
+
+    def usable(block: Block | None) -> Piece | None:
+        if block is None:
+            return None
+        if block.free:
+            return Piece(block.offset, block.size, False)
+        if is_candidate(block.offset):
+            return Piece(block.offset, block.size, True)
+        return None
+
+    left: list[Piece] = []
+    victims, cursor = 0, candidate.offset
+    while (piece := usable(block_before(cursor))) is not None:
+        if piece.victim:
+            if victims == max_batch - 1:
+                break
+            victims += 1
+        left.append(piece)
+        cursor = piece.offset
+    right: list[Piece] = []
+    victims, cursor = 0, candidate.offset + candidate.size
+    while (piece := usable(block_at(cursor))) is not None:
+        if piece.victim:
+            if victims == max_batch - 1:
+                break
+            victims += 1
+        right.append(piece)
+        cursor = piece.offset + piece.size
+    left.reverse()
+    return [*left, Piece(candidate.offset, candidate.size, True), *right], len(left)
+
+
+def choose_victims(
+    need: int,
+    lru: Iterable[Block],
+    max_batch: int,
+    block_before: Callable[[int], Block | None],
+    block_at: Callable[[int], Block | None],
+) -> Window | None:
+    """The eviction rule of DESIGN.md over candidates in LRU order; None when nothing can work.
+
+    Cost: O(k * max_batch * log n) for the k candidates examined, never all entries.
+    """
+    candidates: set[int] = set()
+    for block in lru:
+        candidates.add(block.offset)
+        pieces, must = neighbourhood(
+            block, max_batch, block_before, block_at, candidates.__contains__
+        )
+        window = best_window(pieces, need, max_batch, must)
+        if window is not None:
+            return window
+    return None

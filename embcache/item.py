@@ -1,0 +1,48 @@
+"""What a request asks for: an embedding named by its key, with its shape and dtype."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from embcache.errors import InvalidArgumentError, InvalidTypeError
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One embedding: ``key`` is the image hash, ``shape``/``dtype`` describe the tensor."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str):
+            raise InvalidTypeError(f"key must be a str, got {type(self.key).__name__}")
+        if not self.key:
+            raise InvalidArgumentError("key must be a non-empty str")
+        if not isinstance(self.shape, tuple) or not self.shape:
+            raise InvalidTypeError(f"shape must be a non-empty tuple of ints, got {self.shape!r}")
+        for dim in self.shape:
+            if isinstance(dim, bool) or not isinstance(dim, int):
+                raise InvalidTypeError(f"shape dims must be ints, got {self.shape!r}")
+            if dim <= 0:
+                raise InvalidArgumentError(f"shape dims must be > 0, got {self.shape!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise InvalidTypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @property
+    def nbytes(self) -> int:
+        """Payload size in bytes (the dtype's own width: bf16 takes 2 bytes per element)."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @classmethod
+    def of(cls, key: str, tensor: torch.Tensor) -> Item:
+        """The item describing ``tensor`` under ``key``."""
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidTypeError(
+                f"expected a torch.Tensor for {key!r}, got {type(tensor).__name__}"
+            )
+        return cls(key, tuple(tensor.shape), tensor.dtype)

@@ -1,0 +1,98 @@
+"""``Request``: one serving request's view of the cache, as a context manager.
+
+A request holds pins (HIT items, finished loads, its own inserts), waits (loads in flight) and
+reservations (misses it promised to encode). Leaving the ``with`` block, normally or by an
+exception, ends every reservation it did not fill (its waiters fall back) and releases every
+pin and wait. A request is used by one thread or task at a time; many requests may run
+concurrently against one cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import torch
+
+from embcache.errors import InvalidTypeError
+from embcache.item import Item
+from embcache.status import ItemStatus, Reason
+
+if TYPE_CHECKING:
+    from embcache.cache import EmbeddingCache, RequestState
+
+
+class Request:
+    """Handle returned by ``EmbeddingCache.request``."""
+
+    def __init__(self, cache: EmbeddingCache, state: RequestState) -> None:
+        self._cache = cache
+        self._state = state
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    def lookup(
+        self, items: Sequence[Item], *, prefetch: bool = True, reserve_misses: bool = False
+    ) -> list[ItemStatus]:
+        """Look ``items`` up: HIT (pinned), LOADING, RESERVED (you encode and insert) or MISS.
+
+        With ``prefetch``, misses found in the global store start loading into the pool. With
+        ``reserve_misses``, other misses are reserved for this request, so concurrent requests
+        for the same key wait for its insert instead of encoding it again. A key repeated in
+        ``items`` gets the status of its first occurrence and holds one pin.
+        """
+        if isinstance(items, Item) or not all(isinstance(it, Item) for it in items):
+            raise InvalidTypeError("lookup takes a sequence of Item")
+        return self._cache._lookup_items(self._state, list(items), prefetch, reserve_misses)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every load this request waits on has ended; False on timeout."""
+        return self._cache._wait(self._state, timeout)
+
+    async def wait_async(self, timeout: float | None = None) -> bool:
+        """``wait`` for asyncio callers; does not block the event loop."""
+        return await self._cache._wait_async(self._state, timeout)
+
+    def embeddings(self) -> list[torch.Tensor | None]:
+        """Zero-copy views (shape and dtype of each item) valid until the request ends; None
+        for every looked-up item this request does not hold."""
+        return self._cache._embeddings(self._state)
+
+    def fallback_mask(self) -> torch.Tensor:
+        """int32 tensor over the looked-up items: 1 where the caller must encode."""
+        mask, _ = self._cache._fallback(self._state)
+        return torch.tensor(mask, dtype=torch.int32)
+
+    def fallback_reasons(self) -> list[Reason | None]:
+        """Why each looked-up item must be encoded (None for the ones served)."""
+        _, reasons = self._cache._fallback(self._state)
+        return reasons
+
+    def insert(
+        self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, publish: bool = True
+    ) -> list[bool]:
+        """Copy fresh encoder outputs into the pool, keeping their dtype; True where cached.
+
+        Keys this request reserved are filled (the tensor must match the reserved shape and
+        dtype); absent keys are added; a key present otherwise is left alone (False). Inserted
+        entries are pinned by this request, and published to the global store when asked.
+        """
+        return self._cache._insert(self._state, keys, tensors, publish)
+
+    def close(self) -> None:
+        """End reservations, release every pin and wait. Idempotent."""
+        self._cache._close(self._state)
+
+    def __enter__(self) -> Request:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,6 @@
+"""Global stores: the protocol, the embedded in-process default, and Mooncake."""
+
+from embcache.store.base import GlobalStore, TransferOutcome
+from embcache.store.inprocess import Fault, InProcessStore
+
+__all__ = ["Fault", "GlobalStore", "InProcessStore", "TransferOutcome"]
