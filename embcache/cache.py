@@ -438,7 +438,7 @@ class EmbeddingCache:
         with self._lock:
             self._check_request(rs)
             ranges = [
-                (self._entries[it.key].offset, it) if it.key in rs.holds else None
+                (self._entries[it.key].offset, it) if self._serves(rs, it) else None
                 for it in rs.items
             ]
         return [None if r is None else self._view(*r) for r in ranges]
@@ -446,14 +446,25 @@ class EmbeddingCache:
     def _fallback(self, rs: RequestState) -> tuple[list[int], list[Reason | None]]:
         with self._lock:
             self._check_request(rs)
-            mask = [0 if it.key in rs.holds else 1 for it in rs.items]
-            reasons = [
-                None
-                if it.key in rs.holds
-                else rs.fallbacks.get(it.key, Reason.TIMEOUT if it.key in rs.waits else None)
-                for it in rs.items
-            ]
-        return mask, reasons
+            served = [self._serves(rs, it) for it in rs.items]
+            reasons = [None if ok else self._fallback_reason(rs, it) for it, ok in
+                       zip(rs.items, served, strict=True)]
+        return [0 if ok else 1 for ok in served], reasons
+
+    def _serves(self, rs: RequestState, item: Item) -> bool:
+        """Whether ``rs`` holds ``item``'s entry with the item's own shape and dtype."""
+        if item.key not in rs.holds:
+            return False
+        held = self._entries[item.key].item
+        return (held.shape, held.dtype) == (item.shape, item.dtype)
+
+    @staticmethod
+    def _fallback_reason(rs: RequestState, item: Item) -> Reason | None:
+        if item.key in rs.holds:
+            return Reason.MISMATCH
+        if item.key in rs.waits and item.key not in rs.reserved:
+            return Reason.TIMEOUT
+        return rs.fallbacks.get(item.key)
 
     def _wait(self, rs: RequestState, timeout: float | None) -> bool:
         assert_unlocked("request wait")

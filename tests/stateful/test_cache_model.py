@@ -1,0 +1,276 @@
+"""The real EmbeddingCache and the reference model, driven by the same steps, compared exactly.
+
+The asynchronous parts are separate rules: the cache's I/O pool is replaced by a queue that a
+rule runs one task at a time (a batch of loads, or of publishes), so Hypothesis explores the
+interleavings of lookups, completions, releases, removes and fences deterministically. Store
+faults (fail, unknown, short, raise) and other workers' puts and deletes are rules too. After
+every step the whole observable state is compared, ``check_invariants()`` runs, and every view a
+request holds must carry exactly the bytes that were stored for its key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import hypothesis.strategies as st
+import torch
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from embcache import EmbeddingCache, Fault, InProcessStore, Item
+from models.cache import ModelCache
+
+ALIGN = 256
+KEYS = ["k0", "k1", "k2", "k3", "k4"]
+CANONICAL = {
+    "k0": ((64,), torch.float32),
+    "k1": ((3, 50), torch.bfloat16),
+    "k2": ((128,), torch.float32),
+    "k3": ((100,), torch.uint8),
+    "k4": ((200,), torch.float32),
+}
+ALTERNATE = ((8,), torch.float16)
+REQUESTS = ["r0", "r1", "r2"]
+FAULTS = {"fail": Fault.FAIL, "unknown": Fault.UNKNOWN, "short": Fault.SHORT, "raise": Fault.RAISE}
+
+
+def payload(key: str, nbytes: int) -> bytes:
+    """The bytes every worker stores for ``key`` at this size (a checksum stream of the key)."""
+    out = b""
+    counter = 0
+    while len(out) < nbytes:
+        out += hashlib.sha256(f"{key}:{nbytes}:{counter}".encode()).digest()
+        counter += 1
+    return out[:nbytes]
+
+
+def tensor_for(item: Item) -> torch.Tensor:
+    raw = torch.frombuffer(bytearray(payload(item.key, item.nbytes)), dtype=torch.uint8)
+    return raw.view(item.dtype).view(item.shape).clone()
+
+
+class ManualExecutor:
+    """Stands in for the cache's I/O pool: tasks wait in a queue until a rule runs one."""
+
+    def __init__(self) -> None:
+        self.tasks: list[tuple[Any, tuple[Any, ...]]] = []
+
+    def submit(self, fn: Any, *args: Any) -> None:
+        self.tasks.append((fn, args))
+
+    def run(self, index: int) -> None:
+        fn, args = self.tasks.pop(index)
+        fn(*args)
+
+    def shutdown(self, wait: bool = True) -> None:
+        while self.tasks:
+            self.run(0)
+
+
+def as_tuple(status: Any) -> tuple[str, str | None]:
+    return (status.status.name, None if status.reason is None else status.reason.value)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    @initialize(
+        units=st.integers(3, 12),
+        max_batch=st.integers(1, 4),
+        eviction=st.booleans(),
+    )
+    def setup(self, units: int, max_batch: int, eviction: bool) -> None:
+        self.store = InProcessStore()
+        self.cache = EmbeddingCache(
+            units * ALIGN,
+            store=self.store,
+            alignment=ALIGN,
+            max_eviction_batch=max_batch,
+            enable_eviction=eviction,
+            pin_memory=False,
+        )
+        self.io = ManualExecutor()
+        self.cache._io.shutdown()
+        self.cache._io = self.io  # type: ignore[assignment]
+        self.model = ModelCache(units * ALIGN, ALIGN, max_batch, eviction)
+        self.handles: dict[str, Any] = {}
+
+    def teardown(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        while self.io.tasks:
+            self.run_task(0)
+        for r in list(self.handles):
+            self.close_request(r)
+        self.cache.check_invariants()
+        stats = self.cache.stats()
+        assert stats.pinned_entries == 0
+        assert stats.entries_by_state.get("LOADING", 0) == 0
+        assert stats.allocated_bytes == sum(e.size for e in self.model.entries.values())
+        self.cache.close()
+
+    # -- requests --
+    @rule(r=st.sampled_from(REQUESTS))
+    def open_request(self, r: str) -> None:
+        if r in self.handles:
+            return
+        self.handles[r] = self.cache.request(r)
+        self.model.open_request(r)
+
+    @rule(r=st.sampled_from(REQUESTS))
+    def close_request(self, r: str) -> None:
+        if r not in self.handles:
+            return
+        self.handles.pop(r).close()
+        self.model.close_request(r)
+
+    @rule(
+        r=st.sampled_from(REQUESTS),
+        picks=st.lists(
+            st.tuples(st.sampled_from([*KEYS, "big"]), st.integers(0, 5)), min_size=1, max_size=4
+        ),
+        prefetch=st.booleans(),
+        reserve=st.booleans(),
+    )
+    def lookup(self, r: str, picks: list[tuple[str, int]], prefetch: bool, reserve: bool) -> None:
+        if r not in self.handles:
+            return
+        items = [self.item(key, variant) for key, variant in picks]
+        real = [
+            as_tuple(s)
+            for s in self.handles[r].lookup(items, prefetch=prefetch, reserve_misses=reserve)
+        ]
+        model = self.model.lookup(r, [self.model_item(it) for it in items], prefetch, reserve)
+        assert real == model, (real, model)
+
+    @rule(r=st.sampled_from(REQUESTS), data=st.data(), publish=st.booleans())
+    def insert(self, r: str, data: st.DataObject, publish: bool) -> None:
+        if r not in self.handles:
+            return
+        reserved = sorted(self.model.requests[r].reserved)
+        keys = data.draw(st.lists(st.sampled_from([*KEYS, *reserved]), min_size=1, max_size=3))
+        items = []
+        for key in keys:
+            entry = self.model.entries.get(key)
+            if key in reserved and entry is not None:
+                items.append(Item(key, entry.shape, entry.dtype))  # type: ignore[arg-type]
+            else:
+                items.append(self.item(key, 0))
+        real = self.handles[r].insert(
+            [it.key for it in items], [tensor_for(it) for it in items], publish=publish
+        )
+        model = self.model.insert(r, [self.model_item(it) for it in items], publish)
+        assert real == model, (real, model)
+
+    # -- asynchronous completions --
+    @precondition(lambda self: bool(getattr(self, "io", None) and self.io.tasks))
+    @rule(data=st.data())
+    def run_task(self, data: st.DataObject | int) -> None:
+        n = len(self.io.tasks)
+        index = data if isinstance(data, int) else data.draw(st.integers(0, n - 1))
+        self.io.run(index)
+        self.model.run_task(index)
+
+    # -- the store and the outside world --
+    @rule(key=st.sampled_from(KEYS), delta=st.sampled_from([0, 0, 16, -16]))
+    def store_put(self, key: str, delta: int) -> None:
+        shape, dtype = CANONICAL[key]
+        nbytes = Item(key, shape, dtype).nbytes + delta
+        self.store.delete(key)
+        self.store.put_object(key, payload(key, nbytes))
+        self.model.store[key] = nbytes
+
+    @rule(key=st.sampled_from(KEYS))
+    def store_delete(self, key: str) -> None:
+        self.store.delete(key)
+        self.model.store.pop(key, None)
+
+    @rule(key=st.sampled_from(KEYS), fault=st.sampled_from([None, *FAULTS]))
+    def store_fault(self, key: str, fault: str | None) -> None:
+        self.store.inject(key, None if fault is None else FAULTS[fault])
+        if fault is None:
+            self.model.faults.pop(key, None)
+        else:
+            self.model.faults[key] = fault
+
+    # -- removal and fence --
+    @rule(key=st.sampled_from(KEYS))
+    def remove(self, key: str) -> None:
+        assert self.cache.remove(key) == self.model.remove(key)
+
+    @rule()
+    def clear(self) -> None:
+        assert self.cache.clear() == self.model.clear()
+
+    @rule()
+    def fence(self) -> None:
+        assert self.cache.fence() == self.model.fence()
+
+    # -- comparison --
+    @invariant()
+    def same_state(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        self.cache.check_invariants()
+        real = {k: self.entry_view(e) for k, e in self.cache._entries.items()}
+        model = {
+            k: (
+                e.state,
+                e.offset,
+                e.size,
+                sorted(map(str, e.holders)),
+                sorted(e.waiters),
+                e.doomed,
+                e.tainted,
+            )
+            for k, e in self.model.entries.items()
+        }
+        assert real == model, (real, model)
+        assert list(self.cache._lru) == self.model.lru
+        assert self.cache._allocator.free_blocks() == self.model.alloc.free_blocks()
+        stats, counts = self.cache.stats(), self.model.counts
+        assert (stats.hits, stats.evictions, stats.evicted_bytes, stats.inserts) == (
+            counts["hits"],
+            counts["evictions"],
+            counts["evicted_bytes"],
+            counts["inserts"],
+        )
+        assert (stats.loads_ok, stats.loads_failed, stats.loads_unknown) == (
+            counts["loads_ok"],
+            counts["loads_failed"],
+            counts["loads_unknown"],
+        )
+        assert (stats.publishes_ok, stats.publishes_failed, stats.publishes_unknown) == (
+            counts["publishes_ok"],
+            counts["publishes_failed"],
+            counts["publishes_unknown"],
+        )
+        for r, handle in self.handles.items():
+            rq = self.model.requests[r]
+            assert handle.fallback_mask().tolist() == self.model.fallback_mask(r)
+            reasons = [None if x is None else x.value for x in handle.fallback_reasons()]
+            assert reasons == self.model.fallback_reasons(r)
+            for (key, shape, dtype, nbytes), view in zip(
+                rq.items, handle.embeddings(), strict=False
+            ):
+                assert (view is None) == (not self.model.serves(r, key, shape, dtype))
+                if view is not None:
+                    got = view.contiguous().view(torch.uint8).flatten().numpy().tobytes()
+                    assert got == payload(key, nbytes), f"{r} read wrong bytes for {key}"
+
+    # -- helpers --
+    def item(self, key: str, variant: int) -> Item:
+        if key == "big":
+            return Item("big", (self.model.capacity + 1,), torch.uint8)
+        shape, dtype = ALTERNATE if variant == 5 else CANONICAL[key]
+        return Item(key, shape, dtype)
+
+    @staticmethod
+    def model_item(it: Item) -> tuple[str, tuple[int, ...], torch.dtype, int]:
+        return (it.key, it.shape, it.dtype, it.nbytes)
+
+    @staticmethod
+    def entry_view(e: Any) -> tuple[Any, ...]:
+        holders = sorted(str(h) for h in e.holders)
+        return (e.state.name, e.offset, e.size, holders, sorted(e.waiters), e.doomed, e.tainted)
+
+
+TestCacheMachine = CacheMachine.TestCase
