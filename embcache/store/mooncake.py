@@ -544,17 +544,26 @@ class MooncakeStore:
             self._retire(self._install(fresh))
 
     def close(self) -> None:
-        """Wait for running calls, close both clients; later calls fail their items. Idempotent."""
+        """Wait for running calls, close both clients; later calls fail their items. Idempotent.
+
+        The two clients close concurrently (each takes a second or two; with a mounted segment
+        and no master, about ten).
+        """
         assert_unlocked("MooncakeStore.close")
         with self._swap_lock:
             with self._lock:
                 if self._closed:
                     return
                 self._closed = True
-            self._retire(self._install(None))
-            if self._segment_client is not None:
-                self._close_client(self._segment_client)
-                self._segment_client = None
+            old = self._install(None)
+            self._drain(old)
+            clients = [c for c in (self._segment_client, old and old.client) if c is not None]
+            self._segment_client = None
+            closers = [threading.Thread(target=self._close_client, args=(c,)) for c in clients]
+            for closer in closers:
+                closer.start()
+            for closer in closers:
+                closer.join()
 
     def __enter__(self) -> MooncakeStore:
         return self
@@ -818,11 +827,15 @@ class MooncakeStore:
 
     def _retire(self, old: _Session | None) -> None:
         """Wait until no call runs on ``old``, then close it (caller holds ``_swap_lock``)."""
-        if old is None:
-            return
-        with self._lock:
-            self._drained.wait_for(lambda: old.inflight == 0)
-        self._close_client(old.client)
+        self._drain(old)
+        if old is not None:
+            self._close_client(old.client)
+
+    def _drain(self, old: _Session | None) -> None:
+        """Wait until no call runs on the retired session ``old``."""
+        if old is not None:
+            with self._lock:
+                self._drained.wait_for(lambda: old.inflight == 0)
 
     @staticmethod
     def _close_client(client: _Client) -> None:

@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from embcache.errors import InvalidArgumentError, StoreConfigError, StoreUnavailableError
+from embcache.errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    StoreConfigError,
+    StoreUnavailableError,
+)
 from embcache.store import mooncake as mooncake_module
 from embcache.store.base import GlobalStore, TransferOutcome, get_outcome, put_outcome
 from embcache.store.mooncake import CODES, MooncakeStore, StoreCode
@@ -475,6 +480,23 @@ def test_store_without_master_fails_items_fast(offline_store: MooncakeStore) -> 
     offline_store.close()
     offline_store.close()
     assert offline_store.get_into(["k"], [0], [16]) == [StoreCode.STORE_CLOSED]
+
+
+@pytest.mark.parametrize(
+    ("buffer", "error"),
+    [
+        (bytearray(16), InvalidTypeError),
+        (torch.zeros(16, dtype=torch.float32), InvalidArgumentError),
+        (torch.zeros(0, dtype=torch.uint8), InvalidArgumentError),
+        (torch.zeros(4, 4, dtype=torch.uint8).t(), InvalidArgumentError),
+    ],
+)
+def test_register_buffer_rejects_what_is_not_a_pool(
+    offline_store: MooncakeStore, buffer: object, error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        offline_store.register_buffer(buffer)  # type: ignore[arg-type]
+    assert offline_store.get_into(["k"], [0], [16]) == [StoreCode.NO_BUFFER]
 
 
 def test_transfers_before_register_buffer_fail(offline_store: MooncakeStore) -> None:
