@@ -808,7 +808,7 @@ class GatedDone(threading.Event):
         self.finished = threading.Event()
 
     def set(self) -> None:
-        io_thread = threading.current_thread() is not threading.main_thread()
+        io_thread = threading.current_thread().name.startswith("embcache-io")
         if io_thread and not self.gate.is_set():
             self.entered.set()
             self.gate.wait(WAIT_S)
@@ -823,7 +823,9 @@ def test_wait_is_not_ended_by_a_stale_wake_up(
     """The wake-up for load A, delivered late, must not end a wait on load B started meanwhile.
 
     The schedule is forced by delaying the I/O thread's ``set`` of the request's completion
-    event (a private hook; the interleaving itself is an ordinary one).
+    event (a private hook; the interleaving itself is an ordinary one). The lookup of B runs on
+    a helper thread: if the wake-up is delivered under the cache lock, that lookup cannot
+    overtake it, and the gate opens after a bounded wait instead.
     """
     cache = make_cache()
     store.put_object("a", raw(slot(1)))
@@ -834,8 +836,14 @@ def test_wait_is_not_ended_by_a_stale_wake_up(
         request._state.done = done
         request.lookup([slot_item("a")])
         assert done.entered.wait(WAIT_S)  # load A ended; its wake-up is on its way
-        assert request.lookup([slot_item("b")])[0].status is Status.LOADING
+        statuses: list[ItemStatus] = []
+        looker = threading.Thread(target=lambda: statuses.extend(request.lookup([slot_item("b")])))
+        looker.start()
+        looker.join(0.5)  # returns at once unless the lookup waits behind the wake-up
         done.gate.set()
+        looker.join(WAIT_S)
+        assert not looker.is_alive()
+        assert statuses == [ItemStatus(Status.LOADING)]
         assert done.finished.wait(WAIT_S)
         assert cache.entry_state("b") is LOADING
         woke = request.wait(timeout=0.05)
