@@ -3,6 +3,7 @@
 from embcache.allocator import RangeAllocator
 from embcache.cache import CacheStats, EmbeddingCache
 from embcache.item import Item
+from embcache.pipeline import EncodePipeline, Encoder, PipelineStats, TensorParallelError
 from embcache.request import Request
 from embcache.states import EntryState
 from embcache.status import ItemStatus, Reason, Status
@@ -11,15 +12,19 @@ from embcache.store import Fault, GlobalStore, InProcessStore, TransferOutcome
 __all__ = [
     "CacheStats",
     "EmbeddingCache",
+    "EncodePipeline",
+    "Encoder",
     "EntryState",
     "Fault",
     "GlobalStore",
     "InProcessStore",
     "Item",
     "ItemStatus",
+    "PipelineStats",
     "RangeAllocator",
     "Reason",
     "Request",
     "Status",
+    "TensorParallelError",
     "TransferOutcome",
 ]
