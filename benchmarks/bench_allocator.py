@@ -2,7 +2,7 @@
 
 The pool is fragmented first: 2N blocks of mixed sizes, every other one freed, so N live blocks
 and about N free holes. Each pair allocates a random size and frees it again.
-Run: python benchmarks/bench_allocator.py [--quick]
+Run: python -m benchmarks.bench_allocator [--quick]
 """
 
 from __future__ import annotations

@@ -53,7 +53,11 @@ def align_up(nbytes: int, alignment: int) -> int:
 
 
 class RangeAllocator:
-    """Best-fit allocator of aligned byte ranges in ``[0, capacity)``."""
+    """Best-fit allocator of aligned byte ranges in ``[0, capacity)``.
+
+    inv: 0 <= self._allocated_bytes <= self._capacity
+    inv: self._allocated_bytes % self._alignment == 0
+    """
 
     def __init__(self, capacity: int, alignment: int = 256) -> None:
         _check_int("capacity", capacity)
@@ -101,12 +105,21 @@ class RangeAllocator:
             return int(self._free_by_size[-1][0]) if self._free_by_size else 0
 
     def rounded(self, nbytes: int) -> int:
-        """The size ``allocate(nbytes)`` would reserve; raises like ``allocate`` on bad input."""
+        """The size ``allocate(nbytes)`` would reserve; raises like ``allocate`` on bad input.
+
+        raises: InvalidArgumentError, InvalidTypeError
+        post: __return__ % self.alignment == 0 and nbytes <= __return__
+        """
         self._check_size(nbytes)
         return align_up(nbytes, self._alignment)
 
     def allocate(self, nbytes: int) -> int | None:
-        """Offset of a new range of ``nbytes`` (rounded up); None if no block fits. O(log n)."""
+        """Offset of a new range of ``nbytes`` (rounded up); None if no block fits. O(log n).
+
+        raises: InvalidArgumentError, InvalidTypeError
+        post: __return__ is None or __return__ % self.alignment == 0
+        post: __return__ is None or __return__ + nbytes <= self.capacity
+        """
         size = self.rounded(nbytes)
         with self._lock:
             index = self._free_by_size.bisect_left((size, -1))
@@ -121,7 +134,12 @@ class RangeAllocator:
             return int(offset)
 
     def free(self, offset: int) -> int:
-        """Free the range starting at ``offset``; returns its size. O(log n)."""
+        """Free the range starting at ``offset``; returns its size. O(log n).
+
+        raises: NotAllocatedError, InvalidTypeError
+        post: __return__ > 0 and __return__ % self.alignment == 0
+        post: self.allocated_bytes == __old__.self.allocated_bytes - __return__
+        """
         _check_int("offset", offset)
         with self._lock:
             size = self._allocated.pop(offset, None)
@@ -143,7 +161,10 @@ class RangeAllocator:
             return int(size)
 
     def size_of(self, offset: int) -> int:
-        """Size of the live allocation starting at ``offset``. O(1)."""
+        """Size of the live allocation starting at ``offset``. O(1).
+
+        raises: NotAllocatedError, InvalidTypeError
+        """
         _check_int("offset", offset)
         with self._lock:
             size = self._allocated.get(offset)

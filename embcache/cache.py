@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -212,8 +213,10 @@ class EmbeddingCache:
         """Open a request; use it as a context manager so leaving it releases everything."""
         from embcache.request import Request
 
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidTypeError(f"request_id must be a non-empty str, got {request_id!r}")
+        if not isinstance(request_id, str):
+            raise InvalidTypeError(f"request_id must be a str, got {request_id!r}")
+        if not request_id:
+            raise InvalidArgumentError("request_id must be a non-empty str")
         with self._lock:
             self._check_open()
             if request_id in self._requests:
@@ -225,11 +228,13 @@ class EmbeddingCache:
         """Remove ``key``: freed now if idle, else doomed and freed once idle. False if absent."""
         _check_key(key)
         with self._lock:
+            self._check_open()
             return self._remove(key)
 
     def clear(self) -> int:
         """Remove every entry (busy ones are doomed); returns how many were removed or doomed."""
         with self._lock:
+            self._check_open()
             return sum(self._remove(key) for key in list(self._entries))
 
     def fence(self) -> int:
@@ -480,6 +485,9 @@ class EmbeddingCache:
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
+            with self._lock:
+                if (loop, future) in rs.async_waiters:
+                    rs.async_waiters.remove((loop, future))
             return False
 
     def _close(self, rs: RequestState) -> None:
@@ -538,13 +546,15 @@ class EmbeddingCache:
     def _signal(self, requests: Notify) -> None:
         """Wake requests with nothing pending. Called with no lock held."""
         assert_unlocked("waking requests")
-        for rs in requests:
-            with self._lock:
-                if rs.pending():
-                    continue
-                waiters, rs.async_waiters = rs.async_waiters, []
-            rs.done.set()
-            for loop, future in waiters:
+        wake: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]] = []
+        with self._lock:
+            for rs in requests:
+                if not rs.pending():
+                    rs.done.set()
+                    wake += rs.async_waiters
+                    rs.async_waiters = []
+        for loop, future in wake:
+            with contextlib.suppress(RuntimeError):  # a closed loop has nobody waiting
                 loop.call_soon_threadsafe(_resolve, future)
 
     # ------------------------------------------------------------------ actions (lock held)

@@ -93,6 +93,7 @@ TRANSITIONS: dict[tuple[EntryState, Step], EntryState] = {
 def transition(state: EntryState, step: Step) -> EntryState:
     """The state after ``step``; raises ``TransitionError`` if the table does not allow it.
 
+    raises: TransitionError
     post: (state, step) in TRANSITIONS
     post: __return__ == TRANSITIONS[(state, step)]
     """

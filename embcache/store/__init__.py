@@ -2,5 +2,6 @@
 
 from embcache.store.base import GlobalStore, TransferOutcome
 from embcache.store.inprocess import Fault, InProcessStore
+from embcache.store.mooncake import MooncakeStore
 
-__all__ = ["Fault", "GlobalStore", "InProcessStore", "TransferOutcome"]
+__all__ = ["Fault", "GlobalStore", "InProcessStore", "MooncakeStore", "TransferOutcome"]
