@@ -46,7 +46,7 @@ def best_window(pieces: list[Piece], need: int, max_batch: int, must: int) -> Wi
     ``pieces`` are contiguous, in address order, free pieces never adjacent to each other; the
     blocks just outside the list are not evicted. Cost O(max_batch^2) at worst, usually O(1).
 
-    pre: need > 0 and max_batch > 0
+    pre: need > 0 and max_batch > 0 and all(p.size > 0 for p in pieces)
     pre: 0 <= must < len(pieces) and pieces[must].victim
     pre: all(a.offset + a.size == b.offset for a, b in zip(pieces, pieces[1:]))
     post: __return__ is None or len(__return__.victims) <= max_batch
