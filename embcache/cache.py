@@ -467,7 +467,9 @@ class EmbeddingCache:
     def _fallback_reason(rs: RequestState, item: Item) -> Reason | None:
         if item.key in rs.holds:
             return Reason.MISMATCH
-        if item.key in rs.waits and item.key not in rs.reserved:
+        if item.key in rs.reserved:
+            return Reason.NOT_FOUND  # reserved for this request: a miss it must encode
+        if item.key in rs.waits:
             return Reason.TIMEOUT
         return rs.fallbacks.get(item.key)
 

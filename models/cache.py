@@ -381,7 +381,9 @@ class ModelCache:
                 out.append(None)
             elif key in rq.holds:
                 out.append("mismatch")
-            elif key in rq.waits and key not in rq.reserved:
+            elif key in rq.reserved:
+                out.append("not_found")
+            elif key in rq.waits:
                 out.append("timeout")
             else:
                 out.append(rq.fallbacks.get(key))

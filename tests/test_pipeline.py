@@ -424,11 +424,6 @@ def wait_until(condition: Any, timeout: float = WAIT_S) -> None:
 
 
 # ---------------------------------------------------------------------------- cache API report
-@pytest.mark.xfail(
-    strict=True,
-    reason="cache API: fallback_reasons() gives None (documented: served) for a RESERVED item, "
-    "which the caller must encode; the pipeline counts it as not_found meanwhile",
-)
 def test_cache_reports_a_reason_for_every_item_it_does_not_serve(cache: EmbeddingCache) -> None:
     with cache.request("r") as request:
         request.lookup([item(1)], reserve_misses=True)
