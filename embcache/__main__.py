@@ -1,52 +1,154 @@
-"""Command line: ``python -m embcache demo`` runs the main job."""
+"""Command line: ``python -m embcache demo`` runs the main job (see ``embcache.demo``).
+
+Exit status: 0 when the run is clean, 1 when a request failed, a response differed from a
+fresh encode (``--verify``) or the leak check found something, 2 for bad options.
+"""
 
 from __future__ import annotations
 
 import argparse
-import random
+import importlib.util
+import math
+import shutil
+import signal
 import sys
+from pathlib import Path
+from types import FrameType
 
-from embcache.allocator import RangeAllocator
+from embcache.demo import DTYPES, DemoConfig, result_json, run_demo, write_plot
+
+_DEFAULTS = DemoConfig()
 
 
-def allocator_demo(blocks: int, seed: int) -> int:
-    """Fragment an allocator with mixed sizes and show that accounting stays exact."""
-    rng = random.Random(seed)
-    alloc = RangeAllocator(blocks * 8 * 4096, alignment=4096)
-    live: list[int] = []
-    failures = 0
-    for step in range(blocks * 4):
-        if live and rng.random() < 0.45:
-            alloc.free(live.pop(rng.randrange(len(live))))
-        else:
-            offset = alloc.allocate(4096 * rng.randint(1, 16))
-            if offset is None:
-                failures += 1
-            else:
-                live.append(offset)
-        if step % max(1, blocks // 2) == 0:
-            print(
-                f"step {step:6d}: {len(live):5d} live, {alloc.free_bytes:10d} bytes free, "
-                f"largest free block {alloc.largest_free_block}"
-            )
-    alloc.check_invariants()
-    print(
-        f"done: {len(live)} live blocks, {failures} allocations found no fitting block, "
-        "invariants hold"
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m embcache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = sub.add_parser(
+        "demo",
+        help="run an encode worker with the cache under a Zipf load and report",
+        description="Drive concurrent requests of synthetic images through EncodePipeline "
+        "(TinyViT encoder, a small pool, a global store), then print a summary and a leak "
+        "check. A progress bar goes to stderr.",
     )
-    return 0
+    d = _DEFAULTS
+    demo.add_argument("--requests", type=int, default=d.requests, help="requests to send")
+    demo.add_argument("--catalogue", type=int, default=d.catalogue, help="distinct images")
+    demo.add_argument(
+        "--images-per-request", type=int, default=d.images_per_request,
+        help="each request has 1..N images",
+    )
+    demo.add_argument("--zipf", type=float, default=d.zipf, help="popularity skew s >= 0")
+    demo.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight")
+    demo.add_argument("--pool-mib", type=float, default=d.pool_mib, help="pool size in MiB")
+    demo.add_argument("--hidden", type=int, default=d.hidden, help="embedding width")
+    demo.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="embedding dtype")
+    demo.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (gloo)")
+    demo.add_argument(
+        "--store", choices=["inprocess", "mooncake"], default=d.store, help="global store"
+    )
+    demo.add_argument(
+        "--master", default=None,
+        help="mooncake_master host:port (default: start one on loopback for this run)",
+    )
+    demo.add_argument("--metadata-server", default=None, help="Mooncake metadata server URL")
+    demo.add_argument(
+        "--segment-mib", type=int, default=d.segment_mib,
+        help="memory this worker lends to the Mooncake store",
+    )
+    demo.add_argument(
+        "--store-fault-rate", type=float, default=d.store_fault_rate,
+        help="fraction of store reads that fail on purpose",
+    )
+    demo.add_argument(
+        "--prefetch-timeout", type=float, default=d.prefetch_timeout,
+        help="seconds to wait for store loads before encoding instead",
+    )
+    demo.add_argument("--seed", type=int, default=d.seed)
+    demo.add_argument(
+        "--verify", action="store_true", help="check every response against a fresh encode"
+    )
+    demo.add_argument("--json", action="store_true", help="print one JSON object, not a summary")
+    demo.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                      help="draw hit ratio and pool occupancy over time")
+    demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoConfig:
+    """Validate the options; ``parser.error`` (exit 2) names the first bad one."""
+    for name in ("requests", "catalogue", "images_per_request", "concurrency", "hidden", "tp"):
+        value = getattr(args, name)
+        if value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.tp > 8:
+        parser.error(f"--tp must be <= 8 on one host, got {args.tp}")
+    if not math.isfinite(args.zipf) or args.zipf < 0:
+        parser.error(f"--zipf must be a finite number >= 0, got {args.zipf}")
+    if not math.isfinite(args.pool_mib) or args.pool_mib * (1 << 20) < 256:
+        parser.error(f"--pool-mib must be at least 256 bytes, got {args.pool_mib}")
+    if not math.isfinite(args.prefetch_timeout) or args.prefetch_timeout <= 0:
+        parser.error(f"--prefetch-timeout must be > 0 seconds, got {args.prefetch_timeout}")
+    if not 0 <= args.store_fault_rate < 1:
+        parser.error(f"--store-fault-rate must be in [0, 1), got {args.store_fault_rate}")
+    if args.segment_mib < 1:
+        parser.error(f"--segment-mib must be >= 1, got {args.segment_mib}")
+    if args.store != "mooncake" and (args.master or args.metadata_server):
+        parser.error("--master and --metadata-server need --store mooncake")
+    if args.store == "mooncake":
+        if importlib.util.find_spec("mooncake") is None:
+            parser.error("--store mooncake needs the extra: pip install 'embcache[mooncake]'")
+        if args.master is None and shutil.which("mooncake_master") is None:
+            parser.error(
+                "--store mooncake without --master starts mooncake_master, which is not on "
+                "PATH: pip install 'embcache[mooncake]' or give --master HOST:PORT"
+            )
+    if args.plot is not None:
+        if args.plot.suffix.lower() != ".png":
+            parser.error(f"--plot writes a PNG: give a FILE.png, got {args.plot}")
+        if not args.plot.resolve().parent.is_dir():
+            parser.error(f"--plot: directory {args.plot.parent} does not exist")
+    return DemoConfig(
+        requests=args.requests,
+        catalogue=args.catalogue,
+        images_per_request=args.images_per_request,
+        zipf=args.zipf,
+        concurrency=args.concurrency,
+        pool_mib=args.pool_mib,
+        hidden=args.hidden,
+        dtype=args.dtype,
+        tp=args.tp,
+        store=args.store,
+        master=args.master,
+        metadata_server=args.metadata_server,
+        segment_mib=args.segment_mib,
+        store_fault_rate=args.store_fault_rate,
+        prefetch_timeout=args.prefetch_timeout,
+        seed=args.seed,
+        verify=args.verify,
+    )
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    sys.exit(128 + signum)  # unwinds, so a mooncake_master started here is stopped
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="embcache", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the main job")
-    demo.add_argument("--blocks", type=int, default=2000)
-    demo.add_argument("--seed", type=int, default=0)
+    """Parse, run, report; returns the exit status."""
+    parser = _parser()
     args = parser.parse_args(argv)
-    if args.blocks <= 0:
-        parser.error(f"--blocks must be > 0, got {args.blocks}")
-    return allocator_demo(args.blocks, args.seed)
+    config = _config(parser, args)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        result = run_demo(config, progress=None if args.quiet else sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(result_json(result) if args.json else result.summary())
+    if args.plot is not None:
+        write_plot(result.timeline, args.plot)
+        if not args.json:
+            print(f"plot              {args.plot}")
+    clean = not result.errors and not result.leaks and not result.verify_mismatches
+    return 0 if clean else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,190 @@
+"""A local ``mooncake_master`` on free loopback ports, for the demo and the integration tests.
+
+``MooncakeMaster`` starts the binary with its own HTTP metadata server (so no etcd is needed),
+waits until both serve, and stops it (SIGTERM, then SIGKILL after a bound). ``kill`` and
+``restart`` keep the ports, so clients configured with ``store_kwargs()`` find a restarted
+master. A master's state is in memory: a restarted one has lost every object.
+
+This is the launching code of ``tests/integration/conftest.py`` moved into the package so the
+demo (``python -m embcache demo --store mooncake``) can use it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from types import TracebackType
+
+from embcache.errors import StoreUnavailableError
+
+__all__ = ["MooncakeMaster", "find_master_binary"]
+
+READY_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 5.0
+
+
+def find_master_binary() -> str:
+    """The path of ``mooncake_master``; ``StoreUnavailableError`` saying how to install it."""
+    binary = shutil.which("mooncake_master")
+    if binary is None:
+        raise StoreUnavailableError(
+            "mooncake_master is not on PATH: pip install 'embcache[mooncake]' "
+            "(and apt-get install -y libibverbs1 librdmacm1 libnuma1)"
+        )
+    return binary
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _serves_tcp(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+    except OSError:
+        return False
+    return True
+
+
+def _serves_metadata(url: str) -> bool:
+    """Whether the HTTP metadata server answers (404 for an unknown key counts)."""
+    try:
+        with urllib.request.urlopen(f"{url}?key=embcache-probe", timeout=0.5):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+
+
+class MooncakeMaster:
+    """One ``mooncake_master`` process with its HTTP metadata server on loopback.
+
+    ``binary`` defaults to ``find_master_binary()``; the log goes to ``log_dir`` (default: a
+    temporary directory removed by ``stop``). As a context manager it starts and stops.
+    """
+
+    def __init__(self, binary: str | None = None, log_dir: Path | None = None) -> None:
+        self.binary = binary or find_master_binary()
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if log_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="embcache-mooncake-")
+            log_dir = Path(self._tmp.name)
+        self.log_path = log_dir / f"mooncake_master-{uuid.uuid4().hex[:8]}.log"
+        self.rpc_port = _free_port()
+        self.http_port = _free_port()
+        self.metrics_port = _free_port()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def master_address(self) -> str:
+        """``host:port`` of the master's RPC service."""
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        """URL of the HTTP metadata server the master serves."""
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def store_kwargs(self) -> dict[str, str]:
+        """Arguments that point a ``MooncakeStore`` at this master over loopback TCP."""
+        return {
+            "master_address": self.master_address,
+            "metadata_server": self.metadata_server,
+            "protocol": "tcp",
+            "local_hostname": "127.0.0.1",
+        }
+
+    @property
+    def running(self) -> bool:
+        """Whether the process is alive."""
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> None:
+        """Start the process; return once it serves RPC and metadata (at most 20 s)."""
+        if self.running:
+            raise StoreUnavailableError("mooncake_master is already running")
+        command = [
+            self.binary,
+            f"--rpc_port={self.rpc_port}",
+            "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={self.http_port}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={self.metrics_port}",
+            "--rpc_thread_num=4",
+        ]
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not (_serves_tcp(self.rpc_port) and _serves_metadata(self.metadata_server)):
+            if not self.running:
+                raise StoreUnavailableError(f"mooncake_master exited at start:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                tail = self.log_tail()
+                self.kill()
+                raise StoreUnavailableError(
+                    f"mooncake_master not serving after {READY_TIMEOUT_S} s:\n{tail}"
+                )
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL the process (a crash: no cleanup) and reap it."""
+        if self._process is not None:
+            if self._process.poll() is None:
+                self._process.kill()
+            self._process.wait()
+            self._process = None
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s; remove a temporary log directory. Idempotent."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout=STOP_TIMEOUT_S)
+        self.kill()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def restart(self) -> None:
+        """Kill the process and start a new one on the same ports."""
+        self.kill()
+        self.start()
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of the master's log, for failure messages."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __enter__(self) -> MooncakeMaster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
