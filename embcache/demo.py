@@ -252,7 +252,7 @@ class FlakyStore:
     def __init__(self, inner: GlobalStore, rate: float, seed: int) -> None:
         self._inner = inner
         self._rate = rate
-        self._rng = random.Random(seed)
+        self._rng = random.Random(f"embcache-demo-faults-{seed}")
         self._lock = threading.Lock()
         self.injected = 0
 
@@ -365,9 +365,12 @@ def _run_lane(
     on_done: Callable[[float, bool], None],
     errors: list[str],
     verify: bool,
+    stop: threading.Event,
 ) -> None:
-    """Send requests ``lane, lane + lanes, ...`` one after another."""
+    """Send requests ``lane, lane + lanes, ...`` one after another, until ``stop`` is set."""
     for index in range(lane, len(workload.requests), lanes):
+        if stop.is_set():
+            return
         images = workload.images(index)
         started = time.perf_counter()
         try:
@@ -491,19 +494,26 @@ def _run(
         progress = stack.enter_context(
             _Progress(config.requests, cache, pipeline_stats, out)
         )
+        stop = threading.Event()
         lanes = [
             threading.Thread(
                 target=_run_lane,
                 args=(p, encoder, workload, lane, config.concurrency, progress.done, errors,
-                      config.verify),
+                      config.verify, stop),
                 name=f"embcache-demo-lane-{lane}",
             )
             for lane, p in enumerate(pipelines)
         ]
-        for lane in lanes:
-            lane.start()
-        for lane in lanes:
-            lane.join()
+        try:
+            for lane in lanes:
+                lane.start()
+            for lane in lanes:
+                lane.join()
+        finally:  # interrupted (SIGTERM, Ctrl-C): lanes end after their current request
+            stop.set()
+            for lane in lanes:
+                if lane.is_alive():
+                    lane.join()
     seconds = progress.timeline[-1].seconds
     cache.close()  # waits for every load and publish still in flight
     return _result(
@@ -689,6 +699,7 @@ def _follower(index: int, config: DemoConfig, port: int) -> None:
                 EncodePipeline(None, encoder, tp_group=groups[lane],
                                collective_timeout=COLLECTIVE_TIMEOUT_S),
                 encoder, workload, lane, config.concurrency, done, errors, config.verify,
+                threading.Event(),
             ),
         )
         for lane in range(config.concurrency)
