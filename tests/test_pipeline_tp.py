@@ -237,12 +237,14 @@ def rank_0_failure_before_the_mask_reaches_every_rank(r: Rank) -> None:
     cache = make_cache(r)
     pipeline = r.pipeline(ReplicatedEncoder(r.rank), cache)
     expected_error = RequestError if r.rank == 0 else TensorParallelError
+    started = time.monotonic()
     with pytest.raises(expected_error):
         if cache is not None:
             with cache.request("taken"):
                 encode(pipeline, "taken", [1])  # the request id is already open
         else:
             encode(pipeline, "taken", [1])
+    assert time.monotonic() - started < COLLECTIVE_S / 2, "failure took a timeout to arrive"
     assert_same(encode(pipeline, "r", [1]), tp1([1]))
     if cache is not None:
         assert_idle(cache)
