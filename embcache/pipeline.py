@@ -511,9 +511,8 @@ class EncodePipeline:
         local_hits = waited = 0
         reasons: Counter[str] = Counter()
         for status, masked, reason in zip(local.statuses, local.mask, local.reasons, strict=True):
-            if masked:
-                # A reserved item has no reason in the cache's answer: it was a plain miss.
-                reasons["reason:" + (reason or Reason.NOT_FOUND).value] += 1
+            if masked:  # the cache gives every item it does not serve a reason
+                reasons["reason:" + ("unexplained" if reason is None else reason.value)] += 1
             elif status.status is Status.HIT:
                 local_hits += 1
             else:
