@@ -25,7 +25,7 @@ import torch
 from embcache import EmbeddingCache
 from embcache.item import Item
 from embcache.store.mooncake import MooncakeStore
-from tests.integration.conftest import MooncakeMaster, _master_binary
+from embcache.store.mooncake_master import MooncakeMaster, find_master_binary
 
 MB = 1 << 20
 TARGET = 0.9
@@ -49,7 +49,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
     """One row per item size: GB/s through the cache vs raw ``batch_get_into``."""
     total, reps = (64 * MB, 21) if quick else (512 * MB, 11)
     with tempfile.TemporaryDirectory() as log_dir:
-        master = MooncakeMaster(_master_binary(), Path(log_dir))
+        master = MooncakeMaster(find_master_binary(), Path(log_dir))
         master.start()
         try:
             return _measure(master, total, reps)

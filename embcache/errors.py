@@ -53,3 +53,7 @@ class StoreUnavailableError(EmbCacheError, RuntimeError):
 
 class InvariantError(EmbCacheError, AssertionError):
     """``check_invariants()`` found the internal state inconsistent (a bug in embcache)."""
+
+
+class TensorParallelError(EmbCacheError, RuntimeError):
+    """Another rank of the tensor-parallel group failed, disagreed, or a collective failed."""

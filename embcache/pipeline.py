@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from embcache.cache import EmbeddingCache
-from embcache.errors import EmbCacheError, InvalidArgumentError, InvalidTypeError
+from embcache.errors import InvalidArgumentError, InvalidTypeError, TensorParallelError
 from embcache.item import Item
 from embcache.locks import assert_unlocked
 from embcache.request import Request
@@ -84,10 +84,6 @@ class Encoder(Protocol):
     def __call__(self, inputs: Sequence[Any], /) -> Sequence[torch.Tensor]:
         """Encode ``inputs``; one tensor per input, in order."""
         ...
-
-
-class TensorParallelError(EmbCacheError, RuntimeError):
-    """Another rank of the tensor-parallel group failed, disagreed, or a collective failed."""
 
 
 @dataclass(frozen=True)
