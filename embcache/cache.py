@@ -192,6 +192,14 @@ class EmbeddingCache:
         self._pool = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin)
         self._store.register_buffer(self._pool)
         self._io = concurrent.futures.ThreadPoolExecutor(io_workers, "embcache-io")
+        self._emit(
+            "Init",
+            None,
+            capacity=capacity_bytes,
+            alignment=alignment,
+            max_eviction_batch=max_eviction_batch,
+            enable_eviction=enable_eviction,
+        )
 
     # ------------------------------------------------------------------ public API
     @property

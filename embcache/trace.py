@@ -1,6 +1,8 @@
 """Execution traces: one event per action, in lock order, as JSON lines.
 
-Pass a ``TraceLog`` (or any object with ``append``) as ``EmbeddingCache(trace=...)``. Each event
+Pass a ``TraceLog`` (or any object with ``append``) as ``EmbeddingCache(trace=...)``. The first
+event, ``Init``, records ``capacity``, ``alignment``, ``max_eviction_batch`` and
+``enable_eviction``. Each later event
 is a dict with ``seq``, ``action`` (a DESIGN.md action name), ``request``, ``key``, ``outcome``
 and, when the action touched an entry, the entry's post-state: ``size``, ``offset`` (bytes),
 ``state``, ``holders``, ``waiters``, ``doomed``, ``tainted``. ``Fence`` carries the freed

@@ -46,6 +46,7 @@ ALIGN = 256
 UNIT = 1024  # one slot: 256 float32
 WAIT_S = 10.0
 ACTIONS = {
+    "Init",
     "OpenRequest",
     "CloseRequest",
     "Lookup",
@@ -1027,7 +1028,9 @@ def test_trace_has_one_event_per_action_in_order(
     assert [e["seq"] for e in trace] == list(range(1, len(trace) + 1))
     assert {e["action"] for e in trace} <= ACTIONS
     steps = [(e["action"], e["request"], e["key"], e["outcome"]) for e in trace]
+    assert (trace[0]["capacity"], trace[0]["alignment"]) == (2 * UNIT, 256)
     assert steps == [
+        ("Init", None, None, None),
         ("OpenRequest", "r1", None, None),
         ("Lookup", "r1", "A", "MISS"),
         ("BeginLoad", "r1", "A", "OK"),
