@@ -1070,11 +1070,11 @@ def test_trace_has_one_event_per_action_in_order(
         ("Fence", None, None, None),
     ]
     by_seq = {e["seq"]: e for e in trace}
-    assert (by_seq[3]["offset"], by_seq[3]["size"], by_seq[3]["state"]) == (0, UNIT, "LOADING")
-    assert by_seq[10]["state"] == "ABSENT"  # the last release freed the removed entry
-    assert by_seq[20]["offset"] == 0 and by_seq[21]["offset"] == 0  # D reuses B's range
-    assert by_seq[35]["state"] == "QUARANTINED"
-    assert by_seq[37]["keys"] == ["E"]
+    assert (by_seq[4]["offset"], by_seq[4]["size"], by_seq[4]["state"]) == (0, UNIT, "LOADING")
+    assert by_seq[11]["state"] == "ABSENT"  # the last release freed the removed entry
+    assert by_seq[21]["offset"] == 0 and by_seq[22]["offset"] == 0  # D reuses B's range
+    assert by_seq[36]["state"] == "QUARANTINED"
+    assert by_seq[38]["keys"] == ["E"]
     assert_clean(cache)
 
 
