@@ -11,13 +11,14 @@ request holds must carry exactly the bytes that were stored for its key.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, ClassVar
 
 import hypothesis.strategies as st
 import torch
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from embcache import EmbeddingCache, Fault, InProcessStore, Item
+from embcache.trace import TraceLog
 from models.cache import ModelCache
 
 ALIGN = 256
@@ -72,6 +73,9 @@ def as_tuple(status: Any) -> tuple[str, str | None]:
 
 
 class CacheMachine(RuleBasedStateMachine):
+    #: When set, every finished example appends its trace (a list of events) here.
+    trace_sink: ClassVar[list[list[dict[str, Any]]] | None] = None
+
     @initialize(
         units=st.integers(3, 12),
         max_batch=st.integers(1, 4),
@@ -79,6 +83,7 @@ class CacheMachine(RuleBasedStateMachine):
     )
     def setup(self, units: int, max_batch: int, eviction: bool) -> None:
         self.store = InProcessStore()
+        self.trace = TraceLog()
         self.cache = EmbeddingCache(
             units * ALIGN,
             store=self.store,
@@ -86,6 +91,7 @@ class CacheMachine(RuleBasedStateMachine):
             max_eviction_batch=max_batch,
             enable_eviction=eviction,
             pin_memory=False,
+            trace=self.trace,
         )
         self.io = ManualExecutor()
         self.cache._io.shutdown()
@@ -106,6 +112,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert stats.entries_by_state.get("LOADING", 0) == 0
         assert stats.allocated_bytes == sum(e.size for e in self.model.entries.values())
         self.cache.close()
+        if type(self).trace_sink is not None:
+            type(self).trace_sink.append(self.trace.events)
 
     # -- requests --
     @rule(r=st.sampled_from(REQUESTS))
