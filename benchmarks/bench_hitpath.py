@@ -1,0 +1,162 @@
+"""Hit path: lookup + pin + view + release per item, against a bare dict and an OrderedDict move.
+
+The cache holds N idle READY entries (256 bytes each). Each timed request opens, looks up
+``BATCH`` keys drawn uniformly at random (prefetch off: all hits), takes its zero-copy views
+(``embeddings()``) and closes (releasing every pin); the cost is divided by ``BATCH``. The
+baseline does, per item, what a cache at its barest must: ``dict[key]`` and
+``OrderedDict.move_to_end(key)`` over the same N keys and the same key sequence. A second,
+informational baseline also builds the same torch view (slice, dtype view, shape view), the
+part of our path that is torch's and not ours. Chunks alternate between contenders; medians.
+Run from the repository root: python -m benchmarks.bench_hitpath [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.bench_allocator import print_rows
+from benchmarks.bench_eviction import insert_all
+from embcache import EmbeddingCache, Item, Status
+
+ENTRY_BYTES = 256
+SHAPE = (ENTRY_BYTES // 2,)
+BATCH = 8  # items per request
+TARGET = 10.0  # ours / bare dict path
+FLAT_GROWTH = 1.5  # ours at the largest N over the smallest
+
+
+def _per_item(batches: list[list[Any]], body: Callable[[int, list[Any]], None]) -> float:
+    start = time.perf_counter()
+    for n, batch in enumerate(batches):
+        body(n, batch)
+    return (time.perf_counter() - start) / (len(batches) * BATCH)
+
+
+def measure(entries: int, requests: int, chunks: int) -> tuple[float, float, float]:
+    """Median seconds per item: ours, bare dict + move, bare dict + move + torch view."""
+    rng = random.Random(entries)
+    items = [Item(f"img{i:08d}", SHAPE, torch.bfloat16) for i in range(entries)]
+    source = torch.zeros(SHAPE, dtype=torch.bfloat16)
+    batches = [
+        [items[rng.randrange(entries)] for _ in range(BATCH)] for _ in range(requests * chunks)
+    ]
+    with EmbeddingCache(
+        entries * ENTRY_BYTES, alignment=ENTRY_BYTES, pin_memory=False, io_workers=1
+    ) as cache:
+        with cache.request("fill") as fill:
+            insert_all(fill, [it.key for it in items], source)
+        offsets = {it.key: i * ENTRY_BYTES for i, it in enumerate(items)}
+        table = dict(offsets)
+        recency: OrderedDict[str, int] = OrderedDict(offsets)
+        pool = cache.pool
+
+        def ours(n: int, batch: list[Item]) -> None:
+            with cache.request(f"r{n}") as request:
+                statuses = request.lookup(batch, prefetch=False)
+                views = request.embeddings()
+            assert statuses[0].status is Status.HIT and views[0] is not None
+
+        def bare(_: int, batch: list[Item]) -> None:
+            for item in batch:
+                table[item.key]
+                recency.move_to_end(item.key)
+
+        def bare_view(_: int, batch: list[Item]) -> None:
+            for item in batch:
+                offset = table[item.key]
+                recency.move_to_end(item.key)
+                pool[offset : offset + ENTRY_BYTES].view(item.dtype).view(item.shape)
+
+        contenders = (ours, bare, bare_view)
+        for body in contenders:  # warm up
+            _per_item(batches[:50], body)
+        times: list[list[float]] = [[], [], []]
+        for c in range(chunks):
+            chunk = batches[c * requests : (c + 1) * requests]
+            for i, body in enumerate(contenders):
+                times[i].append(_per_item(chunk, body))
+        cache.check_invariants()
+        assert cache.stats().pinned_entries == 0
+    ours_t, bare_t, view_t = (statistics.median(t) for t in times)
+    return ours_t, bare_t, view_t
+
+
+def _row(
+    name: str,
+    ours: float,
+    base: float | None,
+    unit: str,
+    ratio: float,
+    target: str,
+    met: bool | None,
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "ours": ours,
+        "baseline": base,
+        "unit": unit,
+        "ratio": ratio,
+        "target": target,
+        "met": met,
+    }
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    """Per N: us per item, ours vs bare dict+move (ratio = ours / bare, target < 10x) and vs
+    bare dict+move+view (informational); growth of ours over N (flat)."""
+    sizes = [1_000, 10_000] if quick else [1_000, 10_000, 100_000]
+    requests, chunks = (200, 5) if quick else (1000, 7)
+    rows, ours_at = [], {}
+    for entries in sizes:
+        ours_t, bare_t, view_t = measure(entries, requests, chunks)
+        ours_at[entries] = ours_t
+        ratio = ours_t / bare_t
+        rows.append(
+            _row(
+                f"hit path, {entries} entries, vs dict+move",
+                ours_t * 1e6,
+                bare_t * 1e6,
+                "us/item",
+                ratio,
+                f"< {TARGET:g}x",
+                ratio < TARGET,
+            )
+        )
+        rows.append(
+            _row(
+                f"hit path, {entries} entries, vs dict+move+view",
+                ours_t * 1e6,
+                view_t * 1e6,
+                "us/item",
+                ours_t / view_t,
+                "",
+                None,
+            )
+        )
+    growth = ours_at[sizes[-1]] / ours_at[sizes[0]]
+    rows.append(
+        _row(
+            f"hit path growth {sizes[-1]} vs {sizes[0]} entries",
+            growth,
+            None,
+            "x",
+            growth,
+            f"<= {FLAT_GROWTH}x",
+            growth <= FLAT_GROWTH,
+        )
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    print_rows(run(parser.parse_args().quick))
