@@ -28,7 +28,7 @@
 (*    exactly the entries the run overlaps.                                *)
 (*  - Events of the code that change nothing (a Lookup that misses, a     *)
 (*    BeginLoad without room, a Remove of a doomed or QUARANTINED entry)   *)
-(*    are stuttering steps: Next leaves them out, and LookupMisses,        *)
+(*    are stuttering steps: Next leaves them out, and LookupIsNoOp,        *)
 (*    BeginLoadFails and RemoveIsNoOp say when each is legal.              *)
 (***************************************************************************)
 EXTENDS Naturals, Sequences, FiniteSets
@@ -62,7 +62,7 @@ VARIABLES
     free,      \* the allocator's free units
     lru,       \* evictable keys, oldest first
     transfers, \* live transfers: [kind, req, key, units]
-    zombies,   \* transfers that ended UNKNOWN: [key, units], gone at Fence
+    zombies,   \* transfers that ended UNKNOWN: [key, units], until their entry is fenced
     request    \* request[r] \in {"closed", "open"}
 
 vars == <<entry, free, lru, transfers, zombies, request>>
@@ -79,6 +79,7 @@ Owned(k) == IF entry[k].state = ABSENT THEN {}
 UnitsOf(S) == UNION {Owned(k) : k \in S}
 Present == {k \in Keys : entry[k].state # ABSENT}
 LruSet == {lru[i] : i \in 1..Len(lru)}
+Quarantine == {k \in Keys : entry[k].state = QUARANTINED}
 Without(s, k) == SelectSeq(s, LAMBDA j : j # k)
 
 RECURSIVE SumSizes(_)
@@ -160,8 +161,8 @@ Wait(r, k) ==
     /\ entry' = [entry EXCEPT ![k].waiters = @ \cup {r}]
     /\ UNCHANGED <<free, lru, transfers, zombies, request>>
 
-\* A hit pins (READY), a join waits (LOADING).  Every other lookup is a
-\* miss that changes nothing: see LookupMisses.
+\* A hit pins (READY), a join waits (LOADING).  Every other lookup (a miss,
+\* or a repeat) changes nothing: see LookupIsNoOp.
 Lookup(r, k) ==
     /\ request[r] = "open"
     /\ r \notin entry[k].holders \cup entry[k].waiters
@@ -267,18 +268,23 @@ EndPublish(r, k, outcome) ==
                                  !.quarantinePending = @ \/ outcome = UNKNOWN])
     /\ UNCHANGED request
 
-\* The store is fenced: no old transfer can land any more.
-Fence ==
-    /\ zombies # {} \/ \E k \in Keys : entry[k].state = QUARANTINED
-    /\ zombies' = {}
-    /\ LET Q == {k \in Keys : entry[k].state = QUARANTINED}
-       IN  /\ entry' = [k \in Keys |-> IF k \in Q THEN NoEntry ELSE entry[k]]
-           /\ free' = free \cup UnitsOf(Q)
+\* The store was fenced after the entries Q were QUARANTINED: their zombies
+\* can no longer land, and their ranges are freed.  The code snapshots Q,
+\* fences the store without the lock, then takes this step; entries that
+\* became QUARANTINED meanwhile wait for the next Fence, and so does every
+\* other zombie (the spec cannot tell whether the fence stopped it).
+Fence(Q) ==
+    /\ Q \subseteq Quarantine
+    /\ zombies' = {z \in zombies : z.key \notin Q}
+    /\ entry' = [k \in Keys |-> IF k \in Q THEN NoEntry ELSE entry[k]]
+    /\ free' = free \cup UnitsOf(Q)
     /\ UNCHANGED <<lru, transfers, request>>
 
 \* The code's events that change nothing.  They are stuttering steps, so Next
-\* leaves them out; the trace spec (issue 5) checks that each was legal.
-LookupMisses(r, k) ==
+\* leaves them out; the trace spec (issue 5) checks that each was legal.  (A
+\* Lookup that misses on a shape or dtype mismatch, which the spec does not
+\* model, is a no-op in any state.)  Fence({}) is a no-op too.
+LookupIsNoOp(r, k) ==
     /\ request[r] = "open"
     /\ \/ r \in entry[k].holders \cup entry[k].waiters
        \/ entry[k].doomed
@@ -296,16 +302,16 @@ Next ==
     \/ \E k \in Keys, o \in Outcomes : EndLoad(k, o)
     \/ \E r \in Requests, k \in Keys, o \in Outcomes : EndPublish(r, k, o)
     \/ \E k \in Keys : Remove(k)
-    \/ Fence
+    \/ \E Q \in SUBSET Quarantine : Q # {} /\ Fence(Q)
 
 \* Completions, the holders' releases, closes and Fence are weakly fair.  A
 \* waiter does not give up on its own: it is served by EndLoad.
 Fairness ==
     /\ \A k \in Keys : WF_vars(\E o \in Outcomes : EndLoad(k, o))
-    /\ \A r \in Requests, k \in Keys : WF_vars(\E o \in Outcomes : EndPublish(r, k, o))
+    /\ \A k \in Keys : WF_vars(\E r \in Requests, o \in Outcomes : EndPublish(r, k, o))
     /\ \A r \in Requests, k \in Keys : WF_vars(r \in entry[k].holders /\ Release(r, k))
     /\ \A r \in Requests : WF_vars(CloseRequest(r))
-    /\ WF_vars(Fence)
+    /\ \A k \in Keys : WF_vars(Fence({k}))
 
 Spec == Init /\ [][Next]_vars
 LiveSpec == Spec /\ Fairness
@@ -400,8 +406,13 @@ Quiescent ==
 \* Once requests stop, every pin, load, doom and quarantine drains away.
 NoLeak == <>[]NoneOpen => <>[]Quiescent
 
-\* Every waiter is eventually a holder of the READY entry or has fallen back.
-WaiterServed == \A r \in Requests, k \in Keys :
-                    r \in entry[k].waiters ~> r \notin entry[k].waiters
+\* A removed entry is eventually freed, even while requests keep coming: it
+\* takes no new pins, so its holders, load and publish all end.
+DoomedFreed == \A k \in Keys : entry[k].doomed ~> entry[k].state = ABSENT
+
+\* Every waiter is eventually a holder of the READY entry or has fallen back:
+\* every set of waiters empties (which implies that each waiter r leaves it,
+\* and costs TLC one leads-to per key instead of one per request and key).
+WaiterServed == \A k \in Keys : entry[k].waiters # {} ~> entry[k].waiters = {}
 
 =============================================================================

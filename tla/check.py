@@ -9,6 +9,7 @@ status is non-zero on any unexpected result.  See tla/README.md.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -26,7 +27,11 @@ SPEC = "EmbeddingCache.tla"
 MC_MODULE = "MCEmbeddingCache.tla"
 MANIFEST = HERE / "expected.json"
 MUTANTS = HERE / "mutants"
-JVM_OPTS = ["-XX:+UseParallelGC", "-Xss16m"]
+# Long runs (models) want the full JIT; the many short runs (mutants) start faster without it.
+JVM_OPTS = {
+    "model": ["-XX:+UseParallelGC", "-Xss16m"],
+    "mutant": ["-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Xss16m"],
+}
 
 
 class CheckError(Exception):
@@ -187,14 +192,15 @@ DEPTH_RE = re.compile(r"The depth of the complete state graph search is (\d+)")
 INVARIANT_RE = re.compile(r"^Error: Invariant (\w+) is violated", re.M)
 PROPERTY_RE = re.compile(r"^Error: Action property (\w+) is violated", re.M)
 STATE_RE = re.compile(r"^State (\d+): (.*)$")
-BACK_RE = re.compile(r"^(\d+): Back to state (\d+)")
+BACK_RE = re.compile(r"^Back to state (\d+)(?:: <(\w+))?")
 
 
-def run_tlc(java: str, jar: Path, workdir: Path, config: Path, workers: int) -> tuple[int, str, float]:
-    metadir = Path(tempfile.mkdtemp(prefix="meta-", dir=workdir))
+def run_tlc(java: str, jar: Path, job: Job, workdir: Path, config: Path) -> tuple[int, str, float]:
+    metadir = Path(tempfile.mkdtemp(prefix="meta-", dir=workdir))  # fresh, never shared
     cmd = [
-        java, *JVM_OPTS, "-cp", str(jar), "tlc2.TLC",
-        "-workers", str(workers), "-metadir", str(metadir),
+        # TLC copies its standard modules to java.io.tmpdir: one per run, or parallel runs collide.
+        java, *JVM_OPTS[job.kind], f"-Djava.io.tmpdir={workdir}", "-cp", str(jar), "tlc2.TLC",
+        "-workers", str(job.workers), "-metadir", str(metadir),
         "-config", str(config), MC_MODULE,
     ]  # fmt: skip
     start = time.monotonic()
@@ -205,7 +211,10 @@ def run_tlc(java: str, jar: Path, workdir: Path, config: Path, workers: int) -> 
 
 
 def parse_trace(output: str) -> list[tuple[str, str]]:
-    """The counterexample as (action name, state text) pairs, in order."""
+    """The counterexample as (action name, state text) pairs, in order.
+
+    A liveness counterexample ends in a loop ("Back to state N") or in stuttering.
+    """
     steps: list[tuple[str, str]] = []
     current: tuple[str, list[str]] | None = None
     for line in output.splitlines():
@@ -214,8 +223,11 @@ def parse_trace(output: str) -> list[tuple[str, str]]:
         if m or b:
             if current:
                 steps.append((current[0], "\n".join(current[1])))
+                current = None
             if b:
-                current = (f"Back to state {b.group(2)}", [])
+                target = int(b.group(1))
+                text = steps[target - 1][1] if 0 < target <= len(steps) else ""
+                steps.append((f"{b.group(2) or 'Step'} (back to state {target})", text))
                 continue
             label = m.group(2).strip()  # type: ignore[union-attr]
             action = re.match(r"<(\w+)", label)
@@ -245,7 +257,7 @@ def classify(returncode: int, output: str) -> str:
 
 
 def check_one(java: str, jar: Path, job: Job, workdir: Path) -> Outcome:
-    returncode, output, seconds = run_tlc(java, jar, workdir, job.config, job.workers)
+    returncode, output, seconds = run_tlc(java, jar, job, workdir, job.config)
     result = classify(returncode, output)
     if result == "Temporal":
         result, more = attribute_temporal(java, jar, job, workdir)
@@ -269,7 +281,7 @@ def attribute_temporal(java: str, jar: Path, job: Job, workdir: Path) -> tuple[s
     for name in names:
         single = workdir / f"only-{name}.cfg"
         single.write_text(text[: m.start()] + f"PROPERTY {name}\n" + text[m.end():])  # type: ignore[union-attr]
-        returncode, output, took = run_tlc(java, jar, workdir, single, job.workers)
+        returncode, output, took = run_tlc(java, jar, job, workdir, single)
         seconds += took
         if classify(returncode, output) == "Temporal":
             violated.append(name)
@@ -410,11 +422,26 @@ def verdict(job: Job, outcome: Outcome) -> list[str]:
 
 
 def prepare(job: Job, workdir: Path) -> None:
+    """A private copy of the modules (the spec patched, for a mutant), so runs do not collide."""
     spec_text = (HERE / SPEC).read_text()
     if job.kind == "mutant":
         spec_text = mutate(spec_text, job)
     (workdir / SPEC).write_text(spec_text)
     shutil.copy(HERE / MC_MODULE, workdir / MC_MODULE)
+
+
+def report(number: int, total: int, job: Job, outcome: Outcome, problems: list[str], verbose: bool) -> str:
+    status = "ok" if not problems else "UNEXPECTED"
+    lines = [
+        f"[{number}/{total}] {job.kind} {job.name}: {outcome.result} (expected {job.expect}), "
+        f"{outcome.distinct} distinct states, depth {outcome.depth}, {outcome.seconds:.1f}s: {status}"
+    ]
+    if outcome.trace and (job.kind == "mutant" or problems):
+        lines.append(format_trace(outcome.trace, indent="      "))
+    lines += [f"      !! {problem}" for problem in problems]
+    if problems and (outcome.result == "error" or verbose):
+        lines.append(outcome.output)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only this model or mutant (repeatable, or comma separated)")
     parser.add_argument("--list", action="store_true", help="list the models and mutants and exit")
     parser.add_argument("--workers", type=int, help="TLC workers for models (default: the manifest's)")
+    parser.add_argument("--jobs", type=int, default=2, help="mutants checked at once (default 2)")
     parser.add_argument("--verbose", action="store_true", help="print TLC's whole output of unexpected runs")
     parser.add_argument("--trace", nargs="+", metavar="FILE",
                         help="validate execution traces against the spec (issue 5: not implemented yet)")
@@ -441,50 +469,56 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [job for job in jobs if not wanted or job.name in wanted]
         if args.list:
             for job in jobs:
-                print(f"{job.kind:7} {job.name:28} expect {job.expect:16} {job.summary}")
+                print(f"{job.kind:7} {job.name:32} expect {job.expect:16} {job.summary}")
             return 0
         jar, java = find_jar(), find_java()
+        spec_text = (HERE / SPEC).read_text()
+        for job in jobs:
+            if job.kind == "mutant":
+                mutate(spec_text, job)  # fail early on a stale patch
+            elif args.workers:
+                job.workers = args.workers
     except CheckError as error:
         print(f"check.py: {error}", file=sys.stderr)
         return 2
 
-    rows = []
-    failures = 0
+    results: dict[str, tuple[Outcome, list[str]]] = {}
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="embcache-tla-") as tmp:
-        for number, job in enumerate(jobs, 1):
-            if args.workers and job.kind == "model":
-                job.workers = args.workers
+
+        def run(job: Job) -> tuple[Job, Outcome, list[str]]:
             workdir = Path(tmp) / job.name
             workdir.mkdir()
-            print(f"[{number}/{len(jobs)}] {job.kind} {job.name} (expect {job.expect}) ...", flush=True)
-            try:
-                prepare(job, workdir)
-            except CheckError as error:
-                print(f"check.py: {error}", file=sys.stderr)
-                return 2
+            prepare(job, workdir)
             outcome = check_one(java, jar, job, workdir)
-            problems = verdict(job, outcome)
-            status = "ok" if not problems else "UNEXPECTED"
-            print(f"      {outcome.result}, {outcome.distinct} distinct states, depth {outcome.depth}, "
-                  f"{outcome.seconds:.1f}s: {status}", flush=True)
-            if outcome.trace and (job.kind == "mutant" or problems):
-                print(format_trace(outcome.trace, indent="      "), flush=True)
-            if problems:
-                failures += 1
-                for problem in problems:
-                    print(f"      !! {problem}", flush=True)
-                if outcome.result == "error" or args.verbose:
-                    print(outcome.output, flush=True)
-            rows.append((job, outcome, status))
+            return job, outcome, verdict(job, outcome)
+
+        def done(job: Job, outcome: Outcome, problems: list[str]) -> None:
+            results[job.name] = (outcome, problems)
+            print(report(len(results), len(jobs), job, outcome, problems, args.verbose), flush=True)
+
+        print(f"TLC: {jar}; {len(jobs)} runs", flush=True)
+        for job in (job for job in jobs if job.kind == "model"):  # one at a time: they use all workers
+            print(f"... model {job.name} ({job.summary})", flush=True)
+            done(*run(job))
+        mutants = [job for job in jobs if job.kind == "mutant"]
+        with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            for future in concurrent.futures.as_completed([pool.submit(run, job) for job in mutants]):
+                done(*future.result())
 
     print()
-    print(f"{'model':28} {'kind':7} {'expected':16} {'result':16} {'distinct':>10} {'depth':>6} {'seconds':>8}  status")
-    for job, outcome, status in rows:
-        print(f"{job.name:28} {job.kind:7} {job.expect:16} {outcome.result:16} "
-              f"{outcome.distinct if outcome.distinct is not None else '-':>10} "
-              f"{outcome.depth if outcome.depth is not None else '-':>6} {outcome.seconds:8.1f}  {status}")
-    total = sum(outcome.seconds for _, outcome, _ in rows)
-    print(f"{len(rows)} runs, {failures} unexpected, {total:.0f}s of TLC")
+    print(f"{'model / mutant':32} {'expected':16} {'result':16} {'distinct':>9} {'depth':>6} {'seconds':>8}  status")
+    failures = 0
+    for job in jobs:
+        outcome, problems = results[job.name]
+        failures += bool(problems)
+        expect = job.expect if len(job.expect) <= 16 else job.expect[:13] + "..."
+        result = outcome.result if len(outcome.result) <= 16 else outcome.result[:13] + "..."
+        print(f"{job.name:32} {expect:16} {result:16} "
+              f"{outcome.distinct if outcome.distinct is not None else '-':>9} "
+              f"{outcome.depth if outcome.depth is not None else '-':>6} {outcome.seconds:8.1f}  "
+              f"{'ok' if not problems else 'UNEXPECTED'}")
+    print(f"{len(jobs)} runs, {failures} unexpected, {time.monotonic() - started:.0f}s")
     return 1 if failures else 0
 
 
