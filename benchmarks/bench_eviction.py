@@ -9,15 +9,19 @@ Ours is ``EmbeddingCache`` through its public API: its LRU list holds only evict
 (DESIGN.md), so pinned entries are never looked at. The baseline (``ScanLRUCache``, below) is
 the design it replaces: one recency list of every entry, scanned from the head past pinned
 entries until an idle one is found; it uses the same ``RangeAllocator`` and the same payload
-copy, so the difference is the victim search. Both are measured side by side in alternating
-chunks, then measured again after the pinning request closes (none pinned, same N): the target
-is a cost independent of the number of pinned entries.
+copy, so the difference is the victim search. Every configuration is built first (each N with
+half pinned, and the largest N again with none pinned), then timed in chunks that alternate
+over all of them, so that load drift on a shared machine hits them alike; medians. The target,
+a cost independent of the number of pinned entries, is judged twice: at the largest N, the
+cost with N/2 pinned over the cost with none pinned (<= 1.5x), and the cost at the largest N
+over the smallest (<= 3x, the allocator being O(log n)).
 Run from the repository root: python -m benchmarks.bench_eviction [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections import Counter, OrderedDict
@@ -81,43 +85,59 @@ class ScanLRUCache:
 
 
 class Side:
-    """One contender: its fill, its timed operation, and a way to unpin the oldest half."""
+    """One contender in one configuration: its timed operation, and how many per chunk."""
 
-    def __init__(self, op: Callable[[int], None], unpin: Callable[[], None]) -> None:
+    def __init__(self, op: Callable[[int], None], ops: int) -> None:
         self.op = op
-        self.unpin = unpin
+        self.ops = ops
         self.next = 0
+        self.times: list[float] = []
 
-    def chunk(self, ops: int) -> float:
-        """Seconds per operation over ``ops`` operations."""
+    def chunk(self, ops: int | None = None) -> float:
+        """Seconds per operation over ``ops`` (default: its own count) operations."""
+        ops = self.ops if ops is None else ops
         start = time.perf_counter()
         for _ in range(ops):
             self.op(self.next)
             self.next += 1
         return (time.perf_counter() - start) / ops
 
+    def median(self) -> float:
+        return statistics.median(self.times)
 
-def ours_side(cache: EmbeddingCache, entries: int, tensor: torch.Tensor) -> Side:
+
+def ours_side(
+    stack: contextlib.ExitStack, entries: int, pinned: bool, tensor: torch.Tensor, ops: int
+) -> Side:
+    """A full cache of ``entries``; the oldest half pinned by an open request if ``pinned``."""
+    cache = stack.enter_context(
+        EmbeddingCache(entries * ENTRY_BYTES, alignment=ENTRY_BYTES, pin_memory=False, io_workers=1)
+    )
+    stack.callback(cache.check_invariants)  # runs before the cache closes
     half = entries // 2
-    pinner = cache.request("pinned-oldest-half")
-    insert_all(pinner, [f"old{i}" for i in range(half)], tensor)
-    with cache.request("idle-newer-half") as idle:
-        insert_all(idle, [f"new{i}" for i in range(half, entries)], tensor)
-    assert cache.stats().free_bytes == 0
+    oldest = stack.enter_context(cache.request("oldest-half"))
+    insert_all(oldest, [f"old{i}" for i in range(half)], tensor)
+    if not pinned:
+        oldest.close()
+    with cache.request("newer-half") as newer:
+        insert_all(newer, [f"new{i}" for i in range(half, entries)], tensor)
+    stats = cache.stats()
+    assert stats.free_bytes == 0 and stats.pinned_entries == (half if pinned else 0)
 
     def op(n: int) -> None:
         with cache.request(f"e{n}") as request:
             assert request.insert([f"fresh{n}"], [tensor], publish=False) == [True]
 
-    holder: list[Request] = [pinner]
-    return Side(op, lambda: holder.pop().close())
+    return Side(op, ops)
 
 
-def baseline_side(entries: int, tensor: torch.Tensor) -> Side:
+def baseline_side(entries: int, pinned: bool, tensor: torch.Tensor, ops: int) -> Side:
     cache = ScanLRUCache(entries * ENTRY_BYTES)
     half = entries // 2
     for i in range(half):
         assert cache.insert(f"old{i}", tensor)
+        if not pinned:
+            cache.release(f"old{i}")
     for i in range(half, entries):
         assert cache.insert(f"new{i}", tensor)
         cache.release(f"new{i}")
@@ -127,24 +147,16 @@ def baseline_side(entries: int, tensor: torch.Tensor) -> Side:
         assert cache.insert(key, tensor)
         cache.release(key)
 
-    def unpin() -> None:
-        for i in range(half):
-            cache.release(f"old{i}")
-
-    return Side(op, unpin)
+    return Side(op, ops)
 
 
-def measure(
-    ours: Side, base: Side, ours_ops: int, base_ops: int, chunks: int
-) -> tuple[float, float]:
-    """Median seconds per operation of each, over alternating chunks."""
-    ours.chunk(max(1, ours_ops // 10))  # warm up
-    base.chunk(1)
-    ours_t, base_t = [], []
+def measure(sides: list[Side], chunks: int) -> None:
+    """Chunks alternate over every side (so load drift hits them alike); fills ``times``."""
+    for side in sides:  # warm up
+        side.chunk(max(1, side.ops // 10))
     for _ in range(chunks):
-        ours_t.append(ours.chunk(ours_ops))
-        base_t.append(base.chunk(base_ops))
-    return statistics.median(ours_t), statistics.median(base_t)
+        for side in sides:
+            side.times.append(side.chunk())
 
 
 def _row(
@@ -171,51 +183,50 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     """Per N: us per evicting insert, ours vs the scanning baseline (ratio = speedup); at the
     largest N: cost with N/2 pinned over cost with none pinned; growth over N."""
     sizes = [1_000, 10_000] if quick else [1_000, 10_000, 100_000]
+    largest = sizes[-1]
     tensor = torch.zeros(SHAPE, dtype=torch.bfloat16)
-    rows, ours_at = [], {}
-    for entries in sizes:
-        chunks = 5 if quick else 7
-        ours_ops = 200 if quick else 400  # a steady state: each op's entry becomes idle again
-        # the baseline scans entries/2 pinned entries per op: bound its time per chunk
-        base_ops = max(2, min(ours_ops, (200_000 if quick else 1_000_000) // entries))
-        with EmbeddingCache(
-            entries * ENTRY_BYTES, alignment=ENTRY_BYTES, pin_memory=False, io_workers=1
-        ) as cache:
-            ours, base = ours_side(cache, entries, tensor), baseline_side(entries, tensor)
-            ours_t, base_t = measure(ours, base, ours_ops, base_ops, chunks)
-            ours_at[entries] = ours_t
-            rows.append(
-                _row(
-                    f"evicting insert, {entries} entries, half pinned",
-                    ours_t * 1e6,
-                    base_t * 1e6,
-                    "us/op",
-                    base_t / ours_t,
-                    "",
-                    None,
-                )
+    chunks = 5 if quick else 7
+    ours_ops = 200 if quick else 400  # a steady state: each op's entry becomes idle again
+
+    def base_ops(entries: int) -> int:  # it scans entries/2 pinned entries per op: bound it
+        return max(2, min(ours_ops, (200_000 if quick else 1_000_000) // entries))
+
+    with contextlib.ExitStack() as stack:
+        ours = {n: ours_side(stack, n, True, tensor, ours_ops) for n in sizes}
+        base = {n: baseline_side(n, True, tensor, base_ops(n)) for n in sizes}
+        ours_free = ours_side(stack, largest, False, tensor, ours_ops)
+        base_free = baseline_side(largest, False, tensor, base_ops(largest))
+        measure([*ours.values(), *base.values(), ours_free, base_free], chunks)
+    rows = []
+    for n in sizes:
+        ours_t, base_t = ours[n].median(), base[n].median()
+        rows.append(
+            _row(
+                f"evicting insert, {n} entries, half pinned",
+                ours_t * 1e6,
+                base_t * 1e6,
+                "us/op",
+                base_t / ours_t,
+                "",
+                None,
             )
-            if entries == sizes[-1]:
-                ours.unpin()
-                base.unpin()
-                free_t, base_free_t = measure(ours, base, ours_ops, base_ops, chunks)
-                pinned_over_free = ours_t / free_t
-                rows.append(
-                    _row(
-                        f"evicting insert, {entries} entries, {entries // 2} pinned / 0 pinned",
-                        pinned_over_free,
-                        base_t / base_free_t,
-                        "x",
-                        pinned_over_free,
-                        f"<= {FLAT_PINNED}x",
-                        pinned_over_free <= FLAT_PINNED,
-                    )
-                )
-            cache.check_invariants()
-    growth = ours_at[sizes[-1]] / ours_at[sizes[0]]
+        )
+    pinned_over_free = ours[largest].median() / ours_free.median()
     rows.append(
         _row(
-            f"evicting insert growth {sizes[-1]} vs {sizes[0]} entries",
+            f"evicting insert, {largest} entries, {largest // 2} pinned / 0 pinned",
+            pinned_over_free,
+            base[largest].median() / base_free.median(),
+            "x",
+            pinned_over_free,
+            f"<= {FLAT_PINNED}x",
+            pinned_over_free <= FLAT_PINNED,
+        )
+    )
+    growth = ours[largest].median() / ours[sizes[0]].median()
+    rows.append(
+        _row(
+            f"evicting insert growth {largest} vs {sizes[0]} entries",
             growth,
             None,
             "x",

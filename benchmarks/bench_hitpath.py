@@ -6,13 +6,16 @@ The cache holds N idle READY entries (256 bytes each). Each timed request opens,
 baseline does, per item, what a cache at its barest must: ``dict[key]`` and
 ``OrderedDict.move_to_end(key)`` over the same N keys and the same key sequence. A second,
 informational baseline also builds the same torch view (slice, dtype view, shape view), the
-part of our path that is torch's and not ours. Chunks alternate between contenders; medians.
+part of our path that is torch's and not ours. Every N's cache is built first; then chunks
+alternate over N and contenders (so load drift on a shared machine hits them alike); medians.
+Flat in N is judged as ours at the largest N over ours at the smallest.
 Run from the repository root: python -m benchmarks.bench_hitpath [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
@@ -40,53 +43,67 @@ def _per_item(batches: list[list[Any]], body: Callable[[int, list[Any]], None]) 
     return (time.perf_counter() - start) / (len(batches) * BATCH)
 
 
-def measure(entries: int, requests: int, chunks: int) -> tuple[float, float, float]:
-    """Median seconds per item: ours, bare dict + move, bare dict + move + torch view."""
-    rng = random.Random(entries)
+Body = Callable[[int, list[Any]], None]
+
+
+def contenders(
+    stack: contextlib.ExitStack, entries: int, requests: int
+) -> tuple[tuple[Body, Body, Body], list[list[Item]]]:
+    """Ours (a filled cache of ``entries``), bare dict + move, bare dict + move + torch view;
+    and ``requests`` batches of keys drawn uniformly."""
     items = [Item(f"img{i:08d}", SHAPE, torch.bfloat16) for i in range(entries)]
+    rng = random.Random(entries)
+    batches = [[items[rng.randrange(entries)] for _ in range(BATCH)] for _ in range(requests)]
     source = torch.zeros(SHAPE, dtype=torch.bfloat16)
-    batches = [
-        [items[rng.randrange(entries)] for _ in range(BATCH)] for _ in range(requests * chunks)
-    ]
-    with EmbeddingCache(
-        entries * ENTRY_BYTES, alignment=ENTRY_BYTES, pin_memory=False, io_workers=1
-    ) as cache:
-        with cache.request("fill") as fill:
-            insert_all(fill, [it.key for it in items], source)
-        offsets = {it.key: i * ENTRY_BYTES for i, it in enumerate(items)}
-        table = dict(offsets)
-        recency: OrderedDict[str, int] = OrderedDict(offsets)
-        pool = cache.pool
+    cache = stack.enter_context(
+        EmbeddingCache(entries * ENTRY_BYTES, alignment=ENTRY_BYTES, pin_memory=False, io_workers=1)
+    )
+    stack.callback(cache.check_invariants)
+    with cache.request("fill") as fill:
+        insert_all(fill, [it.key for it in items], source)
+    offsets = {it.key: i * ENTRY_BYTES for i, it in enumerate(items)}
+    table = dict(offsets)
+    recency: OrderedDict[str, int] = OrderedDict(offsets)
+    pool = cache.pool
 
-        def ours(n: int, batch: list[Item]) -> None:
-            with cache.request(f"r{n}") as request:
-                statuses = request.lookup(batch, prefetch=False)
-                views = request.embeddings()
-            assert statuses[0].status is Status.HIT and views[0] is not None
+    def ours(n: int, batch: list[Item]) -> None:
+        with cache.request(f"r{n}") as request:
+            statuses = request.lookup(batch, prefetch=False)
+            views = request.embeddings()
+        assert statuses[0].status is Status.HIT and views[0] is not None
 
-        def bare(_: int, batch: list[Item]) -> None:
-            for item in batch:
-                table[item.key]
-                recency.move_to_end(item.key)
+    def bare(_: int, batch: list[Item]) -> None:
+        for item in batch:
+            table[item.key]
+            recency.move_to_end(item.key)
 
-        def bare_view(_: int, batch: list[Item]) -> None:
-            for item in batch:
-                offset = table[item.key]
-                recency.move_to_end(item.key)
-                pool[offset : offset + ENTRY_BYTES].view(item.dtype).view(item.shape)
+    def bare_view(_: int, batch: list[Item]) -> None:
+        for item in batch:
+            offset = table[item.key]
+            recency.move_to_end(item.key)
+            pool[offset : offset + ENTRY_BYTES].view(item.dtype).view(item.shape)
 
-        contenders = (ours, bare, bare_view)
-        for body in contenders:  # warm up
-            _per_item(batches[:50], body)
-        times: list[list[float]] = [[], [], []]
+    return (ours, bare, bare_view), batches
+
+
+def measure(sizes: list[int], requests: int, chunks: int) -> dict[int, tuple[float, float, float]]:
+    """Median seconds per item for each N: ours, bare dict + move, bare dict + move + view.
+    Every N's cache is built first, then chunks alternate over N and contenders."""
+    with contextlib.ExitStack() as stack:
+        setups = {entries: contenders(stack, entries, requests * chunks) for entries in sizes}
+        times: dict[int, tuple[list[float], ...]] = {entries: ([], [], []) for entries in sizes}
+        for bodies, batches in setups.values():  # warm up
+            for body in bodies:
+                _per_item(batches[:50], body)
         for c in range(chunks):
-            chunk = batches[c * requests : (c + 1) * requests]
-            for i, body in enumerate(contenders):
-                times[i].append(_per_item(chunk, body))
-        cache.check_invariants()
-        assert cache.stats().pinned_entries == 0
-    ours_t, bare_t, view_t = (statistics.median(t) for t in times)
-    return ours_t, bare_t, view_t
+            for entries, (bodies, batches) in setups.items():
+                chunk = batches[c * requests : (c + 1) * requests]
+                for i, body in enumerate(bodies):
+                    times[entries][i].append(_per_item(chunk, body))
+    return {
+        entries: (statistics.median(t[0]), statistics.median(t[1]), statistics.median(t[2]))
+        for entries, t in times.items()
+    }
 
 
 def _row(
@@ -115,8 +132,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     sizes = [1_000, 10_000] if quick else [1_000, 10_000, 100_000]
     requests, chunks = (200, 5) if quick else (1000, 7)
     rows, ours_at = [], {}
-    for entries in sizes:
-        ours_t, bare_t, view_t = measure(entries, requests, chunks)
+    for entries, (ours_t, bare_t, view_t) in measure(sizes, requests, chunks).items():
         ours_at[entries] = ours_t
         ratio = ours_t / bare_t
         rows.append(
