@@ -1,0 +1,402 @@
+"""Run every embcache benchmark in one process and print one table.
+
+    python benchmarks/run.py [--quick] [--json OUT] [--plots DIR] [--markdown OUT] [--only N ...]
+
+Each benchmark measures ours and a baseline side by side in the same run and reports the ratio,
+because these machines are noisy: no row compares against an absolute time. The items are
+those of the benchmark issue:
+
+1. allocator: allocate+free pair vs live blocks, against naive first fit
+2. eviction: an allocation that needs eviction, half the oldest entries pinned, against a
+   recency list scanned from the head
+3. hit path: lookup+pin+view+release per item, against a dict lookup + OrderedDict move
+4. copy: reading 4 MB and 64 MB items out of the pool, against a raw torch copy
+5. fragmentation: the realistic mix against first fit with plain LRU and a paged pool
+6. metadata: bytes per entry at 100k entries (tracemalloc)
+7. mooncake: loads through the cache against raw ``batch_get_into`` (needs ``mooncake_master``
+   on PATH, else the row says skipped)
+8. concurrency: requests/s of the demo workload with 1, 2, 4 and 8 client threads
+
+A row is ``{name, ours, baseline, unit, ratio, target, met}``; ``met`` is None where there is no
+target (or the row was skipped). The ratio reads as its target does: a speedup (baseline /
+ours) for the allocator and eviction, a slowdown (ours / baseline) for the hit path, ours /
+baseline for bandwidths, bytes and counts. Progress goes to stderr. The exit status is 1 if a
+benchmark raised (its row says so), else 0, whatever the numbers: a missed target is a result.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
+
+Row = dict[str, Any]
+ROW_KEYS = ("name", "ours", "baseline", "unit", "ratio", "target", "met")
+
+
+@dataclass
+class Section:
+    """One item of the suite and what it produced."""
+
+    number: int
+    title: str
+    rows: list[Row] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------- the items
+def _allocator(quick: bool) -> list[Row]:
+    from benchmarks import bench_allocator
+
+    return bench_allocator.run(quick)
+
+
+def _eviction(quick: bool) -> list[Row]:
+    from benchmarks import bench_eviction
+
+    return bench_eviction.run(quick)
+
+
+def _hitpath(quick: bool) -> list[Row]:
+    from benchmarks import bench_hitpath
+
+    return bench_hitpath.run(quick)
+
+
+def _copy(quick: bool) -> list[Row]:
+    from benchmarks import bench_copy
+
+    return bench_copy.run(quick)
+
+
+def _fragmentation(quick: bool) -> list[Row]:
+    from benchmarks import bench_fragmentation, bench_paged
+
+    rows = bench_fragmentation.run(quick)
+    for row in rows:  # the issue's target, where the benchmark states none
+        if row["name"].startswith("hit ratio, ") and not row["target"]:
+            row["target"] = ">= baseline"
+            row["met"] = row["ours"] >= row["baseline"]
+    return rows + bench_paged.run(quick, rows)
+
+
+def _metadata(quick: bool) -> list[Row]:
+    from benchmarks import bench_metadata
+
+    return bench_metadata.run(quick)
+
+
+def _mooncake(quick: bool) -> list[Row]:
+    why = None
+    if shutil.which("mooncake_master") is None:
+        why = "mooncake_master not on PATH"
+    else:
+        try:
+            from benchmarks import bench_mooncake
+        except ImportError as exc:  # the mooncake extra, or pytest (its master helper)
+            why = f"cannot import: {exc}"
+    if why is not None:
+        return [skipped("mooncake load vs raw batch_get_into", why, ">= 0.9x raw")]
+    return bench_mooncake.run(quick)
+
+
+def _concurrency(quick: bool) -> list[Row]:
+    from benchmarks import bench_concurrency
+
+    return bench_concurrency.run(quick)
+
+
+ITEMS: list[tuple[int, str, Callable[[bool], list[Row]]]] = [
+    (1, "allocator", _allocator),
+    (2, "eviction", _eviction),
+    (3, "hit path", _hitpath),
+    (4, "copy", _copy),
+    (5, "fragmentation", _fragmentation),
+    (6, "metadata", _metadata),
+    (7, "mooncake", _mooncake),
+    (8, "concurrency", _concurrency),
+]
+
+
+def skipped(name: str, why: str, target: str = "") -> Row:
+    """A row for a benchmark that could not run here."""
+    return {
+        "name": f"{name} (skipped: {why})",
+        "ours": None,
+        "baseline": None,
+        "unit": "",
+        "ratio": None,
+        "target": target,
+        "met": None,
+    }
+
+
+# ---------------------------------------------------------------------------- rows
+def check_row(row: Any) -> None:
+    """Raise ``ValueError`` unless ``row`` is a well-formed result row."""
+    if not isinstance(row, dict) or tuple(sorted(row)) != tuple(sorted(ROW_KEYS)):
+        raise ValueError(f"a row has exactly the keys {ROW_KEYS}: {row!r}")
+    if not isinstance(row["name"], str) or not row["name"]:
+        raise ValueError(f"row name must be a non-empty str: {row!r}")
+    for key in ("ours", "baseline", "ratio"):
+        value = row[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError(f"row {key} must be a number or None: {row!r}")
+        if isinstance(value, float) and math.isnan(value):
+            raise ValueError(f"row {key} is NaN: {row!r}")
+    if not isinstance(row["unit"], str) or not isinstance(row["target"], str):
+        raise ValueError(f"row unit and target must be str: {row!r}")
+    if not any(row["met"] is value for value in (True, False, None)):
+        raise ValueError(f"row met must be True, False or None: {row!r}")
+    if row["met"] is not None and not row["target"]:
+        raise ValueError(f"row met is set but it has no target: {row!r}")
+
+
+def _plain(row: Row) -> Row:
+    """``row`` with numbers as JSON can hold them (an infinite ratio becomes null)."""
+    out: Row = {}
+    for key in ROW_KEYS:
+        value = row[key]
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            out[key] = value
+        elif isinstance(value, int | float):
+            out[key] = float(value) if math.isfinite(value) else None
+        else:
+            out[key] = value
+    return out
+
+
+def _num(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    magnitude = abs(value)
+    if magnitude == 0 or 0.01 <= magnitude < 1e6:
+        return f"{value:.3g}" if magnitude < 10 else f"{value:.1f}"
+    return f"{value:.2e}"
+
+
+def _met(met: bool | None) -> str:
+    return {True: "met", False: "MISSED", None: ""}[met]
+
+
+def table(sections: list[Section]) -> str:
+    """The results as one plain-text table."""
+    head = f"{'#':>2} {'benchmark':58} {'ours':>9} {'baseline':>9} {'unit':>8} {'ratio':>8}  target"
+    lines = [head, "-" * len(head)]
+    for s in sections:
+        for row in s.rows:
+            lines.append(
+                f"{s.number:>2} {row['name'][:58]:58} {_num(row['ours']):>9} "
+                f"{_num(row['baseline']):>9} {row['unit']:>8} {_num(row['ratio']):>8}  "
+                f"{row['target']} {_met(row['met'])}".rstrip()
+            )
+    return "\n".join(lines)
+
+
+def markdown(sections: list[Section], machine: dict[str, str], quick: bool, total: float) -> str:
+    """RESULTS.md: machine, date, the table, and what is missed."""
+    out = [
+        "# embcache benchmark results",
+        "",
+        "Generated by `python benchmarks/run.py"
+        + (" --quick" if quick else "")
+        + " --markdown benchmarks/RESULTS.md`; do not edit by hand. Every row measures ours and "
+        "a baseline side by side in the same run (this machine is shared and noisy, so only the "
+        "ratios mean anything). The ratio reads as its target does: a speedup (baseline / ours) "
+        "for the allocator and eviction, a slowdown (ours / baseline) for the hit path, ours / "
+        "baseline for bandwidths, bytes, counts and percentages. What each benchmark does and "
+        "why is in the docstring of its `benchmarks/bench_*.py`.",
+        "",
+        "## Machine",
+        "",
+    ]
+    out += [f"- {key}: {value}" for key, value in machine.items()]
+    out += [f"- suite wall time: {total:.0f} s" + (" (--quick)" if quick else ""), ""]
+    out += [
+        "## Results",
+        "",
+        "| # | benchmark | ours | baseline | unit | ratio | target | met |",
+        "|---|---|---:|---:|---|---:|---|---|",
+    ]
+    for s in sections:
+        for row in s.rows:
+            met = {True: "met", False: "**MISSED**", None: ""}[row["met"]]
+            out.append(
+                f"| {s.number} | {row['name']} | {_num(row['ours'])} | {_num(row['baseline'])} "
+                f"| {row['unit']} | {_num(row['ratio'])} | {row['target']} | {met} |"
+            )
+    missed = [(s.number, r) for s in sections for r in s.rows if r["met"] is False]
+    errors = [s for s in sections if s.error]
+    out += ["", "## Missed targets", ""]
+    out += [f"- item {n}: {r['name']} ({r['target']})" for n, r in missed] or ["- none"]
+    if errors:
+        out += ["", "## Errors", ""]
+        out += [f"- item {s.number} ({s.title}): {s.error}" for s in errors]
+    out += ["", "## Time per item", ""]
+    out += [f"- {s.number} {s.title}: {s.seconds:.1f} s" for s in sections]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------- the machine
+def _date() -> str:
+    try:
+        return subprocess.run(["date"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return datetime.datetime.now().astimezone().strftime("%a %b %d %H:%M:%S %Z %Y")
+
+
+def machine() -> dict[str, str]:
+    """What the numbers were measured on."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory = ""
+    try:
+        kib = int(Path("/proc/meminfo").read_text().split()[1])
+        memory = f", {kib / 2**20:.0f} GiB memory"
+    except (OSError, ValueError, IndexError):
+        pass
+    load = ""
+    if hasattr(os, "getloadavg"):
+        load = "load average %.1f %.1f %.1f at start" % os.getloadavg()  # noqa: UP031
+    cuda = f"CUDA {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "no CUDA device"
+    info = {
+        "date": _date(),
+        "cpu": f"{cpu}, {os.cpu_count()} logical cores{memory}",
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": f"{torch.__version__}, intra-op threads {torch.get_num_threads()}, {cuda}",
+    }
+    if load:
+        info["load"] = load
+    if os.environ.get("EMBCACHE_LOCK_CHECK", "") not in ("", "0"):
+        info["lock checking"] = (
+            "ON (EMBCACHE_LOCK_CHECK): ours is slowed, numbers not representative"
+        )
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        if commit:
+            info["commit"] = commit
+    except OSError:
+        pass
+    return info
+
+
+# ---------------------------------------------------------------------------- running
+def run_items(
+    quick: bool, only: set[int] | None = None, log: Callable[[str], None] | None = None
+) -> list[Section]:
+    """Run the items (all, or those in ``only``); a benchmark that raises gives an error row."""
+    say = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    chosen = [item for item in ITEMS if only is None or item[0] in only]
+    sections = []
+    for i, (number, title, bench) in enumerate(chosen, 1):
+        say(f"[{i}/{len(chosen)}] {number}. {title} ...")
+        section = Section(number, title)
+        started = time.perf_counter()
+        try:
+            rows = bench(quick)
+            for row in rows:
+                check_row(row)
+            section.rows = rows
+        except Exception as exc:
+            section.error = f"{type(exc).__name__}: {exc}"
+            say(traceback.format_exc())
+            section.rows = [
+                {
+                    "name": f"{title}: ERROR {type(exc).__name__}",
+                    "ours": None,
+                    "baseline": None,
+                    "unit": "",
+                    "ratio": None,
+                    "target": "runs",
+                    "met": False,
+                }
+            ]
+        section.seconds = time.perf_counter() - started
+        missed = sum(r["met"] is False for r in section.rows)
+        say(
+            f"[{i}/{len(chosen)}] {number}. {title}: {len(section.rows)} rows, "
+            f"{missed} missed, {section.seconds:.1f} s"
+        )
+        sections.append(section)
+    return sections
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Run the embcache benchmarks (ours vs a baseline, side by side)."
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (CI: about a minute)")
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write the rows as a JSON list")
+    parser.add_argument("--plots", type=Path, metavar="DIR", help="write PNG plots (matplotlib)")
+    parser.add_argument("--markdown", type=Path, metavar="OUT", help="write RESULTS.md")
+    parser.add_argument(
+        "--only",
+        type=int,
+        nargs="+",
+        metavar="N",
+        choices=range(1, len(ITEMS) + 1),
+        help="run only these items (1-8)",
+    )
+    args = parser.parse_args(argv)
+    if args.plots is not None:
+        from benchmarks import plots
+
+        plots.require_matplotlib()  # fail before an hour of benchmarks, not after
+    info = machine()
+    if "lock checking" in info:
+        print(f"warning: lock checking {info['lock checking']}", file=sys.stderr)
+    started = time.perf_counter()
+    sections = run_items(args.quick, set(args.only) if args.only else None)
+    total = time.perf_counter() - started
+    if hasattr(os, "getloadavg"):
+        info["load"] += ", %.1f %.1f %.1f at end" % os.getloadavg()  # noqa: UP031
+    print(table(sections))
+    print(f"\n{sum(len(s.rows) for s in sections)} rows in {total:.1f} s", file=sys.stderr)
+    rows = [row for s in sections for row in s.rows]
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([_plain(r) for r in rows], indent=1) + "\n")
+    if args.markdown is not None:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown(sections, info, args.quick, total))
+    if args.plots is not None:
+        from benchmarks import plots
+
+        for path in plots.write_plots(sections, args.plots):
+            print(f"plot: {path}", file=sys.stderr)
+    return 1 if any(s.error for s in sections) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
