@@ -6,6 +6,7 @@ Models must pass with the distinct state count the manifest records; mutants
 with the property their header declares.  One table at the end; the exit
 status is non-zero on any unexpected result.  See tla/README.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 SPEC = "EmbeddingCache.tla"
@@ -102,21 +104,23 @@ class Outcome:
     output: str
 
 
-def load_models(manifest: dict) -> list[Job]:
-    jobs = []
-    for name, spec in manifest["models"].items():
-        jobs.append(
+def load_models(manifest: dict[str, Any]) -> list[Job]:
+    """The manifest's models: config, expected result, distinct states, workers."""
+    try:
+        return [
             Job(
                 name=name,
                 kind="model",
-                config=HERE / spec["config"],
-                workers=spec.get("workers", 2),
-                expect="pass",
-                distinct=spec["distinct"],
-                summary=spec.get("summary", ""),
+                config=HERE / model["config"],
+                workers=model.get("workers", 2),
+                expect=model["result"],
+                distinct=model["distinct"],
+                summary=model.get("summary", ""),
             )
-        )
-    return jobs
+            for name, model in manifest["models"].items()
+        ]
+    except KeyError as missing:
+        raise CheckError(f"{MANIFEST}: a model lacks the field {missing}") from None
 
 
 def parse_mutant(path: Path) -> Job:
@@ -173,6 +177,7 @@ def parse_mutant(path: Path) -> Job:
 
 
 def mutate(spec_text: str, job: Job) -> str:
+    """The spec with the mutant's patches applied; each old text must occur exactly once."""
     for old, new in job.patches:
         count = spec_text.count(old)
         if count != 1:
@@ -187,7 +192,9 @@ def mutate(spec_text: str, job: Job) -> str:
 # --------------------------------------------------------------------------- TLC
 
 
-STATES_RE = re.compile(r"([\d,]+) states generated, ([\d,]+) distinct states found, ([\d,]+) states left")
+STATES_RE = re.compile(
+    r"([\d,]+) states generated, ([\d,]+) distinct states found, ([\d,]+) states left"
+)
 DEPTH_RE = re.compile(r"The depth of the complete state graph search is (\d+)")
 INVARIANT_RE = re.compile(r"^Error: Invariant (\w+) is violated", re.M)
 PROPERTY_RE = re.compile(r"^Error: Action property (\w+) is violated", re.M)
@@ -196,6 +203,7 @@ BACK_RE = re.compile(r"^Back to state (\d+)(?:: <(\w+))?")
 
 
 def run_tlc(java: str, jar: Path, job: Job, workdir: Path, config: Path) -> tuple[int, str, float]:
+    """TLC's exit code, output and wall time for one run of MC_MODULE in workdir."""
     metadir = Path(tempfile.mkdtemp(prefix="meta-", dir=workdir))  # fresh, never shared
     cmd = [
         # TLC copies its standard modules to java.io.tmpdir: one per run, or parallel runs collide.
@@ -231,9 +239,16 @@ def parse_trace(output: str) -> list[tuple[str, str]]:
                 continue
             label = m.group(2).strip()  # type: ignore[union-attr]
             action = re.match(r"<(\w+)", label)
-            current = ("Init" if "Initial predicate" in label else action.group(1) if action else label, [])
+            current = (
+                "Init" if "Initial predicate" in label else action.group(1) if action else label,
+                [],
+            )
         elif current is not None:
-            if not line.strip() or line.startswith(("Error", "Finished", "The number")) or STATES_RE.search(line):
+            if (
+                not line.strip()
+                or line.startswith(("Error", "Finished", "The number"))
+                or STATES_RE.search(line)
+            ):
                 steps.append((current[0], "\n".join(current[1])))
                 current = None
             else:
@@ -244,6 +259,7 @@ def parse_trace(output: str) -> list[tuple[str, str]]:
 
 
 def classify(returncode: int, output: str) -> str:
+    """'pass', the violated invariant's name, 'Deadlock', 'Temporal' or 'error'."""
     if "Model checking completed. No error has been found." in output and returncode == 0:
         return "pass"
     m = INVARIANT_RE.search(output) or PROPERTY_RE.search(output)
@@ -257,6 +273,7 @@ def classify(returncode: int, output: str) -> str:
 
 
 def check_one(java: str, jar: Path, job: Job, workdir: Path) -> Outcome:
+    """Run the job and parse what TLC says about it."""
     returncode, output, seconds = run_tlc(java, jar, job, workdir, job.config)
     result = classify(returncode, output)
     if result == "Temporal":
@@ -266,7 +283,11 @@ def check_one(java: str, jar: Path, job: Job, workdir: Path) -> Outcome:
     distinct = int(states[-1][1].replace(",", "")) if states else None
     trace = parse_trace(output) if result not in ("pass", "error") else []
     depth_m = DEPTH_RE.search(output)
-    depth = int(depth_m.group(1)) if depth_m else (len([s for s in trace if not s[0].startswith("Back")]) or None)
+    depth = (
+        int(depth_m.group(1))
+        if depth_m
+        else (len([s for s in trace if not s[0].startswith("Back")]) or None)
+    )
     return Outcome(result, distinct, depth, seconds, trace, output)
 
 
@@ -280,7 +301,7 @@ def attribute_temporal(java: str, jar: Path, job: Job, workdir: Path) -> tuple[s
     seconds = 0.0
     for name in names:
         single = workdir / f"only-{name}.cfg"
-        single.write_text(text[: m.start()] + f"PROPERTY {name}\n" + text[m.end():])  # type: ignore[union-attr]
+        single.write_text(text[: m.start()] + f"PROPERTY {name}\n" + text[m.end() :])  # type: ignore[union-attr]
         returncode, output, took = run_tlc(java, jar, job, workdir, single)
         seconds += took
         if classify(returncode, output) == "Temporal":
@@ -288,29 +309,32 @@ def attribute_temporal(java: str, jar: Path, job: Job, workdir: Path) -> tuple[s
     return ("+".join(violated) or "Temporal"), seconds
 
 
-# --------------------------------------------------------------------------- TLA+ values, for readable traces
+# ----------------------------------------------------- TLA+ values, for readable traces
 
 
-TOKEN_RE = re.compile(r'\s*(<<|>>|\|->|:>|@@|\.\.|"(?:[^"\\]|\\.)*"|-?\d+|[A-Za-z_][\w]*|[\[\](){},])')
+TOKEN_RE = re.compile(
+    r'\s*(<<|>>|\|->|:>|@@|\.\.|"(?:[^"\\]|\\.)*"|-?\d+|[A-Za-z_][\w]*|[\[\](){},])'
+)
 
 
 def tokens(text: str) -> list[str]:
-    out, pos = [], 0
+    out: list[str] = []
+    pos = 0
     text = text.strip()
     while pos < len(text):
         m = TOKEN_RE.match(text, pos)
         if not m:
-            raise ValueError(text[pos:pos + 20])
+            raise ValueError(text[pos : pos + 20])
         out.append(m.group(1))
         pos = m.end()
     return out
 
 
 def parse_value(toks: list[str], i: int = 0) -> tuple[object, int]:
-    """A TLC value: records/functions become dicts, sequences tuples, sets frozensets of str."""
+    """A TLC value: records and functions become dicts, sequences tuples, sets ("set", items)."""
     t = toks[i]
     if t == "[":  # record or function with a record-like domain
-        out: dict = {}
+        out: dict[str, object] = {}
         i += 1
         while toks[i] != "]":
             key = toks[i]
@@ -323,9 +347,9 @@ def parse_value(toks: list[str], i: int = 0) -> tuple[object, int]:
         out = {}
         i += 1
         while toks[i] != ")":
-            key, i = parse_value(toks, i)
+            argument, i = parse_value(toks, i)
             value, i = parse_value(toks, i + 1)
-            out[render(key)] = value
+            out[render(argument)] = value
             if toks[i] == "@@":
                 i += 1
         return out, i + 1
@@ -355,7 +379,7 @@ def render(value: object) -> str:
 
 
 def flatten(value: object, path: str) -> Iterator[tuple[str, object]]:
-    """Leaf paths: a variable's function is indexed (entry[k1]), a record's field dotted (.state)."""
+    """Leaf paths: a variable's function indexed (entry[k1]), a record's field dotted (.state)."""
     if isinstance(value, dict):
         for key, sub in value.items():
             yield from flatten(sub, f"{path}.{key}" if "[" in path else f"{path}[{key}]")
@@ -379,13 +403,23 @@ def state_values(text: str) -> dict[str, object]:
     return out
 
 
+def set_items(value: object) -> tuple[object, ...] | None:
+    """The items of a parsed set, or None if value is not a set."""
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == "set":
+        items: tuple[object, ...] = value[1]
+        return items
+    return None
+
+
 def change(old: object, new: object) -> str:
     """old -> new; for two sets, the elements added and removed."""
-    is_set = lambda v: isinstance(v, tuple) and len(v) == 2 and v[0] == "set"  # noqa: E731
-    if is_set(old) and is_set(new):
-        before = [render(v) for v in old[1]]  # type: ignore[index]
-        after = [render(v) for v in new[1]]  # type: ignore[index]
-        parts = [f"+{v}" for v in after if v not in before] + [f"-{v}" for v in before if v not in after]
+    old_items, new_items = set_items(old), set_items(new)
+    if old_items is not None and new_items is not None:
+        before = [render(v) for v in old_items]
+        after = [render(v) for v in new_items]
+        parts = [f"+{v}" for v in after if v not in before] + [
+            f"-{v}" for v in before if v not in after
+        ]
         return " ".join(parts)
     return f"{render(old)} -> {render(new)}"
 
@@ -416,7 +450,8 @@ def verdict(job: Job, outcome: Outcome) -> list[str]:
     if job.kind == "model" and outcome.result == "pass" and outcome.distinct != job.distinct:
         problems.append(
             f"{outcome.distinct} distinct states, the manifest says {job.distinct}: "
-            "if the change to the state space is intended, update tla/expected.json and tla/README.md"
+            "if the change to the state space is intended, update tla/expected.json and "
+            "tla/README.md"
         )
     return problems
 
@@ -430,11 +465,14 @@ def prepare(job: Job, workdir: Path) -> None:
     shutil.copy(HERE / MC_MODULE, workdir / MC_MODULE)
 
 
-def report(number: int, total: int, job: Job, outcome: Outcome, problems: list[str], verbose: bool) -> str:
+def report(
+    number: int, total: int, job: Job, outcome: Outcome, problems: list[str], verbose: bool
+) -> str:
     status = "ok" if not problems else "UNEXPECTED"
     lines = [
         f"[{number}/{total}] {job.kind} {job.name}: {outcome.result} (expected {job.expect}), "
-        f"{outcome.distinct} distinct states, depth {outcome.depth}, {outcome.seconds:.1f}s: {status}"
+        f"{outcome.distinct} distinct states, depth {outcome.depth}, "
+        f"{outcome.seconds:.1f}s: {status}"
     ]
     if outcome.trace and (job.kind == "mutant" or problems):
         lines.append(format_trace(outcome.trace, indent="      "))
@@ -446,14 +484,27 @@ def report(number: int, total: int, job: Job, outcome: Outcome, problems: list[s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", action="append", default=[], metavar="NAME",
-                        help="run only this model or mutant (repeatable, or comma separated)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this model or mutant (repeatable, or comma separated)",
+    )
     parser.add_argument("--list", action="store_true", help="list the models and mutants and exit")
-    parser.add_argument("--workers", type=int, help="TLC workers for models (default: the manifest's)")
+    parser.add_argument(
+        "--workers", type=int, help="TLC workers for models (default: the manifest's)"
+    )
     parser.add_argument("--jobs", type=int, default=2, help="mutants checked at once (default 2)")
-    parser.add_argument("--verbose", action="store_true", help="print TLC's whole output of unexpected runs")
-    parser.add_argument("--trace", nargs="+", metavar="FILE",
-                        help="validate execution traces against the spec (issue 5: not implemented yet)")
+    parser.add_argument(
+        "--verbose", action="store_true", help="print TLC's whole output of unexpected runs"
+    )
+    parser.add_argument(
+        "--trace",
+        nargs="+",
+        metavar="FILE",
+        help="validate execution traces against the spec (issue 5: not implemented yet)",
+    )
     args = parser.parse_args(argv)
 
     if args.trace:
@@ -498,26 +549,38 @@ def main(argv: list[str] | None = None) -> int:
             print(report(len(results), len(jobs), job, outcome, problems, args.verbose), flush=True)
 
         print(f"TLC: {jar}; {len(jobs)} runs", flush=True)
-        for job in (job for job in jobs if job.kind == "model"):  # one at a time: they use all workers
+        for job in (
+            job for job in jobs if job.kind == "model"
+        ):  # one at a time: they use all workers
             print(f"... model {job.name} ({job.summary})", flush=True)
             done(*run(job))
         mutants = [job for job in jobs if job.kind == "mutant"]
         with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-            for future in concurrent.futures.as_completed([pool.submit(run, job) for job in mutants]):
+            for future in concurrent.futures.as_completed(
+                [pool.submit(run, job) for job in mutants]
+            ):
                 done(*future.result())
 
     print()
-    print(f"{'model / mutant':32} {'expected':16} {'result':16} {'distinct':>9} {'depth':>6} {'seconds':>8}  status")
+    rows = [(job, *results[job.name]) for job in jobs]
+    name_w = max(len("model / mutant"), *(len(job.name) for job in jobs))
+    kind_w = max(
+        len("expected"), *(len(job.expect) for job in jobs), *(len(o.result) for _, o, _ in rows)
+    )
+    print(
+        f"{'model / mutant':{name_w}}  {'expected':{kind_w}}  {'result':{kind_w}}  "
+        f"{'distinct':>9}  {'depth':>5}  {'seconds':>7}  status"
+    )
     failures = 0
-    for job in jobs:
-        outcome, problems = results[job.name]
+    for job, outcome, problems in rows:
         failures += bool(problems)
-        expect = job.expect if len(job.expect) <= 16 else job.expect[:13] + "..."
-        result = outcome.result if len(outcome.result) <= 16 else outcome.result[:13] + "..."
-        print(f"{job.name:32} {expect:16} {result:16} "
-              f"{outcome.distinct if outcome.distinct is not None else '-':>9} "
-              f"{outcome.depth if outcome.depth is not None else '-':>6} {outcome.seconds:8.1f}  "
-              f"{'ok' if not problems else 'UNEXPECTED'}")
+        distinct = "-" if outcome.distinct is None else str(outcome.distinct)
+        depth = "-" if outcome.depth is None else str(outcome.depth)
+        status = "ok" if not problems else "UNEXPECTED"
+        print(
+            f"{job.name:{name_w}}  {job.expect:{kind_w}}  {outcome.result:{kind_w}}  "
+            f"{distinct:>9}  {depth:>5}  {outcome.seconds:7.1f}  {status}"
+        )
     print(f"{len(jobs)} runs, {failures} unexpected, {time.monotonic() - started:.0f}s")
     return 1 if failures else 0
 
