@@ -2,8 +2,9 @@
 (***************************************************************************)
 (* The entry lifecycle of embcache: one pool of Units allocation units,    *)
 (* one entry per key, requests that pin and wait, and transfers in flight  *)
-(* that outlive the lock.  The design is ../../shared/DESIGN.md; every     *)
-(* action below has the name of the code's action and trace event.         *)
+(* that outlive the lock.  The design is DESIGN.md; every action below     *)
+(* has the name of the code's action and trace event.  README.md maps each *)
+(* action and invariant to the code and to the reference model.            *)
 (*                                                                         *)
 (* Theory of operation.                                                    *)
 (*  - An entry is a record (state, range off..off+size-1, holders, pins,   *)
@@ -26,7 +27,7 @@
 (*  - Allocation is a contiguous run at an offset the spec chooses among   *)
 (*    the runs the eviction rule allows (see Placements); the victims are  *)
 (*    exactly the entries the run overlaps.                                *)
-(*  - Events of the code that change nothing (a Lookup that misses, a     *)
+(*  - Events of the code that change nothing (a Lookup that misses, a      *)
 (*    BeginLoad without room, a Remove of a doomed or QUARANTINED entry)   *)
 (*    are stuttering steps: Next leaves them out, and LookupIsNoOp,        *)
 (*    BeginLoadFails and RemoveIsNoOp say when each is legal.              *)
@@ -167,9 +168,8 @@ Lookup(r, k) ==
     /\ request[r] = "open"
     /\ r \notin entry[k].holders \cup entry[k].waiters
     /\ ~entry[k].doomed
-    /\ IF entry[k].state = READY THEN Pin(r, k)
-       ELSE IF entry[k].state = LOADING THEN Wait(r, k)
-       ELSE FALSE
+    /\ entry[k].state \in {READY, LOADING}
+    /\ IF entry[k].state = READY THEN Pin(r, k) ELSE Wait(r, k)
 
 \* A store read, a reservation or the copy of a fresh encoder output.  The
 \* code emits one Evict event per victim just before this BeginLoad event.
