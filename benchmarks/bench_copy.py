@@ -46,7 +46,11 @@ def measure(size: int, reps: int, chunks: int) -> tuple[float, float, str]:
     """Median GB/s of ours and of the raw copy, and where the destination lives."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     count = max(2, POOL_BYTES // size)
     items = [
         Item(f"copy-{size}-{i}", (size // 2 // WIDTH, WIDTH), torch.bfloat16) for i in range(count)

@@ -152,7 +152,8 @@ def gather_rows(workload: frag.Workload, reads: int, seed: int = 3) -> list[dict
     destination = torch.empty(pages_for(max(sizes)) * PAGE, dtype=torch.uint8)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as bench_copy: a shared machine makes 2-thread copies erratic
-    ours_rates, paged_rates = [], []
+    ours_rates: list[float] = []
+    paged_rates: list[float] = []
     try:
         for n, size in enumerate(sizes):
             count = pages_for(size)
