@@ -110,9 +110,7 @@ def assert_usable(cache: EmbeddingCache) -> None:
 
 
 # ---------------------------------------------------------------------------- checking on
-def test_allocator_lock_then_cache_lock_is_refused(
-    checking: None, cache: EmbeddingCache
-) -> None:
+def test_allocator_lock_then_cache_lock_is_refused(checking: None, cache: EmbeddingCache) -> None:
     allocator_lock = cache._allocator._lock
     with allocator_lock, pytest.raises(LockOrderError) as caught:
         cache._lock.acquire()
@@ -149,9 +147,8 @@ def test_reentrant_acquisition_is_refused(
     with lock, pytest.raises(LockOrderError) as caught:
         lock.acquire()
     level = 1 if which == "cache" else 2
-    assert (
-        f"taking {which} lock (level {level}) while holding {which} lock (level {level})"
-        in str(caught.value)
+    assert f"taking {which} lock (level {level}) while holding {which} lock (level {level})" in str(
+        caught.value
     )
     assert_usable(cache)
 
@@ -175,9 +172,7 @@ def test_allocator_call_under_its_own_lock_is_refused(
     assert_usable(cache)
 
 
-def test_store_call_under_the_cache_lock_is_refused(
-    checking: None, cache: EmbeddingCache
-) -> None:
+def test_store_call_under_the_cache_lock_is_refused(checking: None, cache: EmbeddingCache) -> None:
     store = cache.store
     assert isinstance(store, ProbeStore)
     store.put_object("k", raw(tensor(3)))
@@ -214,8 +209,9 @@ def test_payload_copy_under_the_cache_lock_is_refused(
 
 def test_wait_under_the_cache_lock_is_refused(checking: None, cache: EmbeddingCache) -> None:
     with cache.request("waiter") as request:
-        with cache._lock, pytest.raises(
-            LockOrderError, match="request wait while holding cache lock"
+        with (
+            cache._lock,
+            pytest.raises(LockOrderError, match="request wait while holding cache lock"),
         ):
             request.wait(0.0)
         assert request.wait(0.0)  # without the lock the same wait is fine
@@ -312,9 +308,7 @@ def test_store_probes_run_with_no_lock_in_every_normal_flow(
 
 
 # ---------------------------------------------------------------------------- checking off
-def test_with_checking_off_violations_raise_nothing(
-    unchecked: None, cache: EmbeddingCache
-) -> None:
+def test_with_checking_off_violations_raise_nothing(unchecked: None, cache: EmbeddingCache) -> None:
     store = cache.store
     assert isinstance(store, ProbeStore)
     with cache._allocator._lock:
