@@ -64,8 +64,8 @@ class Entry:
     size: int  # allocated bytes (rounded up to the alignment)
     from_store: bool  # a store read is (or was) filling it; else a request fills it
     state: EntryState = LOADING
-    holders: set[Holder] = field(default_factory=set)
-    waiters: set[str] = field(default_factory=set)
+    holders: frozenset[Holder] = frozenset()  # immutable values: the empty one costs nothing
+    waiters: frozenset[str] = frozenset()
     filler: str | None = None  # the request that must fill a LOADING entry not from the store
     doomed: bool = False
     tainted: bool = False  # a publish ended UNKNOWN: quarantine when the last pin goes
@@ -402,8 +402,9 @@ class EmbeddingCache:
                             f"{expected.shape} {expected.dtype}"
                         )
             filling: list[tuple[int, Entry]] = []
+            planned: set[str] = set()
             for i, item in enumerate(items):
-                if any(e.key == item.key for _, e in filling):
+                if item.key in planned:
                     continue  # a duplicate key is inserted once
                 if item.key in rs.reserved:
                     filling.append((i, self._entries[item.key]))
@@ -411,6 +412,8 @@ class EmbeddingCache:
                     entry, _ = self._begin_load(rs, item, from_store=False)
                     if entry is not None:
                         filling.append((i, entry))
+                if filling and filling[-1][0] == i:
+                    planned.add(item.key)
         outcomes, error = self._copy_in([(e, tensors[i]) for i, e in filling])
         results = [False] * len(items)
         with self._lock:
@@ -601,7 +604,7 @@ class EmbeddingCache:
         else:
             transition(entry.state, Step.LOOKUP_JOIN)
             if r not in entry.waiters:
-                entry.waiters.add(r)
+                entry.waiters |= {r}
                 rs.waits.add(item.key)
                 self._counts["joins"] += 1
             status = ItemStatus(Status.RESERVED if entry.filler == r else Status.LOADING)
@@ -620,7 +623,7 @@ class EmbeddingCache:
         offset = self._allocate(size)
         if offset is None:
             return self._alloc_failed(rs, item, Reason.NO_SPACE)
-        entry = Entry(item, offset, size, from_store, waiters={rs.request_id})
+        entry = Entry(item, offset, size, from_store, waiters=frozenset({rs.request_id}))
         entry.filler = None if from_store else rs.request_id
         self._entries[item.key] = entry
         self._by_offset[offset] = entry
@@ -679,7 +682,7 @@ class EmbeddingCache:
         entry.state = new_state
         for rs in waiters:
             rs.waits.discard(entry.key)
-        entry.waiters.clear()
+        entry.waiters = frozenset()
         if step is Step.END_LOAD_OK:
             for rs in waiters:
                 self._add_holder(entry, rs.request_id)
@@ -705,7 +708,7 @@ class EmbeddingCache:
         entry = self._entries[key]
         if key in rs.waits:
             transition(entry.state, Step.RELEASE_WAIT)
-            entry.waiters.discard(rs.request_id)
+            entry.waiters -= {rs.request_id}
             rs.waits.discard(key)
         else:
             rs.holds.remove(key)
@@ -719,7 +722,7 @@ class EmbeddingCache:
             elif entry.doomed:
                 plain = Step.RELEASE_LAST_DOOMED
         entry.state = transition(entry.state, plain)
-        entry.holders.remove(holder)
+        entry.holders -= {holder}
         if entry.holders:
             return
         if plain is Step.RELEASE_LAST_DOOMED:
@@ -792,7 +795,7 @@ class EmbeddingCache:
             entry.pinned_since = time.monotonic()
             if self._lru.pop(entry.key, None) is not None:
                 self._evictable_bytes -= entry.size
-        entry.holders.add(holder)
+        entry.holders |= {holder}
 
     def _make_evictable(self, entry: Entry) -> None:
         self._lru[entry.key] = entry
