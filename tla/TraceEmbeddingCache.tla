@@ -1,0 +1,117 @@
+------------------------ MODULE TraceEmbeddingCache -------------------------
+(***************************************************************************)
+(* Trace validation (issue 5): a run of the real cache, recorded by its    *)
+(* trace= hook, is accepted iff it is a behaviour of EmbeddingCache.       *)
+(*                                                                         *)
+(* Traces is a sequence of traces; TLC picks one (t) in the initial state  *)
+(* and then follows it event by event (i: the index of the next event).   *)
+(* Each step takes exactly the spec action the event names, with the       *)
+(* event's parameters, and then checks the entry's post-state that the    *)
+(* code logged (state, range, holders, waiters, publish pin, doomed,       *)
+(* quarantinePending) against the spec's.  The spec's invariants are       *)
+(* checked in every state by the model (see tla/trace.py).  A trace that   *)
+(* the spec cannot follow deadlocks at the first event it cannot explain:  *)
+(* i then names that event.                                                *)
+(*                                                                         *)
+(* tla/trace.py converts a JSON-lines trace into events, records with the  *)
+(* same fields for every event:                                            *)
+(*   a    the action name (the code's and the spec's)                      *)
+(*   r    the request slot (for EndPublish: the slot that published)       *)
+(*   k    the key ("" for none)                                            *)
+(*   n, o the size and offset in units (bytes / alignment)                 *)
+(*   out  the outcome ("" for none)                                        *)
+(*   e    whether the event carries the entry's post-state, then:          *)
+(*   st, h, w, p, d, q   state, holders, waiters, publisher slot, doomed,  *)
+(*        tainted (the spec's quarantinePending)                           *)
+(*   V    BeginLoad: the keys evicted for it (its preceding Evict events)  *)
+(*   Q    Fence: the keys it freed                                         *)
+(*                                                                         *)
+(* The code's Evict events come right before the BeginLoad that needed     *)
+(* them, under the same lock hold.  The spec evicts inside BeginLoad, so   *)
+(* an Evict event is a stuttering step that only checks its victim is      *)
+(* evictable now (in the LRU, at the logged range); the BeginLoad then     *)
+(* takes a placement the spec allows at exactly the logged offset whose    *)
+(* victims are exactly the keys of those Evict events.                     *)
+(*                                                                         *)
+(* The code's no-op events are checked with the spec's own predicates:     *)
+(* LookupIsNoOp, BeginLoadFails and RemoveIsNoOp.                          *)
+(***************************************************************************)
+EXTENDS EmbeddingCache
+
+CONSTANT Traces   \* a sequence of traces, each a sequence of event records
+
+VARIABLES t, i    \* the trace followed, and the index of its next event
+
+traceVars == <<vars, t, i>>
+
+NoOp(P) == P /\ UNCHANGED vars
+
+\* A Lookup that misses on a shape or dtype mismatch is a no-op in any state
+\* (the spec does not model shapes); the trace does not say why it missed.
+LookupMismatch(r, k) == request[r] = "open"
+
+\* The spec action the event names, with its parameters.
+Act(e) ==
+    LET r == e.r
+        k == e.k
+    IN  CASE e.a = "OpenRequest"                -> OpenRequest(r)
+          [] e.a = "CloseRequest"               -> CloseRequest(r)
+          [] e.a = "Lookup" /\ e.out = "MISS"   -> NoOp(LookupIsNoOp(r, k) \/ LookupMismatch(r, k))
+          [] e.a = "Lookup"                     -> Lookup(r, k) \/ NoOp(LookupIsNoOp(r, k))
+          [] e.a = "BeginLoad" /\ e.out = "OK"  -> BeginLoad(r, k, e.n)
+          [] e.a = "BeginLoad"                  -> NoOp(BeginLoadFails(r, k, e.n))
+          [] e.a = "Evict"                      -> NoOp(k \in LruSet)
+          [] e.a = "EndLoad"                    -> EndLoad(k, e.out)
+          [] e.a = "Release"                    -> Release(r, k)
+          [] e.a = "Remove"                     -> Remove(k) \/ NoOp(RemoveIsNoOp(k))
+          [] e.a = "Publish"                    -> Publish(r, k)
+          [] e.a = "EndPublish"                 -> EndPublish(r, k, e.out)
+          [] e.a = "Fence"                      -> Fence(e.Q)
+          [] OTHER                              -> FALSE
+
+\* What the event says beyond the action's parameters: the outcome of a
+\* Lookup, the placement and victims of a BeginLoad, the victim of an Evict.
+Match(e) ==
+    CASE e.a = "Lookup" /\ e.out = "HIT"  -> e.r \in entry'[e.k].holders
+      [] e.a = "Lookup" /\ e.out \in {"LOADING", "RESERVED"} -> e.r \in entry'[e.k].waiters
+      [] e.a = "BeginLoad" /\ e.out = "OK" ->
+             /\ entry'[e.k].off = e.o
+             /\ {j \in Keys : entry[j].state # ABSENT /\ entry'[j].state = ABSENT} = e.V
+      [] e.a = "BeginLoad" /\ e.out = "TOO_LARGE" -> e.n > Units
+      [] e.a = "Evict" -> entry[e.k].off = e.o /\ entry[e.k].size = e.n
+      [] OTHER -> TRUE
+
+\* The entry's post-state as the code logged it.  A freed entry is checked
+\* to be ABSENT (the code's record of it keeps stale fields).
+Post(e) ==
+    e.a # "Evict" /\ e.k # "" =>
+        LET x == entry'[e.k] IN
+        IF ~e.e THEN x.state = ABSENT
+        ELSE /\ x.state = e.st
+             /\ e.st = ABSENT => e.h = {} /\ e.w = {}
+             /\ e.st # ABSENT =>
+                    /\ x.off = e.o /\ x.size = e.n
+                    /\ x.holders = e.h /\ x.waiters = e.w /\ x.publisher = e.p
+                    /\ x.doomed = e.d /\ x.quarantinePending = e.q
+
+Step(e) == Act(e) /\ Match(e) /\ Post(e)
+
+TraceInit == Init /\ t \in DOMAIN Traces /\ i = 1
+
+TraceNext ==
+    \/ /\ i <= Len(Traces[t])
+       /\ Step(Traces[t][i])
+       /\ i' = i + 1
+       /\ t' = t
+    \/ /\ i > Len(Traces[t])     \* the whole trace is explained: stutter
+       /\ UNCHANGED traceVars
+
+-----------------------------------------------------------------------------
+(* Diagnostics, for one rejected trace: which part of the step failed.     *)
+(* Checked as invariants, in this order, after the spec's invariants.      *)
+
+Pending == i <= Len(Traces[t])
+ActionEnabled  == Pending => ENABLED Act(Traces[t][i])
+ActionMatches  == Pending => ENABLED (Act(Traces[t][i]) /\ Match(Traces[t][i]))
+EventExplained == Pending => ENABLED Step(Traces[t][i])
+=============================================================================
