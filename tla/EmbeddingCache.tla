@@ -398,6 +398,17 @@ QuarantineHolds ==
                            /\ entry[k].pins = 0 /\ entry[k].waiters = {}
                            /\ ~entry[k].doomed /\ entry[k].publisher = NoRequest
 
+\* Eviction that respects contiguity, as a property of steps: a step that
+\* starts a load frees only READY entries its new range overlaps (none is
+\* evicted for nothing), and none at all when a free run already fitted.
+NoWastedEviction ==
+    [][\A k \in Keys :
+         entry[k].state = ABSENT /\ entry'[k].state = LOADING =>
+             LET n == entry'[k].size
+                 V == {j \in Keys : entry[j].state = READY /\ entry'[j].state = ABSENT}
+             IN  /\ \A j \in V : Owned(j) \cap Run(entry'[k].off, n) # {}
+                 /\ V # {} => \A o \in 0..(Units - n) : ~(Run(o, n) \subseteq free)]_vars
+
 -----------------------------------------------------------------------------
 (* Liveness, checked under LiveSpec (never with symmetry). *)
 
