@@ -149,15 +149,21 @@ def convert(events: list[dict[str, Any]], name: str = "trace") -> Converted:
         elif victims:
             # Evict events not followed by the BeginLoad that needed them: the first one
             # becomes a step no spec action explains.
-            first = next(j for j in range(len(out) - 1, -1, -1) if out[j]["a"] != "Evict") + 1
-            out[first]["a"] = "EvictWithoutBeginLoad"
+            _orphan_evicts(out)
             victims = set()
         out.append(rec)
         source.append(ev)
     if victims:
-        first = next(j for j in range(len(out) - 1, -1, -1) if out[j]["a"] != "Evict") + 1
-        out[first]["a"] = "EvictWithoutBeginLoad"
+        _orphan_evicts(out)
     return Converted(name, units, batch, out, source, keys, max_slot)
+
+
+def _orphan_evicts(out: list[dict[str, Any]]) -> None:
+    """The trailing run of Evict events has no BeginLoad: its first becomes unexplainable."""
+    first = len(out)
+    while first > 0 and out[first - 1]["a"] == "Evict":
+        first -= 1
+    out[first]["a"] = "EvictWithoutBeginLoad"
 
 
 # ------------------------------------------------------------------------ TLA+ text

@@ -1,0 +1,274 @@
+"""Trace validation: runs of the real cache are behaviours of the TLA+ spec (issue 5).
+
+The TLC runs (``-m tla``) need Java: at least 200 traces of the Hypothesis state machine and of
+threaded runs against a faulty store must all be accepted, and a cache with one real bug
+monkeypatched in must produce a trace that is rejected at the buggy event. The conversion tests
+at the end need neither Java nor TLC.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from embcache import EmbeddingCache, Fault, InProcessStore, Item
+from embcache import cache as cache_module
+from embcache.trace import TraceLog
+
+TLA = Path(__file__).resolve().parents[2] / "tla"
+ALIGN = 256
+
+
+def _load_trace() -> ModuleType:
+    if "tla_trace" in sys.modules:
+        return sys.modules["tla_trace"]
+    spec = importlib.util.spec_from_file_location("tla_trace", TLA / "trace.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+trace_mod = _load_trace()
+
+
+# ------------------------------------------------------------------ all traces accepted
+
+
+@pytest.mark.tla
+@pytest.mark.timeout(600)
+def test_generated_traces_are_behaviours_of_the_spec(tmp_path: Path) -> None:
+    from tests import tracegen
+
+    paths = tracegen.write(tracegen.machine_traces(150), tmp_path, "machine")
+    paths += tracegen.write([tracegen.threaded_trace(s) for s in range(50)], tmp_path, "threaded")
+    assert len(paths) >= 200
+    verdicts = trace_mod.validate(paths)
+    rejected = [v.describe() for v in verdicts if not v.accepted]
+    assert not rejected, "\n".join(rejected)
+    assert len(verdicts) == len(paths)
+    assert sum(v.events for v in verdicts) > 20_000  # the threaded traces are long
+
+
+# ------------------------------------------------------------------ teeth: one bug each
+
+
+def item(key: str, units: int = 1) -> Item:
+    return Item(key, (units * ALIGN // 4,), torch.float32)
+
+
+def tensor(it: Item) -> torch.Tensor:
+    return torch.zeros(it.shape, dtype=it.dtype)
+
+
+@pytest.fixture
+def traced() -> Iterator[Callable[..., tuple[EmbeddingCache, TraceLog]]]:
+    caches: list[EmbeddingCache] = []
+
+    def make(units: int, store: InProcessStore | None = None) -> tuple[EmbeddingCache, TraceLog]:
+        log = TraceLog()
+        cache = EmbeddingCache(
+            units * ALIGN, store=store, alignment=ALIGN, max_eviction_batch=2,
+            pin_memory=False, io_workers=1, trace=log,
+        )  # fmt: skip
+        caches.append(cache)
+        return cache, log
+
+    yield make
+    for cache in caches:
+        cache._closed = True  # a buggy cache may be inconsistent: do not drain it
+        cache._io.shutdown(wait=False)
+
+
+def rejected_at(log: TraceLog) -> Any:
+    [verdict] = trace_mod.validate(traces=[("buggy", list(log.events))], workers=1)
+    assert not verdict.accepted, "the spec accepted the trace of a buggy cache"
+    return verdict
+
+
+def first(log: TraceLog, **fields: Any) -> dict[str, Any]:
+    return next(e for e in log.events if all(e.get(k) == v for k, v in fields.items()))
+
+
+def wait_for(log: TraceLog, **fields: Any) -> dict[str, Any]:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if any(all(e.get(k) == v for k, v in fields.items()) for e in list(log.events)):
+            return first(log, **fields)
+        time.sleep(0.01)
+    raise AssertionError(f"no event {fields} in the trace")
+
+
+@pytest.mark.tla
+@pytest.mark.timeout(120)
+def test_evicting_a_pinned_entry_is_rejected_at_the_evict(
+    traced: Callable[..., tuple[EmbeddingCache, TraceLog]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bug: a new pin leaves the entry in the LRU, and eviction does not check pins.
+    def add_holder(self: EmbeddingCache, entry: Any, holder: Any) -> None:
+        entry.holders |= {holder}
+
+    def evict(self: EmbeddingCache, entry: Any) -> None:
+        entry.state = cache_module.ABSENT
+        self._free(entry)
+        self._emit("Evict", None, entry.key, entry)
+
+    monkeypatch.setattr(EmbeddingCache, "_add_holder", add_holder)
+    monkeypatch.setattr(EmbeddingCache, "_evict", evict)
+    cache, log = traced(1)
+    a, b = item("a"), item("b")
+    with cache.request("r1") as r1:
+        r1.insert(["a"], [tensor(a)], publish=False)
+    r2 = cache.request("r2")
+    r2.lookup([a])  # a hit: "a" is pinned by r2 (and, by the bug, still in the LRU)
+    r3 = cache.request("r3")
+    r3.insert(["b"], [tensor(b)], publish=False)  # evicts the pinned "a"
+    verdict = rejected_at(log)
+    assert verdict.seq == first(log, action="Evict", key="a")["seq"], verdict.describe()
+    assert verdict.why == "ActionEnabled", verdict.describe()  # "a" is pinned: not in the LRU
+
+
+@pytest.mark.tla
+@pytest.mark.timeout(120)
+def test_freeing_on_an_unknown_load_is_rejected_at_the_end_load(
+    traced: Callable[..., tuple[EmbeddingCache, TraceLog]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bug: EndLoad(UNKNOWN) frees the range as if FAILED (the write may still land).
+    original = EmbeddingCache._end_load
+    unknown = cache_module.TransferOutcome.UNKNOWN
+
+    def end_load(self: EmbeddingCache, entry: Any, outcome: Any, reason: Any) -> Any:
+        if outcome is not unknown:
+            return original(self, entry, outcome, reason)
+        emit = self._emit
+
+        def emit_unknown(action: str, *args: Any, **kwargs: Any) -> None:
+            emit(action, *args, **{**kwargs, "outcome": unknown.name})
+
+        self._emit = emit_unknown  # type: ignore[method-assign]
+        try:
+            return original(self, entry, cache_module.TransferOutcome.FAILED, reason)
+        finally:
+            del self._emit
+
+    monkeypatch.setattr(EmbeddingCache, "_end_load", end_load)
+    store = InProcessStore(delay_seconds=0.0)
+    x = item("x")
+    store.put_object("x", bytes(x.nbytes))
+    store.inject("x", Fault.UNKNOWN)
+    cache, log = traced(2, store)
+    with cache.request("r1") as r1:
+        r1.lookup([x])
+        assert r1.wait(timeout=10)
+    event = first(log, action="EndLoad", key="x")
+    assert event["outcome"] == "UNKNOWN" and event["state"] == "ABSENT"
+    verdict = rejected_at(log)
+    assert verdict.seq == event["seq"], verdict.describe()
+    assert verdict.why == "EventExplained", verdict.describe()  # QUARANTINED, not ABSENT
+
+
+@pytest.mark.tla
+@pytest.mark.timeout(120)
+def test_skipping_the_waiter_hand_off_is_rejected_at_the_end_load(
+    traced: Callable[..., tuple[EmbeddingCache, TraceLog]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bug: EndLoad(OK) makes the entry READY but does not pin its waiters (they are
+    # dropped), so it is evictable before they read it.
+    original = EmbeddingCache._end_load
+    ok = cache_module.TransferOutcome.OK
+
+    def end_load(self: EmbeddingCache, entry: Any, outcome: Any, reason: Any) -> Any:
+        if outcome is ok and not entry.doomed:
+            for r in entry.waiters:
+                self._requests[r].waits.discard(entry.key)
+            entry.waiters = frozenset()
+        return original(self, entry, outcome, reason)
+
+    monkeypatch.setattr(EmbeddingCache, "_end_load", end_load)
+    store = InProcessStore(delay_seconds=0.0)
+    x = item("x")
+    store.put_object("x", bytes(x.nbytes))
+    cache, log = traced(2, store)
+    with cache.request("r1") as r1:
+        r1.lookup([x])
+        r1.wait(timeout=0.2)  # the bug forgets to wake r1 too
+        event = wait_for(log, action="EndLoad", key="x")
+    assert event["outcome"] == "OK" and event["holders"] == []
+    verdict = rejected_at(log)
+    assert verdict.seq == event["seq"], verdict.describe()
+    assert verdict.why == "EventExplained", verdict.describe()  # holders {r1}, not {}
+
+
+# ------------------------------------------------------------------ conversion (no TLC)
+
+
+def test_conversion_maps_requests_to_slots_and_bytes_to_units() -> None:
+    events: list[dict[str, Any]] = [
+        {"seq": 1, "action": "Init", "capacity": 1024, "alignment": 256,
+         "max_eviction_batch": 2, "enable_eviction": True, "request": None, "key": None},
+        {"seq": 2, "action": "OpenRequest", "request": "a", "key": None, "outcome": None},
+        {"seq": 3, "action": "OpenRequest", "request": "b", "key": None, "outcome": None},
+        {"seq": 4, "action": "CloseRequest", "request": "a", "key": None, "outcome": None},
+        {"seq": 5, "action": "OpenRequest", "request": "c", "key": None, "outcome": None},
+        {"seq": 6, "action": "Evict", "request": None, "key": "k1", "outcome": None,
+         "size": 256, "offset": 512, "state": "ABSENT", "holders": [], "waiters": [],
+         "doomed": False, "tainted": False},
+        {"seq": 7, "action": "BeginLoad", "request": "c", "key": "k2", "outcome": "OK",
+         "size": 512, "offset": 512, "state": "LOADING", "holders": [], "waiters": ["c"],
+         "doomed": False, "tainted": False},
+        {"seq": 8, "action": "BeginLoad", "request": "b", "key": "k3", "outcome": "NO_SPACE",
+         "size": 300},
+    ]  # fmt: skip
+    converted = trace_mod.convert(events, "t")
+    assert (converted.units, converted.batch, converted.slots) == (4, 2, 2)
+    slots = [e["r"] for e in converted.events[:4]]
+    assert slots == [1, 2, 1, 1]  # "c" reuses the slot "a" gave back
+    load = converted.events[5]
+    assert (load["n"], load["o"], load["V"], load["w"]) == (2, 2, {"k1"}, {1})
+    assert converted.events[6]["n"] == 2  # 300 bytes ask for two units
+    text, order = trace_mod.module_text("M", [converted])
+    assert order == [(4, 2)] and "INSTANCE TraceEmbeddingCache" in text
+
+
+def test_an_evict_without_its_begin_load_is_not_explained() -> None:
+    events: list[dict[str, Any]] = [
+        {"seq": 1, "action": "Init", "capacity": 512, "alignment": 256,
+         "max_eviction_batch": 1, "enable_eviction": True},
+        {"seq": 2, "action": "Evict", "request": None, "key": "k", "size": 256, "offset": 0,
+         "state": "ABSENT", "holders": [], "waiters": [], "doomed": False, "tainted": False},
+        {"seq": 3, "action": "Fence", "request": None, "key": None, "keys": []},
+    ]  # fmt: skip
+    converted = trace_mod.convert(events, "t")
+    assert [e["a"] for e in converted.events] == ["EvictWithoutBeginLoad", "Fence"]
+
+
+def test_a_publish_pin_keeps_the_slot_of_its_closed_request() -> None:
+    entry = {"size": 256, "offset": 0, "state": "READY", "waiters": [], "doomed": False,
+             "tainted": False}  # fmt: skip
+    events: list[dict[str, Any]] = [
+        {"seq": 1, "action": "Init", "capacity": 512, "alignment": 256,
+         "max_eviction_batch": 1, "enable_eviction": True},
+        {"seq": 2, "action": "OpenRequest", "request": "a", "key": None},
+        {"seq": 3, "action": "Publish", "request": "a", "key": "k", **entry,
+         "holders": ["a", "publish:a"]},
+        {"seq": 4, "action": "Release", "request": "a", "key": "k", **entry,
+         "holders": ["publish:a"]},
+        {"seq": 5, "action": "CloseRequest", "request": "a", "key": None},
+        {"seq": 6, "action": "OpenRequest", "request": "b", "key": None},
+        {"seq": 7, "action": "EndPublish", "request": "a", "key": "k", "outcome": "OK",
+         **entry, "holders": []},
+    ]  # fmt: skip
+    converted = trace_mod.convert(events, "t")
+    publish, release, end = converted.events[1], converted.events[2], converted.events[5]
+    assert (publish["h"], publish["p"]) == ({1}, 1)
+    assert (release["h"], release["p"]) == (set(), 1)
+    assert (end["r"], end["p"]) == (1, trace_mod.NO_REQUEST)
