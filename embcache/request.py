@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from embcache.errors import InvalidTypeError
+from embcache.errors import InvalidArgumentError, InvalidTypeError
 from embcache.item import Item
 from embcache.status import ItemStatus, Reason
 
@@ -50,11 +50,11 @@ class Request:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every load this request waits on has ended; False on timeout."""
-        return self._cache._wait(self._state, timeout)
+        return self._cache._wait(self._state, _check_timeout(timeout))
 
     async def wait_async(self, timeout: float | None = None) -> bool:
         """``wait`` for asyncio callers; does not block the event loop."""
-        return await self._cache._wait_async(self._state, timeout)
+        return await self._cache._wait_async(self._state, _check_timeout(timeout))
 
     def embeddings(self) -> list[torch.Tensor | None]:
         """Zero-copy views (shape and dtype of each item) valid until the request ends; None
@@ -96,3 +96,13 @@ class Request:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _check_timeout(timeout: object) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise InvalidTypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    if timeout < 0:
+        raise InvalidArgumentError(f"timeout must be >= 0 seconds, got {timeout}")
+    return float(timeout)

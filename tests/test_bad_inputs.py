@@ -343,10 +343,6 @@ CATALOGUE: dict[str, Row | Any] = {
         lambda w: w.holder.wait("soon"),  # type: ignore[arg-type]
         InvalidTypeError,
         "timeout",
-        marks=bug(
-            "Request.wait/wait_async do not check the timeout: wait('soon') returns True when "
-            "nothing is pending and raises a bare TypeError when something is"
-        ),
     ),
     "closed request: lookup": (
         lambda w: w.closed_request.lookup([SLOT]),
@@ -419,10 +415,6 @@ CATALOGUE: dict[str, Row | Any] = {
         lambda w: w.store.register_buffer(torch.zeros(4096, dtype=torch.uint8)),
         InvalidArgumentError,
         "already registered",
-        marks=bug(
-            "InProcessStore.register_buffer replaces the registered pool: a second cache on "
-            "the same store makes the first one's loads write into the second's pool"
-        ),
     ),
     "InProcessStore: lengths differ": (
         lambda w: w.store.get_into(["idle"], [0, 256], [1024]),

@@ -1119,7 +1119,7 @@ def setup(make_cache: Callable[..., EmbeddingCache]) -> Iterator[Setup]:
     filler.lookup([Item("reserved", (16, 16), torch.float32)], reserve_misses=True)
     closed_request = cache.request("closed")
     closed_request.close()
-    closed_cache = make_cache()
+    closed_cache = make_cache(store=InProcessStore())
     stale = closed_cache.request("stale")
     closed_cache.close()
     yield Setup(cache, trace, holder, filler, closed_request, closed_cache, stale)

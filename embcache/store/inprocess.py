@@ -90,6 +90,10 @@ class InProcessStore:
         """Register the pool (a contiguous uint8 CPU tensor)."""
         if buffer.dtype is not torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
             raise InvalidArgumentError("register a contiguous 1-D uint8 tensor")
+        if self._pool is not None and self._pool is not buffer:
+            raise InvalidArgumentError(
+                "a pool is already registered with this InProcessStore: give each cache its own"
+            )
         self._pool = buffer
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
