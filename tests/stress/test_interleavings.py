@@ -14,9 +14,10 @@ is reported as a deadlock, with the schedule.
 then every schedule that deviates from it once, then every one that deviates twice
 (delay-bounded search; a deviation is a preemption, a timeout, or another pick than the first
 when a thread blocks or ends). Each level runs in a seeded random order, so the per-scenario
-limit (``EMBCACHE_INTERLEAVING_LIMIT``, default 150) cuts the last level to a uniform sample;
-a large limit runs every schedule within two deviations (about 15,000 in all, two minutes).
-The scenarios with at most 150 such schedules run completely in CI.
+limit (``EMBCACHE_INTERLEAVING_LIMIT``, default 150) cuts the last level to a uniform sample.
+With a large limit every schedule within two deviations runs: about 12,000 for all scenarios
+but the fence one (under a minute), which alone has more than 40,000. The two scenarios with
+at most 150 such schedules run completely in CI.
 
 Why not ``frontrun`` (which installs and runs on Python 3.11): its opcode-level exploration
 did not find the stale wake-up bug fixed in 3dfca44 (``_signal`` set ``done`` after releasing
