@@ -4,14 +4,15 @@ Each row calls one public API with one bad input and names the exact ``embcache.
 and a fragment of the message it must raise. Around every row the test checks that nothing
 changed: the cache's ``stats()`` (but ``oldest_pin_age_s``), every entry's state, what the
 requests hold, the allocator's blocks, the store's objects, calls and registered pool, and that
-``check_invariants()`` holds before and after. Rows that fail today because of a bug are
-strict xfails naming the bug (remove the mark with the fix). ``tests/test_cache.py`` and
+``check_invariants()`` holds before and after. ``tests/test_cache.py`` and
 ``tests/test_allocator.py`` keep their own narrower bad-input tests; this file is the catalogue.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import math
 import subprocess
 import sys
 import time
@@ -53,7 +54,8 @@ class Encoder:
 
 @dataclasses.dataclass
 class World:
-    """A cache with an idle, a held and a reserved entry; a closed request, a closed cache and
+    """A cache with an idle, a held and a reserved entry (and a request waiting on it); a closed
+    request, a closed cache and
     a request opened on it before it closed; an allocator with live blocks; a pipeline; a
     closed store."""
 
@@ -61,6 +63,7 @@ class World:
     store: InProcessStore
     holder: Request
     filler: Request
+    waiter: Request
     closed_request: Request
     closed_cache: EmbeddingCache
     stale: Request
@@ -79,6 +82,7 @@ def snapshot(w: World) -> tuple[Any, ...]:
         [w.cache.entry_state(k) for k in KEYS],
         w.holder.fallback_mask().tolist(),
         w.filler.fallback_mask().tolist(),
+        w.waiter.fallback_mask().tolist(),
         w.allocator.allocations(),
         w.allocator.free_blocks(),
         dict(w.store.calls),
@@ -106,6 +110,8 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     holder.lookup([SLOT])
     filler = cache.request("filler")
     filler.lookup([Item("reserved", (16, 16), torch.float32)], reserve_misses=True)
+    waiter = cache.request("waiter")
+    waiter.lookup([Item("reserved", (16, 16), torch.float32)])
     closed_request = cache.request("closed")
     closed_request.close()
     closed_cache = EmbeddingCache(4096, pin_memory=False)
@@ -126,6 +132,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
         store,
         holder,
         filler,
+        waiter,
         closed_request,
         closed_cache,
         stale,
@@ -134,17 +141,18 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
         closed_store,
     )
     yield w
-    for request in (holder, filler, stale):
+    for request in (holder, filler, waiter, stale):
         request.close()
     cache.close()
 
 
-def bug(reason: str) -> Any:
+def bug(reason: str) -> pytest.MarkDecorator:
+    """The mark of a row that fails today because of ``reason`` (drop it with the fix)."""
     return pytest.mark.xfail(strict=True, reason=f"bug: {reason}")
 
 
 Row = tuple[Callable[[World], object], type[EmbCacheError], str]
-CATALOGUE: dict[str, Row | Any] = {
+CATALOGUE: dict[str, Row | Any] = {  # Any: a pytest.param row carrying a bug mark
     # ---------------------------------------------------------------- RangeAllocator
     "allocator: zero capacity": (
         lambda w: RangeAllocator(0),
@@ -339,10 +347,26 @@ CATALOGUE: dict[str, Row | Any] = {
         InvalidArgumentError,
         "reserved as",
     ),
-    "wait: a str timeout": pytest.param(
+    "wait: a str timeout": (
         lambda w: w.holder.wait("soon"),  # type: ignore[arg-type]
         InvalidTypeError,
         "timeout",
+    ),
+    "wait: a negative timeout": (
+        lambda w: w.waiter.wait(-1.0),
+        InvalidArgumentError,
+        "timeout must be >= 0 seconds, got -1.0",
+    ),
+    "wait: a NaN timeout": pytest.param(
+        lambda w: w.waiter.wait(math.nan),
+        InvalidArgumentError,
+        "timeout",
+        marks=bug("Request.wait(nan) returns False at once instead of refusing the timeout"),
+    ),
+    "wait_async: a str timeout": (
+        lambda w: asyncio.run(w.waiter.wait_async("soon")),  # type: ignore[arg-type]
+        InvalidTypeError,
+        "timeout must be a number of seconds or None, got 'soon'",
     ),
     "closed request: lookup": (
         lambda w: w.closed_request.lookup([SLOT]),
@@ -411,7 +435,7 @@ CATALOGUE: dict[str, Row | Any] = {
         InvalidArgumentError,
         "contiguous 1-D uint8",
     ),
-    "InProcessStore: register a second pool": pytest.param(
+    "InProcessStore: register a second pool": (
         lambda w: w.store.register_buffer(torch.zeros(4096, dtype=torch.uint8)),
         InvalidArgumentError,
         "already registered",
@@ -538,21 +562,19 @@ CATALOGUE: dict[str, Row | Any] = {
 }
 
 
-def _rows() -> list[Any]:
-    rows = []
-    for name, row in CATALOGUE.items():
-        if hasattr(row, "marks"):  # a pytest.param (a bug row)
-            rows.append(pytest.param(*row.values, id=name, marks=row.marks))
-        else:
-            rows.append(pytest.param(*row, id=name))
-    return rows
-
-
 def test_the_catalogue_has_at_least_30_rows() -> None:
     assert len(CATALOGUE) >= 30
 
 
-@pytest.mark.parametrize(("call", "error", "fragment"), _rows())
+@pytest.mark.parametrize(
+    ("call", "error", "fragment"),
+    [
+        pytest.param(*row.values, marks=row.marks, id=name)
+        if hasattr(row, "marks")  # a pytest.param, i.e. a row with a bug mark
+        else pytest.param(*row, id=name)
+        for name, row in CATALOGUE.items()
+    ],
+)
 def test_bad_input_raises_its_error_and_changes_nothing(
     world: World, call: Callable[[World], object], error: type[EmbCacheError], fragment: str
 ) -> None:
