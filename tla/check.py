@@ -101,6 +101,7 @@ class Outcome:
     distinct: int | None
     depth: int | None
     seconds: float
+    cpu: float
     trace: list[tuple[str, str]]  # (action, state text) per step of a counterexample
     output: str
 
@@ -203,8 +204,18 @@ STATE_RE = re.compile(r"^State (\d+): (.*)$")
 BACK_RE = re.compile(r"^Back to state (\d+)(?:: <(\w+))?")
 
 
-def run_tlc(java: str, jar: Path, job: Job, workdir: Path, config: Path) -> tuple[int, str, float]:
-    """TLC's exit code, output and wall time for one run of MC_MODULE in workdir."""
+@dataclasses.dataclass
+class Run:
+    """One TLC process: exit code, output, wall and CPU seconds."""
+
+    returncode: int
+    output: str
+    seconds: float
+    cpu: float
+
+
+def run_tlc(java: str, jar: Path, job: Job, workdir: Path, config: Path) -> Run:
+    """Run TLC on MC_MODULE in workdir with this config."""
     metadir = Path(tempfile.mkdtemp(prefix="meta-", dir=workdir))  # fresh, never shared
     cmd = [
         # TLC copies its standard modules to java.io.tmpdir: one per run, or parallel runs collide.
@@ -213,10 +224,16 @@ def run_tlc(java: str, jar: Path, job: Job, workdir: Path, config: Path) -> tupl
         "-config", str(config), MC_MODULE,
     ]  # fmt: skip
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert proc.stdout is not None
+    output = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # the CPU time of this run alone, even in parallel
+    proc.returncode = os.waitstatus_to_exitcode(status)
     seconds = time.monotonic() - start
     shutil.rmtree(metadir, ignore_errors=True)
-    return proc.returncode, proc.stdout + proc.stderr, seconds
+    return Run(proc.returncode, output, seconds, usage.ru_utime + usage.ru_stime)
 
 
 def parse_trace(output: str) -> list[tuple[str, str]]:
@@ -275,39 +292,39 @@ def classify(returncode: int, output: str) -> str:
 
 def check_one(java: str, jar: Path, job: Job, workdir: Path) -> Outcome:
     """Run the job and parse what TLC says about it."""
-    returncode, output, seconds = run_tlc(java, jar, job, workdir, job.config)
-    result = classify(returncode, output)
+    run = run_tlc(java, jar, job, workdir, job.config)
+    seconds, cpu = run.seconds, run.cpu
+    result = classify(run.returncode, run.output)
     if result == "Temporal":
-        result, more = attribute_temporal(java, jar, job, workdir)
-        seconds += more
-    states = STATES_RE.findall(output)
+        result, reruns = attribute_temporal(java, jar, job, workdir)
+        seconds += sum(r.seconds for r in reruns)
+        cpu += sum(r.cpu for r in reruns)
+    states = STATES_RE.findall(run.output)
     distinct = int(states[-1][1].replace(",", "")) if states else None
-    trace = parse_trace(output) if result not in ("pass", "error") else []
-    depth_m = DEPTH_RE.search(output)
-    depth = (
-        int(depth_m.group(1))
-        if depth_m
-        else (len([s for s in trace if not s[0].startswith("Back")]) or None)
-    )
-    return Outcome(result, distinct, depth, seconds, trace, output)
+    trace = parse_trace(run.output) if result not in ("pass", "error") else []
+    depth_m = DEPTH_RE.search(run.output)
+    steps = len([s for s in trace if "(back to state" not in s[0]])
+    depth = int(depth_m.group(1)) if depth_m else (steps or None)
+    return Outcome(result, distinct, depth, seconds, cpu, trace, run.output)
 
 
-def attribute_temporal(java: str, jar: Path, job: Job, workdir: Path) -> tuple[str, float]:
+def attribute_temporal(java: str, jar: Path, job: Job, workdir: Path) -> tuple[str, list[Run]]:
     """TLC 2.15 does not name the temporal property it found violated: rerun
     with each property of the config alone and name the ones that fail."""
     text = job.config.read_text()
     m = re.search(r"^PROPERTIES?\b(.*?)(?=^[A-Z]+\b|\Z)", text, re.M | re.S)
-    names = m.group(1).split() if m else []
+    if m is None:
+        return "Temporal", []
     violated = []
-    seconds = 0.0
-    for name in names:
+    reruns = []
+    for name in m.group(1).split():
         single = workdir / f"only-{name}.cfg"
-        single.write_text(text[: m.start()] + f"PROPERTY {name}\n" + text[m.end() :])  # type: ignore[union-attr]
-        returncode, output, took = run_tlc(java, jar, job, workdir, single)
-        seconds += took
-        if classify(returncode, output) == "Temporal":
+        single.write_text(text[: m.start()] + f"PROPERTY {name}\n" + text[m.end() :])
+        run = run_tlc(java, jar, job, workdir, single)
+        reruns.append(run)
+        if classify(run.returncode, run.output) == "Temporal":
             violated.append(name)
-    return ("+".join(violated) or "Temporal"), seconds
+    return ("+".join(violated) or "Temporal"), reruns
 
 
 # ----------------------------------------------------- TLA+ values, for readable traces
@@ -473,7 +490,7 @@ def report(
     lines = [
         f"[{number}/{total}] {job.kind} {job.name}: {outcome.result} (expected {job.expect}), "
         f"{outcome.distinct} distinct states, depth {outcome.depth}, "
-        f"{outcome.seconds:.1f}s: {status}"
+        f"{outcome.seconds:.1f}s ({outcome.cpu:.1f}s CPU): {status}"
     ]
     if outcome.trace and (job.kind == "mutant" or problems):
         lines.append(format_trace(outcome.trace, indent="      "))
@@ -573,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'model / mutant':{name_w}}  {'expected':{kind_w}}  {'result':{kind_w}}  "
-        f"{'distinct':>9}  {'depth':>5}  {'seconds':>7}  status"
+        f"{'distinct':>9}  {'depth':>5}  {'seconds':>7}  {'CPU s':>7}  status"
     )
     failures = 0
     for job, outcome, problems in rows:
@@ -583,9 +600,13 @@ def main(argv: list[str] | None = None) -> int:
         status = "ok" if not problems else "UNEXPECTED"
         print(
             f"{job.name:{name_w}}  {job.expect:{kind_w}}  {outcome.result:{kind_w}}  "
-            f"{distinct:>9}  {depth:>5}  {outcome.seconds:7.1f}  {status}"
+            f"{distinct:>9}  {depth:>5}  {outcome.seconds:7.1f}  {outcome.cpu:7.1f}  {status}"
         )
-    print(f"{len(jobs)} runs, {failures} unexpected, {time.monotonic() - started:.0f}s")
+    cpu = sum(outcome.cpu for _, outcome, _ in rows)
+    print(
+        f"{len(jobs)} runs, {failures} unexpected, {time.monotonic() - started:.0f}s "
+        f"({cpu:.0f}s CPU)"
+    )
     return 1 if failures else 0
 
 

@@ -81,10 +81,10 @@ def test_tlc_output_is_read_into_a_trace_of_actions() -> None:
 
 def test_a_wrong_property_or_state_count_is_unexpected() -> None:
     mutant = check.Job("m", "mutant", TLA / "models" / "Small.cfg", 1, "NoUseAfterFree")
-    other = check.Outcome("PinsExact", 40, 5, 1.0, [], "")
+    other = check.Outcome("PinsExact", 40, 5, 1.0, 1.0, [], "")
     assert check.verdict(mutant, other)
-    accepted = check.Outcome("pass", 11668, 20, 1.0, [], "")
+    accepted = check.Outcome("pass", 11668, 20, 1.0, 1.0, [], "")
     assert check.verdict(mutant, accepted)
     model = check.Job("M", "model", TLA / "models" / "Small.cfg", 2, "pass", distinct=11668)
     assert not check.verdict(model, accepted)
-    assert check.verdict(model, check.Outcome("pass", 11669, 20, 1.0, [], ""))
+    assert check.verdict(model, check.Outcome("pass", 11669, 20, 1.0, 1.0, [], ""))
