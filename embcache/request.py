@@ -9,6 +9,7 @@ concurrently against one cache.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -103,6 +104,6 @@ def _check_timeout(timeout: object) -> float | None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         raise InvalidTypeError(f"timeout must be a number of seconds or None, got {timeout!r}")
-    if timeout < 0:
+    if math.isnan(timeout) or timeout < 0:
         raise InvalidArgumentError(f"timeout must be >= 0 seconds, got {timeout}")
-    return float(timeout)
+    return None if math.isinf(timeout) else float(timeout)

@@ -1368,3 +1368,17 @@ def test_concurrent_requests_serve_only_stored_bytes(
     assert not any(thread.is_alive() for thread in threads)
     assert not errors, errors
     assert_clean(cache)
+
+
+def test_wait_with_an_infinite_timeout_waits_until_the_load_ends(
+    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+) -> None:
+    cache = make_cache()
+    store.put_object("A", raw(slot(1)))
+    store.inject("A", Fault.HOLD)
+    with cache.request("r") as request:
+        assert request.lookup([slot_item("A")])[0].status is Status.LOADING
+        threading.Timer(0.05, store.release_holds).start()
+        assert request.wait(timeout=float("inf"))
+        assert request.fallback_mask().tolist() == [0]
+    assert_clean(cache)
