@@ -5,6 +5,8 @@
 (*                                                                         *)
 (* Traces is a sequence of traces; TLC picks one (t) in the initial state  *)
 (* and then follows it event by event (i: the index of the next event).   *)
+(* A trace is a sequence of indices into Events, the distinct event       *)
+(* records (many events repeat: TLC parses a short module much faster).   *)
 (* Each step takes exactly the spec action the event names, with the       *)
 (* event's parameters, and then checks the entry's post-state that the    *)
 (* code logged (state, range, holders, waiters, publish pin, doomed,       *)
@@ -14,7 +16,7 @@
 (* i then names that event.                                                *)
 (*                                                                         *)
 (* tla/trace.py converts a JSON-lines trace into events, records with the  *)
-(* same fields for every event:                                            *)
+(* same fields for every event (the code's seq stays with tla/trace.py):   *)
 (*   a    the action name (the code's and the spec's)                      *)
 (*   r    the request slot (for EndPublish: the slot that published)       *)
 (*   k    the key ("" for none)                                            *)
@@ -38,7 +40,9 @@
 (***************************************************************************)
 EXTENDS EmbeddingCache
 
-CONSTANT Traces   \* a sequence of traces, each a sequence of event records
+CONSTANTS
+    Events,  \* the distinct event records
+    Traces   \* a sequence of traces, each a sequence of indices into Events
 
 VARIABLES t, i    \* the trace followed, and the index of its next event
 
@@ -100,7 +104,7 @@ TraceInit == Init /\ t \in DOMAIN Traces /\ i = 1
 
 TraceNext ==
     \/ /\ i <= Len(Traces[t])
-       /\ Step(Traces[t][i])
+       /\ Step(Events[Traces[t][i]])
        /\ i' = i + 1
        /\ t' = t
     \/ /\ i > Len(Traces[t])     \* the whole trace is explained: stutter
@@ -111,7 +115,8 @@ TraceNext ==
 (* Checked as invariants, in this order, after the spec's invariants.      *)
 
 Pending == i <= Len(Traces[t])
-ActionEnabled  == Pending => ENABLED Act(Traces[t][i])
-ActionMatches  == Pending => ENABLED (Act(Traces[t][i]) /\ Match(Traces[t][i]))
-EventExplained == Pending => ENABLED Step(Traces[t][i])
+NextEvent == Events[Traces[t][i]]
+ActionEnabled  == Pending => ENABLED Act(NextEvent)
+ActionMatches  == Pending => ENABLED (Act(NextEvent) /\ Match(NextEvent))
+EventExplained == Pending => ENABLED Step(NextEvent)
 =============================================================================

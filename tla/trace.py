@@ -205,16 +205,23 @@ def module_text(name: str, traces: list[Converted]) -> tuple[str, list[tuple[int
         f"K == {tla(keys)}",
     ]
     order = list(groups)
+    table: dict[str, int] = {}  # distinct event records (seq left out), numbered from 1
+
+    def index(event: dict[str, Any]) -> str:
+        return str(table.setdefault(tla({k: v for k, v in event.items() if k != "seq"}),
+                                    len(table) + 1))  # fmt: skip
+
     for number, (units, batch) in enumerate(order, 1):
         lines.append(f"T{number} == <<")
-        lines.append(",\n".join("<<" + ",\n".join(tla(e) for e in tr.events) + ">>"
+        lines.append(",\n".join("<<" + ",".join(index(e) for e in tr.events) + ">>"
                                 for tr in groups[(units, batch)]))  # fmt: skip
         lines.append(">>")
         lines.append(
             f"G{number} == INSTANCE TraceEmbeddingCache WITH Units <- {units}, Keys <- K, "
             f"Requests <- 0..{slots}, Sizes <- {{}}, MaxEvictionBatch <- {batch}, "
-            f"NoRequest <- {NO_REQUEST}, Traces <- T{number}"
+            f"NoRequest <- {NO_REQUEST}, Events <- E, Traces <- T{number}"
         )
+    lines.insert(6, "E == <<" + ",\n".join(table) + ">>")
     n = len(order)
     inits = " \\/ ".join(f"(g = {j} /\\ G{j}!TraceInit)" for j in range(1, n + 1))
     lines.append(f"Init == {inits}")
