@@ -27,6 +27,7 @@
 (*        tainted (the spec's quarantinePending)                           *)
 (*   V    BeginLoad: the keys evicted for it (its preceding Evict events)  *)
 (*   Q    Fence: the keys it freed                                         *)
+(*   x    diagnostics only: take the step whatever the logged post-state   *)
 (*                                                                         *)
 (* The code's Evict events come right before the BeginLoad that needed     *)
 (* them, under the same lock hold.  The spec evicts inside BeginLoad, so   *)
@@ -88,7 +89,7 @@ Match(e) ==
 \* The entry's post-state as the code logged it.  A freed entry is checked
 \* to be ABSENT (the code's record of it keeps stale fields).
 Post(e) ==
-    e.a # "Evict" /\ e.k # "" =>
+    ~e.x /\ e.a # "Evict" /\ e.k # "" =>
         LET x == entry'[e.k] IN
         IF ~e.e THEN x.state = ABSENT
         ELSE /\ x.state = e.st
@@ -119,4 +120,6 @@ NextEvent == Events[Traces[t][i]]
 ActionEnabled  == Pending => ENABLED Act(NextEvent)
 ActionMatches  == Pending => ENABLED (Act(NextEvent) /\ Match(NextEvent))
 EventExplained == Pending => ENABLED Step(NextEvent)
+\* With x set on the event whose post-state differs: the spec's post-state.
+BeforeLaxEvent == i > 1 => ~Events[Traces[t][i - 1]].x
 =============================================================================

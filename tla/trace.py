@@ -42,7 +42,7 @@ INVARIANTS = [
     "TypeOK", "NoOverlap", "Accounting", "PinsExact", "NoUseAfterFree", "EvictableExact",
     "DoomedIsBusy", "QuarantineHolds",
 ]  # fmt: skip
-DIAGNOSTICS = ["ActionEnabled", "ActionMatches", "EventExplained"]
+DIAGNOSTICS = ["ActionEnabled", "ActionMatches", "EventExplained", "BeforeLaxEvent"]
 JVM_OPTS = ["-XX:+UseParallelGC", "-Xss64m"]
 NO_REQUEST = -1  # the spec's NoRequest; slot 0 is never opened (ids that are not open)
 
@@ -75,6 +75,7 @@ class Converted:
     batch: int  # MaxEvictionBatch: 0 when eviction is disabled
     events: list[dict[str, Any]]  # TLA+ event records (see TraceEmbeddingCache.tla)
     source: list[dict[str, Any]]  # the code's event for each record
+    names: list[dict[str, int]]  # per record: the slots of the request ids its event names
     keys: set[str]
     slots: int  # request slots used
 
@@ -93,6 +94,7 @@ def convert(events: list[dict[str, Any]], name: str = "trace") -> Converted:
     keys: set[str] = set()
     out: list[dict[str, Any]] = []
     source: list[dict[str, Any]] = []
+    names: list[dict[str, int]] = []
     victims: set[str] = set()
     max_slot = 0
 
@@ -114,6 +116,7 @@ def convert(events: list[dict[str, Any]], name: str = "trace") -> Converted:
             "out": ev.get("outcome") or "", "e": "state" in ev, "st": ev.get("state", ""),
             "h": set(), "w": set(), "p": NO_REQUEST, "d": bool(ev.get("doomed", False)),
             "q": bool(ev.get("tainted", False)), "V": set(), "Q": set(ev.get("keys") or []),
+            "x": False,
         }  # fmt: skip
         keys |= rec["Q"]
         if action == "OpenRequest":
@@ -153,9 +156,11 @@ def convert(events: list[dict[str, Any]], name: str = "trace") -> Converted:
             victims = set()
         out.append(rec)
         source.append(ev)
+        ids = [rid, *ev.get("waiters", []), *(h.split(":")[-1] for h in ev.get("holders", []))]
+        names.append({r: slot_of[r] for r in ids if r in slot_of})
     if victims:
         _orphan_evicts(out)
-    return Converted(name, units, batch, out, source, keys, max_slot)
+    return Converted(name, units, batch, out, source, names, keys, max_slot)
 
 
 def _orphan_evicts(out: list[dict[str, Any]]) -> None:
@@ -253,6 +258,7 @@ class Verdict:
     event: dict[str, Any] | None = None  # the code's event there
     state: dict[str, object] | None = None  # the spec's state there
     detail: str = ""
+    slots: dict[str, int] = dataclasses.field(default_factory=dict)  # request id -> slot there
 
     @property
     def seq(self) -> int | None:
@@ -274,7 +280,7 @@ class Verdict:
             return ""
         key = (self.event or {}).get("key")
         keys = {key} | set((self.event or {}).get("keys") or [])
-        lines = ["  spec state there:"]
+        lines = [f"  spec state there (request slots: {self.slots}):"]
         for path, value in self.state.items():
             show = (
                 path.split("[")[0] in ("free", "lru", "zombies")
@@ -345,8 +351,10 @@ def _verdict(trace: Converted, why: str, state: dict[str, object]) -> Verdict:
         path: value for path, value in state.items() if path.split("[")[0] in SPEC_VARIABLES
     }
     index = min(max(i, 0), len(trace.source) - 1)
-    return Verdict(trace.name, False, len(trace.events), why, index, trace.source[index],
-                   spec_state)  # fmt: skip
+    verdict = Verdict(trace.name, False, len(trace.events), why, index, trace.source[index],
+                      spec_state)  # fmt: skip
+    verdict.slots = trace.names[index]
+    return verdict
 
 
 DETAIL = {
@@ -377,6 +385,20 @@ def _diagnose(workdir: Path, trace: Converted, verdict: Verdict) -> None:
     verdict.detail = template.format(action=ev.get("action"), logged=logged)
     if state and why in DIAGNOSTICS:
         verdict.why = why
+    if why == "EventExplained" and verdict.index is not None:
+        # Take the step without its post-state check: the spec's post-state of the entry.
+        lax = dataclasses.replace(trace, events=[dict(e) for e in trace.events])
+        lax.events[verdict.index]["x"] = True
+        _, why, _, _, after = _run_batch(workdir, [lax], ["BeforeLaxEvent"], 1, "Lax")
+        key = ev.get("key")
+        if why == "BeforeLaxEvent" and after and key:
+            spec = {
+                path.split(".", 1)[1]: _check_module().render(value)
+                for path, value in after.items()
+                if path.startswith(f"entry[{key}].")
+            }
+            shown = ", ".join(f"{field}={value}" for field, value in spec.items())
+            verdict.detail += f"\n  the spec's post-state: {shown}"
 
 
 def validate(
