@@ -103,12 +103,13 @@ def convert(events: list[dict[str, Any]], name: str = "trace") -> Converted:
             raise TraceError(f"{name}: {what} {nbytes} is not a multiple of {align}")
         return -(-nbytes // align)
 
-    def slot(rid: str | None) -> int:
-        return slot_of.get(rid, stranger) if rid is not None else stranger
+    def slot(rid: str) -> int:
+        return slot_of.get(rid, stranger)
 
     for ev in events[1:]:
         action = ev["action"]
-        rid, key = ev.get("request"), ev.get("key") or ""
+        rid: str = ev.get("request") or ""  # "" for none: never open
+        key: str = ev.get("key") or ""
         if key:
             keys.add(key)
         rec: dict[str, Any] = {

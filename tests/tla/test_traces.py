@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from embcache import EmbeddingCache, Fault, InProcessStore, Item
-from embcache import cache as cache_module
+from embcache import EmbeddingCache, Fault, InProcessStore, Item, TransferOutcome
+from embcache.states import ABSENT
 from embcache.trace import TraceLog
 
 TLA = Path(__file__).resolve().parents[2] / "tla"
@@ -118,7 +118,7 @@ def test_evicting_a_pinned_entry_is_rejected_at_the_evict(
         entry.holders |= {holder}
 
     def evict(self: EmbeddingCache, entry: Any) -> None:
-        entry.state = cache_module.ABSENT
+        entry.state = ABSENT
         self._free(entry)
         self._emit("Evict", None, entry.key, entry)
 
@@ -144,7 +144,7 @@ def test_freeing_on_an_unknown_load_is_rejected_at_the_end_load(
 ) -> None:
     # The bug: EndLoad(UNKNOWN) frees the range as if FAILED (the write may still land).
     original = EmbeddingCache._end_load
-    unknown = cache_module.TransferOutcome.UNKNOWN
+    unknown = TransferOutcome.UNKNOWN
 
     def end_load(self: EmbeddingCache, entry: Any, outcome: Any, reason: Any) -> Any:
         if outcome is not unknown:
@@ -156,7 +156,7 @@ def test_freeing_on_an_unknown_load_is_rejected_at_the_end_load(
 
         self._emit = emit_unknown  # type: ignore[method-assign]
         try:
-            return original(self, entry, cache_module.TransferOutcome.FAILED, reason)
+            return original(self, entry, TransferOutcome.FAILED, reason)
         finally:
             del self._emit
 
@@ -184,7 +184,7 @@ def test_skipping_the_waiter_hand_off_is_rejected_at_the_end_load(
     # The bug: EndLoad(OK) makes the entry READY but does not pin its waiters (they are
     # dropped), so it is evictable before they read it.
     original = EmbeddingCache._end_load
-    ok = cache_module.TransferOutcome.OK
+    ok = TransferOutcome.OK
 
     def end_load(self: EmbeddingCache, entry: Any, outcome: Any, reason: Any) -> Any:
         if outcome is ok and not entry.doomed:
