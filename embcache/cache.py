@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from embcache.request import Request
 
 Holder = str | tuple[str, str]  # a request id, or ("publish", request id) for a publish pin
+NOBODY: frozenset[Any] = frozenset()  # shared: an idle entry carries no set of its own
 
 
 class TraceSink(Protocol):
@@ -64,8 +65,8 @@ class Entry:
     size: int  # allocated bytes (rounded up to the alignment)
     from_store: bool  # a store read is (or was) filling it; else a request fills it
     state: EntryState = LOADING
-    holders: frozenset[Holder] = frozenset()  # immutable values: the empty one costs nothing
-    waiters: frozenset[str] = frozenset()
+    holders: frozenset[Holder] = NOBODY  # immutable values; every empty one is NOBODY
+    waiters: frozenset[str] = NOBODY
     filler: str | None = None  # the request that must fill a LOADING entry not from the store
     doomed: bool = False
     tainted: bool = False  # a publish ended UNKNOWN: quarantine when the last pin goes
@@ -682,7 +683,7 @@ class EmbeddingCache:
         entry.state = new_state
         for rs in waiters:
             rs.waits.discard(entry.key)
-        entry.waiters = frozenset()
+        entry.waiters = NOBODY
         if step is Step.END_LOAD_OK:
             for rs in waiters:
                 self._add_holder(entry, rs.request_id)
@@ -708,7 +709,7 @@ class EmbeddingCache:
         entry = self._entries[key]
         if key in rs.waits:
             transition(entry.state, Step.RELEASE_WAIT)
-            entry.waiters -= {rs.request_id}
+            entry.waiters = (entry.waiters - {rs.request_id}) or NOBODY
             rs.waits.discard(key)
         else:
             rs.holds.remove(key)
@@ -722,7 +723,7 @@ class EmbeddingCache:
             elif entry.doomed:
                 plain = Step.RELEASE_LAST_DOOMED
         entry.state = transition(entry.state, plain)
-        entry.holders -= {holder}
+        entry.holders = (entry.holders - {holder}) or NOBODY
         if entry.holders:
             return
         if plain is Step.RELEASE_LAST_DOOMED:
