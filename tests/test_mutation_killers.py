@@ -1,0 +1,958 @@
+"""Tests added to kill mutants that survived the mutation run (tests/mutation/REPORT.md).
+
+Each test names the mutants it kills. The eviction ones compare ``best_window`` and
+``neighbourhood`` with brute-force references over random inputs; the others pin down error
+messages, ``block_before`` on free blocks and interior offsets, a store that answers a publish
+with the wrong number of codes, and a timed-out ``wait_async`` dropping its future. Two tests
+reach into private state (``_requests``) where the only effect of the mutant is a leak.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from embcache import EmbeddingCache, Fault, InProcessStore, Item, RangeAllocator, Reason
+from embcache.allocator import Block
+from embcache.errors import (
+    ClosedError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    InvariantError,
+    LockOrderError,
+    NotAllocatedError,
+    TransitionError,
+)
+from embcache.eviction import Piece, Window, best_window, neighbourhood
+from embcache.locks import HierarchyLock, lock_checking_enabled
+from embcache.states import ABSENT, LOADING, QUARANTINED, READY, Step, transition
+
+pytestmark = pytest.mark.timeout(60)
+
+ALIGN = 256
+
+
+# ------------------------------------------------------------------ allocator
+def test_size_of_names_the_bad_argument() -> None:
+    """Kills allocator size_of__mutmut_1/5/6 (the argument name in the message)."""
+    allocator = RangeAllocator(4 * ALIGN, ALIGN)
+    with pytest.raises(InvalidTypeError, match=r"^offset must be an int, got str 'x'$"):
+        allocator.size_of("x")  # type: ignore[arg-type]
+
+
+def test_not_allocated_message_is_exact() -> None:
+    """Kills allocator _not_allocated_message__mutmut_* (the message text)."""
+    allocator = RangeAllocator(4 * ALIGN, ALIGN)
+    message = (
+        f"offset {ALIGN} is not the start of a live allocation (double free, interior "
+        "offset, or never allocated)"
+    )
+    for call in (allocator.size_of, allocator.free):
+        with pytest.raises(NotAllocatedError, match=f"^{re.escape(message)}$"):
+            call(ALIGN)
+
+
+def test_block_before_reports_free_blocks_and_only_block_boundaries() -> None:
+    """Kills allocator block_before__mutmut_2 (free flag) and __mutmut_26 (interior offsets)."""
+    allocator = RangeAllocator(8 * ALIGN, ALIGN)
+    a = allocator.allocate(ALIGN)
+    b = allocator.allocate(2 * ALIGN)
+    c = allocator.allocate(ALIGN)
+    assert (a, b, c) == (0, ALIGN, 3 * ALIGN)
+    allocator.free(b)
+    assert allocator.block_before(0) is None
+    assert allocator.block_before(ALIGN) == Block(0, ALIGN, False)
+    assert allocator.block_before(3 * ALIGN) == Block(ALIGN, 2 * ALIGN, True)
+    assert allocator.block_before(4 * ALIGN) == Block(3 * ALIGN, ALIGN, False)
+    assert allocator.block_before(8 * ALIGN) == Block(4 * ALIGN, 4 * ALIGN, True)
+    for interior in (2 * ALIGN, 5 * ALIGN, ALIGN + 16):
+        assert allocator.block_before(interior) is None
+
+
+# ------------------------------------------------------------------ eviction: best_window
+def reference_best_window(
+    pieces: list[Piece], need: int, max_batch: int, must: int
+) -> Window | None:
+    """Every run of consecutive victims containing ``must``: fewest victims, bytes, offset."""
+    victims = [i for i, p in enumerate(pieces) if p.victim]
+    last_end = pieces[-1].offset + pieces[-1].size
+    best: tuple[tuple[int, int, int], Window] | None = None
+    for a in range(len(victims)):
+        for b in range(a, min(len(victims), a + max_batch)):
+            if not victims[a] <= must <= victims[b]:
+                continue
+            before = pieces[victims[a - 1]] if a > 0 else None
+            start = before.offset + before.size if before else pieces[0].offset
+            end = pieces[victims[b + 1]].offset if b + 1 < len(victims) else last_end
+            if end - start < need:
+                continue
+            chosen = [pieces[i] for i in victims[a : b + 1]]
+            window = Window(
+                tuple(p.offset for p in chosen), sum(p.size for p in chosen), start, end - start
+            )
+            key = (len(chosen), window.victim_bytes, start)
+            if best is None or key < best[0]:
+                best = (key, window)
+    return None if best is None else best[1]
+
+
+@st.composite
+def window_problems(draw: st.DrawFn) -> tuple[list[Piece], int, int, int]:
+    n = draw(st.integers(1, 9))
+    kinds = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    for i in range(1, n):  # free pieces are never adjacent
+        if not kinds[i] and not kinds[i - 1]:
+            kinds[i] = True
+    if not any(kinds):
+        kinds[0] = True
+    sizes = draw(st.lists(st.integers(1, 6), min_size=n, max_size=n))
+    offset = draw(st.integers(0, 4)) * ALIGN
+    pieces = []
+    for victim, size in zip(kinds, sizes, strict=True):
+        pieces.append(Piece(offset, size * ALIGN, victim))
+        offset += size * ALIGN
+    must = draw(st.sampled_from([i for i, p in enumerate(pieces) if p.victim]))
+    need = draw(st.integers(1, sum(sizes) + 1)) * ALIGN - draw(st.integers(0, ALIGN - 1))
+    return pieces, need, draw(st.integers(1, 4)), must
+
+
+@given(window_problems())
+def test_best_window_matches_brute_force(problem: tuple[list[Piece], int, int, int]) -> None:
+    """Kills eviction best_window mutants (window bounds, span, victim bytes, search range)."""
+    pieces, need, max_batch, must = problem
+    assert best_window(pieces, need, max_batch, must) == reference_best_window(
+        pieces, need, max_batch, must
+    )
+
+
+def test_best_window_examples() -> None:
+    """Hand-made cases of the same mutants, readable when one fails."""
+    k = ALIGN
+    # The victim before `must` is big, `must` alone is too small: no window without `must`.
+    pieces = [Piece(0, 10 * k, True), Piece(10 * k, k, True)]
+    assert best_window(pieces, 10 * k, 1, 1) is None
+    assert best_window(pieces, 11 * k, 2, 1) == Window((0, 10 * k), 11 * k, 0, 11 * k)
+    # The victim after `must` is big: the window must still contain `must`.
+    pieces = [Piece(0, k, True), Piece(k, 10 * k, True)]
+    assert best_window(pieces, 10 * k, 1, 0) is None
+    # count 2: the first run (v0, v1) is too small, the second (v1, v2) fits.
+    pieces = [
+        Piece(k, k, True),
+        Piece(2 * k, k, True),
+        Piece(3 * k, k, True),
+        Piece(4 * k, 9 * k, False),
+    ]
+    assert best_window(pieces, 11 * k, 3, 1) == Window((2 * k, 3 * k), 2 * k, 2 * k, 11 * k)
+    # More victims than max_batch would be needed: nothing.
+    assert best_window(pieces, 12 * k, 2, 1) is None
+    # The span starts after the victim before the run (two victims before it).
+    pieces = [
+        Piece(0, k, True),
+        Piece(k, 2 * k, True),
+        Piece(3 * k, k, True),
+        Piece(4 * k, 3 * k, False),
+    ]
+    assert best_window(pieces, 4 * k, 1, 2) == Window((3 * k,), k, 3 * k, 4 * k)
+
+
+# ------------------------------------------------------------------ eviction: neighbourhood
+def reference_neighbourhood(
+    allocator: RangeAllocator, candidate: Block, max_batch: int, candidates: set[int]
+) -> tuple[list[Piece], int]:
+    blocks = sorted(
+        [Block(o, s, True) for o, s in allocator.free_blocks()]
+        + [Block(o, s, False) for o, s in allocator.allocations()]
+    )
+    at = blocks.index(candidate)
+
+    def walk(indices: range) -> list[Piece]:
+        out, victims = [], 0
+        for i in indices:
+            block = blocks[i]
+            if block.free:
+                out.append(Piece(block.offset, block.size, False))
+            elif block.offset in candidates:
+                if victims == max_batch - 1:
+                    break
+                victims += 1
+                out.append(Piece(block.offset, block.size, True))
+            else:
+                break
+        return out
+
+    left = walk(range(at - 1, -1, -1))[::-1]
+    right = walk(range(at + 1, len(blocks)))
+    return [*left, Piece(candidate.offset, candidate.size, True), *right], len(left)
+
+
+@given(
+    sizes=st.lists(st.integers(1, 3), min_size=1, max_size=12),
+    freed=st.lists(st.booleans(), min_size=12, max_size=12),
+    chosen=st.lists(st.booleans(), min_size=12, max_size=12),
+    which=st.integers(0, 11),
+    max_batch=st.integers(1, 4),
+)
+def test_neighbourhood_matches_brute_force(
+    sizes: list[int], freed: list[bool], chosen: list[bool], which: int, max_batch: int
+) -> None:
+    """Kills eviction neighbourhood mutants (free pieces, victim counting, the right side)."""
+    allocator = RangeAllocator(sum(sizes) * ALIGN + 2 * ALIGN, ALIGN)
+    offsets = [allocator.allocate(s * ALIGN) for s in sizes]
+    live = []
+    for i, offset in enumerate(offsets):
+        assert offset is not None
+        if freed[i] and i != which % len(offsets):
+            allocator.free(offset)
+        else:
+            live.append(offset)
+    candidate_offset = offsets[which % len(offsets)]
+    assert candidate_offset is not None
+    candidates = {o for i, o in enumerate(live) if chosen[i]} | {candidate_offset}
+    candidate = allocator.block_at(candidate_offset)
+    assert candidate is not None
+    got = neighbourhood(
+        candidate, max_batch, allocator.block_before, allocator.block_at, candidates.__contains__
+    )
+    assert got == reference_neighbourhood(allocator, candidate, max_batch, candidates)
+
+
+def all_layouts(max_len: int) -> list[str]:
+    """Every row of blocks: F free, C candidate, O other allocated; no two F adjacent."""
+    rows = [""]
+    out = []
+    for _ in range(max_len):
+        rows = [r + k for r in rows for k in "FCO" if not (k == "F" and r.endswith("F"))]
+        out += [r for r in rows if "C" in r]
+    return out
+
+
+def test_neighbourhood_matches_brute_force_on_every_small_layout() -> None:
+    """Kills eviction neighbourhood mutants deterministically (victim counting on each side)."""
+    checked = 0
+    for row in all_layouts(6):
+        sizes = [(i % 2 + 1) * ALIGN for i in range(len(row))]
+        allocator = RangeAllocator(sum(sizes), ALIGN)
+        offsets = [allocator.allocate(size) for size in sizes]
+        for kind, offset in zip(row, offsets, strict=True):
+            assert offset is not None
+            if kind == "F":
+                allocator.free(offset)
+        candidates = {o for k, o in zip(row, offsets, strict=True) if k == "C"}
+        for at in (i for i, k in enumerate(row) if k == "C"):
+            candidate = allocator.block_at(offsets[at])  # type: ignore[arg-type]
+            assert candidate is not None
+            for max_batch in (1, 2, 3, 4):
+                got = neighbourhood(
+                    candidate,
+                    max_batch,
+                    allocator.block_before,
+                    allocator.block_at,
+                    candidates.__contains__,
+                )
+                want = reference_neighbourhood(allocator, candidate, max_batch, candidates)
+                assert got == want, (row, at, max_batch)
+                checked += 1
+    assert checked > 5000
+
+
+# ------------------------------------------------------------------ controller
+def test_fence_refuses_to_call_the_store_under_a_lock() -> None:
+    """Kills cache fence__mutmut_3/4/5 (what the LockOrderError says is being done)."""
+    if not lock_checking_enabled():
+        pytest.skip("needs EMBCACHE_LOCK_CHECK=1")
+    cache = EmbeddingCache(4 * ALIGN, pin_memory=False)
+    try:
+        outer = HierarchyLock(0, "test outer lock")
+        with outer, pytest.raises(LockOrderError, match=r"^store fence while holding test outer"):
+            cache.fence()
+        assert cache.fence() == 0
+    finally:
+        cache.close()
+
+
+class MiscountingStore(InProcessStore):
+    """A store whose ``put_from`` answers one code too many."""
+
+    def put_from(self, keys, offsets, sizes):  # type: ignore[no-untyped-def]
+        return [*super().put_from(keys, offsets, sizes), 0]
+
+
+def test_publish_answered_with_the_wrong_number_of_codes_is_unknown() -> None:
+    """Kills cache _run_publishes__mutmut_17 (no outcomes when the count is wrong)."""
+    store = MiscountingStore()
+    cache = EmbeddingCache(8 * ALIGN, store=store, pin_memory=False)
+    try:
+        tensor = torch.arange(64, dtype=torch.float32)
+        with cache.request("r") as request:
+            assert request.insert(["k"], [tensor], publish=True) == [True]
+            deadline = time.monotonic() + 10
+            while cache.stats().publishes_unknown == 0:
+                assert time.monotonic() < deadline, cache.stats()
+                time.sleep(0.002)
+        stats = cache.stats()
+        assert (stats.publishes_started, stats.publishes_unknown, stats.publishes_ok) == (1, 1, 0)
+        assert cache.entry_state("k") is QUARANTINED  # tainted: the last pin quarantined it
+        assert cache.fence() == 1
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+def test_timed_out_async_wait_drops_its_future() -> None:
+    """Kills cache _wait_async__mutmut_11 (a timed-out waiter left in async_waiters)."""
+    store = InProcessStore()
+    tensor = torch.arange(64, dtype=torch.float32)
+    store.put_object("k", tensor.numpy().tobytes())
+    store.inject("k", Fault.HOLD)
+    cache = EmbeddingCache(8 * ALIGN, store=store, pin_memory=False)
+    try:
+        with cache.request("r") as request:
+            request.lookup([Item("k", (64,), torch.float32)])
+            assert asyncio.run(request.wait_async(timeout=0.01)) is False
+            assert cache._requests["r"].async_waiters == []
+            store.release_holds()
+            assert request.wait(timeout=10)
+        cache.check_invariants()
+    finally:
+        store.release_holds()
+        cache.close()
+
+
+def wait_for(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 10
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def test_trace_events_of_a_failed_allocation_a_publish_and_a_remove() -> None:
+    """Kills cache _alloc_failed__mutmut_7..20, _publish__mutmut_29/33, _end_publish__mutmut_24/29,
+    _remove__mutmut_25/29 (trace events with wrong fields) and _publish__mutmut_21 (the count).
+    """
+    trace: list[dict[str, object]] = []
+    cache = EmbeddingCache(4 * ALIGN, pin_memory=False, trace=trace)
+    try:
+        small = torch.arange(64, dtype=torch.float32)  # one ALIGN
+        with cache.request("r") as request:
+            assert request.insert(["a", "b"], [small, small + 1], publish=True) == [True, True]
+            wait_for(lambda: cache.stats().publishes_ok == 2, "two publishes")
+            assert cache.stats().publishes_started == 2
+            publish = [e for e in trace if e["action"] == "Publish"]
+            assert [(e["request"], e["key"], e["state"]) for e in publish] == [
+                ("r", "a", "READY"),
+                ("r", "b", "READY"),
+            ]
+            assert all(e["holders"] == ["publish:r", "r"] for e in publish)
+            assert all(e["size"] == ALIGN for e in publish)
+            ended = [e for e in trace if e["action"] == "EndPublish"]
+            assert sorted((e["key"], e["outcome"], e["holders"]) for e in ended) == [
+                ("a", "OK", ["r"]),
+                ("b", "OK", ["r"]),
+            ]
+            assert all(e["size"] == ALIGN and e["state"] == "READY" for e in ended)
+            with cache.request("big") as other:
+                big = Item("c", (3 * 64,), torch.float32)  # 3 * ALIGN: only 2 free, 2 pinned
+                assert other.lookup([big], prefetch=False, reserve_misses=True)[0].reason.name == (
+                    "NO_SPACE"
+                )
+            failed = [e for e in trace if e["action"] == "BeginLoad" and e["key"] == "c"]
+            assert [{k: v for k, v in e.items() if k != "seq"} for e in failed] == [
+                {
+                    "action": "BeginLoad",
+                    "request": "big",
+                    "key": "c",
+                    "outcome": "NO_SPACE",
+                    "size": 3 * ALIGN,
+                }
+            ]
+        assert cache.remove("a") is True
+        removed = trace[-1]
+        assert (removed["action"], removed["key"], removed["request"]) == ("Remove", "a", None)
+        assert (removed["size"], removed["offset"], removed["state"]) == (ALIGN, 0, "ABSENT")
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+def test_duplicate_keys_in_one_insert_do_not_stop_the_rest() -> None:
+    """Kills cache _insert__mutmut_28 (a duplicate key ends the insert)."""
+    cache = EmbeddingCache(8 * ALIGN, pin_memory=False)
+    try:
+        t = torch.arange(64, dtype=torch.float32)
+        with cache.request("r") as request:
+            assert request.insert(["a", "a", "b"], [t, t, t + 1]) == [True, False, True]
+            assert request.lookup([Item("b", (64,), torch.float32)])[0].status.name == "HIT"
+            assert torch.equal(request.embeddings()[0], t + 1)
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+def test_insert_argument_messages() -> None:
+    """Kills cache _check_key__mutmut_3/6 and _insert__mutmut_4 (error messages)."""
+    cache = EmbeddingCache(8 * ALIGN, pin_memory=False)
+    try:
+        t = torch.arange(64, dtype=torch.float32)
+        with cache.request("r") as request:
+            with pytest.raises(InvalidTypeError, match=r"^key must be a str, got int$"):
+                request.insert([5], [t])  # type: ignore[list-item]
+            with pytest.raises(InvalidArgumentError, match=r"^key must be a non-empty str$"):
+                request.insert([""], [t])
+            message = "insert takes a list of keys and a list of as many tensors"
+            with pytest.raises(InvalidArgumentError, match=f"^{message}$"):
+                request.insert("ab", [t])  # type: ignore[arg-type]
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("call", ["wait", "insert", "close"])
+def test_blocking_work_under_a_lock_names_what_it_was(call: str) -> None:
+    """Kills cache _wait__mutmut_1-3, _copy_in__mutmut_1-3 and close__mutmut_3-6 (what the
+    LockOrderError says is being done). The same message in lookup ("store exists") is caught
+    with every store error and never seen."""
+    if not lock_checking_enabled():
+        pytest.skip("needs EMBCACHE_LOCK_CHECK=1")
+    what = {
+        "wait": "request wait",
+        "insert": "payload copy",
+        "close": "waiting for I/O workers",
+    }[call]
+    cache = EmbeddingCache(8 * ALIGN, pin_memory=False)
+    outer = HierarchyLock(0, "test outer lock")
+    t = torch.arange(64, dtype=torch.float32)
+    try:
+        with (
+            cache.request("r") as request,
+            outer,
+            pytest.raises(LockOrderError, match=f"^{re.escape(what)} while holding"),
+        ):
+            if call == "wait":
+                request.wait(timeout=0)
+            elif call == "insert":
+                request.insert(["k"], [t])
+            else:
+                cache.close()
+        if call == "close":
+            cache._io.shutdown(wait=True)  # close() stopped before waiting for its workers
+        else:
+            cache.check_invariants()
+    finally:
+        cache.close()
+
+
+# ------------------------------------------------------------------ state machine messages
+def test_transition_error_lists_what_the_state_allows() -> None:
+    """Kills states x_transition__mutmut_4..10 (the TransitionError message)."""
+    with pytest.raises(TransitionError) as info:
+        transition(QUARANTINED, Step.LOOKUP_HIT)
+    assert str(info.value) == (
+        "Lookup (LOOKUP_HIT) is not allowed in state QUARANTINED; allowed there: FENCE"
+    )
+    with pytest.raises(TransitionError) as info:
+        transition(ABSENT, Step.EVICT)
+    assert (
+        str(info.value) == "Evict (EVICT) is not allowed in state ABSENT; allowed there: BEGIN_LOAD"
+    )
+    with pytest.raises(TransitionError) as info:
+        transition(READY, Step.FENCE)
+    assert str(info.value) == (
+        "Fence (FENCE) is not allowed in state READY; allowed there: END_PUBLISH, EVICT, "
+        "LOOKUP_HIT, PUBLISH, RELEASE_LAST_DOOMED, RELEASE_LAST_TAINTED, RELEASE_PIN, "
+        "REMOVE_BUSY, REMOVE_IDLE"
+    )
+
+
+def test_closed_and_request_id_messages() -> None:
+    """Kills cache _check_open__mutmut_2/3 and request__mutmut_5 (error messages)."""
+    cache = EmbeddingCache(4 * ALIGN, pin_memory=False)
+    with pytest.raises(InvalidArgumentError, match=r"^request_id must be a non-empty str$"):
+        cache.request("")
+    cache.close()
+    with pytest.raises(ClosedError, match=r"^the cache is closed: create a new EmbeddingCache$"):
+        cache.request("r")
+
+
+def test_stats_fragmentation_when_full_and_pin_age() -> None:
+    """Kills cache stats__mutmut_74 (fragmentation of a full pool) and __mutmut_82 (pin age)."""
+    cache = EmbeddingCache(ALIGN, pin_memory=False)
+    try:
+        with cache.request("r") as request:
+            assert request.insert(["a"], [torch.arange(64, dtype=torch.float32)]) == [True]
+            stats = cache.stats()
+            assert stats.free_bytes == 0 and stats.fragmentation == 0.0
+            assert 0.0 <= stats.oldest_pin_age_s < 30.0
+    finally:
+        cache.close()
+
+
+# ------------------------------------------------------------------ wake-ups
+def held_cache(keys: list[str]) -> tuple[EmbeddingCache, InProcessStore]:
+    store = InProcessStore()
+    for key in keys:
+        store.put_object(key, torch.arange(64, dtype=torch.float32).numpy().tobytes())
+        store.inject(key, Fault.HOLD)
+    return EmbeddingCache(16 * ALIGN, store=store, pin_memory=False), store
+
+
+def test_one_completion_wakes_every_async_waiter() -> None:
+    """Kills cache _signal__mutmut_6 (the wake list of one request replaces the others')."""
+    cache, store = held_cache(["k"])
+    item = Item("k", (64,), torch.float32)
+    try:
+        requests = [cache.request(f"r{i}") for i in range(3)]
+        for request in requests:
+            request.lookup([item])
+
+        async def wait_all() -> list[bool]:
+            waits = [asyncio.ensure_future(r.wait_async(timeout=10)) for r in requests]
+            while not all(cache._requests[f"r{i}"].async_waiters for i in range(3)):
+                await asyncio.sleep(0.001)
+            store.release_holds()
+            return list(await asyncio.gather(*waits))
+
+        assert asyncio.run(wait_all()) == [True, True, True]
+        for request in requests:
+            request.close()
+        cache.check_invariants()
+    finally:
+        store.release_holds()
+        cache.close()
+
+
+def test_abandoning_two_reservations_wakes_both_waiters() -> None:
+    """Kills cache _close__mutmut_5 (only the last abandoned reservation's waiters woken)."""
+    cache, _store = held_cache([])
+    x, y = Item("x", (64,), torch.float32), Item("y", (64,), torch.float32)
+    try:
+        owner = cache.request("owner")
+        assert [s.status.name for s in owner.lookup([x, y], reserve_misses=True)] == [
+            "RESERVED",
+            "RESERVED",
+        ]
+        with cache.request("wx") as wx, cache.request("wy") as wy:
+            assert wx.lookup([x])[0].status.name == "LOADING"
+            assert wy.lookup([y])[0].status.name == "LOADING"
+            owner.close()
+            assert wx.wait(timeout=5) and wy.wait(timeout=5)
+            assert wx.fallback_reasons() == [Reason.ABANDONED]
+            assert wy.fallback_reasons() == [Reason.ABANDONED]
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+def test_a_load_nobody_waits_for_any_more_becomes_evictable() -> None:
+    """Kills cache _end_load__mutmut_39 (the idle READY entry never reaches the LRU)."""
+    cache, store = held_cache(["k"])
+    try:
+        with cache.request("r") as request:
+            assert request.lookup([Item("k", (64,), torch.float32)])[0].status.name == "LOADING"
+        store.release_holds()
+        wait_for(lambda: cache.entry_state("k") is not LOADING, "the load to end")
+        assert cache.entry_state("k") is READY
+        stats = cache.stats()
+        assert stats.pinned_entries == 0 and stats.loads_ok == 1
+        cache.check_invariants()
+    finally:
+        store.release_holds()
+        cache.close()
+
+
+def test_trace_fields_of_waiters_doomed_and_tainted() -> None:
+    """Kills cache _emit__mutmut_21..23/28..30 and _end_load__mutmut_53 (event fields)."""
+    trace: list[dict[str, object]] = []
+    store = InProcessStore()
+    store.put_object("k", torch.arange(64, dtype=torch.float32).numpy().tobytes())
+    store.inject("k", Fault.HOLD)
+    cache = EmbeddingCache(8 * ALIGN, store=store, pin_memory=False, trace=trace)
+    try:
+        with cache.request("r") as request:
+            request.lookup([Item("k", (64,), torch.float32)])
+            assert cache.remove("k") is True  # busy: doomed
+            store.release_holds()
+            assert request.wait(timeout=10)
+        begin = next(e for e in trace if e["action"] == "BeginLoad")
+        assert (begin["waiters"], begin["doomed"], begin["tainted"]) == (["r"], False, False)
+        remove = next(e for e in trace if e["action"] == "Remove")
+        assert (remove["state"], remove["waiters"], remove["doomed"]) == ("LOADING", ["r"], True)
+        end = next(e for e in trace if e["action"] == "EndLoad")
+        assert (end["state"], end["waiters"], end["doomed"], end["tainted"]) == (
+            "ABSENT",
+            [],
+            False,
+            False,
+        )
+        assert end["doomed"] is False and end["tainted"] is False
+        cache.check_invariants()
+    finally:
+        store.release_holds()
+        cache.close()
+
+
+# ------------------------------------------------------------------ the invariant checker
+def corrupt_and_check(corrupt: str) -> str:
+    """Build idle, held, loading and quarantined entries, break one invariant, return the error."""
+    store = InProcessStore()
+    store.put_object("q", torch.arange(64, dtype=torch.float32).numpy().tobytes())
+    store.inject("q", Fault.UNKNOWN)
+    cache = EmbeddingCache(16 * ALIGN, store=store, pin_memory=False)
+    t = torch.arange(64, dtype=torch.float32)
+    try:
+        with cache.request("setup") as setup:
+            assert setup.insert(["idle"], [t], publish=False) == [True]
+            setup.lookup([Item("q", (64,), torch.float32)])
+            assert setup.wait(timeout=10)
+        assert cache.entry_state("q") is QUARANTINED
+        r = cache.request("r")
+        assert r.insert(["held"], [t], publish=False) == [True]
+        assert r.lookup([Item("loading", (64,), torch.float32)], reserve_misses=True)[
+            0
+        ].status.name == ("RESERVED")
+        s = cache.request("s")
+        cache.check_invariants()
+        e, rs = cache._entries, cache._requests
+        if corrupt == "allocation":
+            cache._allocator.allocate(ALIGN)
+        elif corrupt == "offset_index":
+            cache._by_offset.pop(e["idle"].offset)
+        elif corrupt == "reserved_not_waited":
+            rs["r"].reserved.add("held")
+        elif corrupt == "holder":
+            e["idle"].holders |= {"s"}
+        elif corrupt == "publishing":
+            e["held"].publishing = True
+        elif corrupt == "waiter":
+            e["loading"].waiters |= {"s"}
+        elif corrupt == "loading_pinned":
+            e["loading"].holders |= {"s"}
+            rs["s"].holds.add("loading")
+        elif corrupt == "filler":
+            e["idle"].filler = "r"
+        elif corrupt == "quarantined_doomed":
+            e["q"].doomed = True
+        elif corrupt == "doomed_idle":
+            e["idle"].doomed = True
+        elif corrupt == "tainted_idle":
+            e["idle"].tainted = True
+        elif corrupt == "lru":
+            cache._lru.pop("idle")
+        elif corrupt == "evictable_bytes":
+            cache._evictable_bytes += 1
+        del s
+        with pytest.raises(InvariantError) as info:
+            cache.check_invariants()
+        return str(info.value)
+    finally:
+        store.release_holds()
+        cache.close()
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        ("allocation", r"allocations \[.*\] != entry ranges \[.*\]"),
+        ("offset_index", r"offset index disagrees with the entries"),
+        ("reserved_not_waited", r"request 'r' bookkeeping inconsistent"),
+        ("holder", r"'idle' holders (frozenset\()?\{'s'\}\)? != requests holding it set\(\)"),
+        ("publishing", r"'held' publish pins set\(\) but publishing=True"),
+        (
+            "waiter",
+            r"'loading' waiters (frozenset\()?\{'[rs]', '[rs]'\}\)? != requests waiting \{'r'\}",
+        ),
+        ("loading_pinned", r"LOADING 'loading' has pin holders"),
+        ("filler", r"READY 'idle' has waiters or a filler"),
+        ("quarantined_doomed", r"QUARANTINED 'q' is pinned or doomed"),
+        ("doomed_idle", r"doomed 'idle' is idle"),
+        ("tainted_idle", r"tainted 'idle' is not pinned \(it should be QUARANTINED\)"),
+        ("lru", r"LRU \[\] != evictable \['idle'\]"),
+        ("evictable_bytes", r"evictable byte count drifted"),
+    ],
+)
+def test_check_invariants_names_each_corruption(corrupt: str, message: str) -> None:
+    """Kills cache _check_invariants_locked mutants: each check fires, with its own message."""
+    assert re.fullmatch("cache invariant broken: " + message, corrupt_and_check(corrupt))
+
+
+# ------------------------------------------------------------------ allocator invariant checker
+def allocator_corrupted(corrupt: str) -> str:
+    a = RangeAllocator(8 * ALIGN, ALIGN)
+    first = a.allocate(ALIGN)
+    a.allocate(ALIGN)
+    a.check_invariants()  # blocks: [0, 256) and [256, 512) allocated, [512, 2048) free
+    if corrupt == "size_index":
+        a._free_by_size.add((ALIGN, 4 * ALIGN))
+    elif corrupt == "not_coalesced":
+        a._remove_free(2 * ALIGN, 6 * ALIGN)
+        a._add_free(2 * ALIGN, 2 * ALIGN)
+        a._add_free(4 * ALIGN, 4 * ALIGN)
+    elif corrupt == "gap":
+        del a._allocated[first]
+        a._allocated_bytes -= ALIGN
+    elif corrupt == "unaligned":
+        a._allocated[first] = ALIGN - 16
+        a._allocated_bytes -= 16
+    elif corrupt == "empty":
+        a._allocated[8 * ALIGN] = 0
+    elif corrupt == "short":
+        a._remove_free(2 * ALIGN, 6 * ALIGN)
+    elif corrupt == "allocated_bytes":
+        a._allocated_bytes += ALIGN
+    with pytest.raises(InvariantError) as info:
+        a.check_invariants()
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        ("size_index", r"the size index and the offset index of free blocks disagree"),
+        ("not_coalesced", r"free block at 1024 touches the previous free block \(not coalesced\)"),
+        ("gap", r"block at 256 does not start where the previous ends \(0\)"),
+        ("unaligned", r"block \(0, 240\) is empty or not aligned"),
+        ("empty", r"block \(2048, 0\) is empty or not aligned"),
+        ("short", r"blocks end at 512, not at the capacity"),
+        ("allocated_bytes", r"allocated_bytes differs from the sum of allocated blocks"),
+    ],
+)
+def test_allocator_check_invariants_names_each_corruption(corrupt: str, message: str) -> None:
+    """Kills allocator _check_invariants_locked mutants: each check fires, with its message."""
+    got = allocator_corrupted(corrupt)
+    assert re.fullmatch(
+        f"allocator invariant broken: {message}; free_by_offset=\\{{.*\\}} "
+        r"free_by_size=\[.*\] allocated=\{.*\} allocated_bytes=\d+ capacity=2048",
+        got,
+    ), got
+
+
+# ------------------------------------------------------------------ construction and ownership
+def test_lock_names_in_a_hierarchy_violation() -> None:
+    """Kills allocator __init____mutmut_30/33/34, cache __init____mutmut_33/36/37 (lock names)."""
+    if not lock_checking_enabled():
+        pytest.skip("needs EMBCACHE_LOCK_CHECK=1")
+    cache = EmbeddingCache(4 * ALIGN, pin_memory=False)
+    try:
+        with (
+            cache._allocator._lock,
+            pytest.raises(
+                LockOrderError,
+                match=r"^taking cache lock \(level 1\) while holding allocator lock \(level 2\)",
+            ),
+        ):
+            cache.stats()
+    finally:
+        cache.close()
+
+
+def test_constructor_messages_and_the_smallest_alignment() -> None:
+    """Kills cache __init____mutmut_5/7/18/19/25 (messages, alignment 16 is allowed)."""
+    with pytest.raises(InvalidArgumentError, match=r"^max_eviction_batch must be > 0, got 0$"):
+        EmbeddingCache(4 * ALIGN, max_eviction_batch=0)
+    with pytest.raises(InvalidTypeError, match=r"^io_workers must be an int, got 'x'$"):
+        EmbeddingCache(4 * ALIGN, io_workers="x")  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match=r"^store must implement GlobalStore, got object$"):
+        EmbeddingCache(4 * ALIGN, store=object())  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match=r"^alignment must be >= 16"):
+        EmbeddingCache(4 * ALIGN, alignment=8)
+    cache = EmbeddingCache(4 * ALIGN, alignment=16, pin_memory=False)
+    assert cache.capacity == 4 * ALIGN
+    cache.close()
+
+
+def test_close_closes_only_a_store_the_cache_created() -> None:
+    """Kills cache __init____mutmut_52/53/55 (store ownership and the default store)."""
+    store = InProcessStore()
+    cache = EmbeddingCache(4 * ALIGN, store=store, pin_memory=False)
+    cache.close()
+    store.put_object("k", b"x")  # still open
+    assert store.exists(["k"]) == [True]
+    store.close()
+    own = EmbeddingCache(4 * ALIGN, pin_memory=False)
+    created = own.store
+    assert isinstance(created, InProcessStore)
+    own.close()
+    with pytest.raises(ClosedError, match=r"^the store is closed$"):
+        created.exists(["k"])
+
+
+def test_request_close_under_a_lock_names_the_wake_up() -> None:
+    """Kills cache _signal__mutmut_1/2/3 (what the LockOrderError says is being done)."""
+    if not lock_checking_enabled():
+        pytest.skip("needs EMBCACHE_LOCK_CHECK=1")
+    cache = EmbeddingCache(4 * ALIGN, pin_memory=False)
+    try:
+        request = cache.request("r")
+        outer = HierarchyLock(0, "test outer lock")
+        with outer, pytest.raises(LockOrderError, match=r"^waking requests while holding"):
+            request.close()
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+# ------------------------------------------------------------------ second round (final run)
+def test_init_event_carries_the_whole_configuration() -> None:
+    """Kills cache __init____mutmut_2 (default batch) and __mutmut_80/81/86/87 (Init fields)."""
+    trace: list[dict[str, object]] = []
+    cache = EmbeddingCache(4 * ALIGN, pin_memory=False, trace=trace)
+    cache.close()
+    init = [e for e in trace if e["action"] == "Init"]
+    if not init:
+        pytest.skip("this version of the cache emits no Init event")
+    assert {k: v for k, v in init[0].items() if k != "seq"} == {
+        "action": "Init",
+        "request": None,
+        "key": None,
+        "outcome": None,
+        "capacity": 4 * ALIGN,
+        "alignment": ALIGN,
+        "max_eviction_batch": 100,
+        "enable_eviction": True,
+    }
+
+
+def test_invariants_hold_while_a_publish_is_in_flight() -> None:
+    """Kills cache _publish__mutmut_14 (publishing flag not set) and
+    _check_invariants_locked__mutmut_65 (the NoUseAfterFree check inverted)."""
+    store = InProcessStore()
+    store.inject("k", Fault.HOLD)
+    cache = EmbeddingCache(8 * ALIGN, store=store, pin_memory=False)
+    try:
+        with cache.request("r") as request:
+            assert request.insert(["k"], [torch.arange(64, dtype=torch.float32)]) == [True]
+            wait_for(lambda: store.calls["put_from"] == 1, "the publish to start")
+            cache.check_invariants()  # READY, pinned by r and by the publish
+            assert cache.stats().publishes_started == 1
+            store.release_holds()
+            wait_for(lambda: cache.stats().publishes_ok == 1, "the publish to end")
+        cache.check_invariants()
+    finally:
+        store.release_holds()
+        cache.close()
+
+
+def test_last_release_of_a_tainted_entry_clears_its_flags() -> None:
+    """Kills cache _drop_pin__mutmut_15 (tainted/doomed left None instead of False)."""
+    trace: list[dict[str, object]] = []
+    cache = EmbeddingCache(8 * ALIGN, store=MiscountingStore(), pin_memory=False, trace=trace)
+    try:
+        with cache.request("r") as request:
+            assert request.insert(["k"], [torch.arange(64, dtype=torch.float32)]) == [True]
+            wait_for(lambda: cache.stats().publishes_unknown == 1, "the publish to end")
+        release = [e for e in trace if e["action"] == "Release"][-1]
+        assert release["state"] == "QUARANTINED"
+        assert release["tainted"] is False and release["doomed"] is False
+    finally:
+        cache.close()
+
+
+def test_a_closed_event_loop_does_not_stop_other_wake_ups() -> None:
+    """Kills cache _signal__mutmut_9 (the RuntimeError of a closed loop escapes the wake loop)."""
+    cache, store = held_cache(["k"])
+    item = Item("k", (64,), torch.float32)
+    try:
+        a, b = cache.request("a"), cache.request("b")
+        a.lookup([item])
+        b.lookup([item])
+
+        async def cancelled() -> None:  # leaves a's future behind on a loop that then closes
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(a.wait_async(), 0.01)
+
+        asyncio.run(cancelled())
+        assert cache._requests["a"].async_waiters  # the premise: a waiter on a closed loop
+
+        async def wait_b() -> bool:
+            task = asyncio.ensure_future(b.wait_async(timeout=5))
+            while not cache._requests["b"].async_waiters:
+                await asyncio.sleep(0.001)
+            store.release_holds()
+            return await task
+
+        assert asyncio.run(wait_b()) is True
+        a.close()
+        b.close()
+        cache.check_invariants()
+    finally:
+        store.release_holds()
+        cache.close()
+
+
+def test_transition_table_agrees_with_how_the_controller_uses_it() -> None:
+    """Kills TRANSITIONS retarget mutants that the controller never reads back.
+
+    For some steps cache.py calls ``transition`` only as a guard and keeps the state (or, for
+    BeginLoad, creates the entry LOADING); for the steps that free a range it frees the entry,
+    which sets ABSENT. The table has to say the same, or the model, the TLA+ spec and the
+    controller disagree silently.
+    """
+    from embcache.cache import Entry
+    from embcache.states import TRANSITIONS
+
+    assert Entry.__dataclass_fields__["state"].default is LOADING
+    guard_only = {Step.LOOKUP_HIT, Step.LOOKUP_JOIN, Step.RELEASE_WAIT, Step.REMOVE_BUSY}
+    guard_only |= {Step.PUBLISH}
+    freeing = {Step.EVICT, Step.REMOVE_IDLE, Step.FENCE, Step.RELEASE_LAST_DOOMED}
+    freeing |= {Step.END_LOAD_DOOMED, Step.END_LOAD_FAILED}
+    seen = set()
+    for (state, step), target in TRANSITIONS.items():
+        seen.add(step)
+        if step in guard_only:
+            assert target is state, (state, step, target)
+        elif step is Step.BEGIN_LOAD:
+            assert (state, target) == (ABSENT, LOADING)
+        elif step in freeing:
+            assert target is ABSENT, (state, step, target)
+    assert guard_only | freeing | {Step.BEGIN_LOAD} <= seen
+
+
+class ShortExistsStore(InProcessStore):
+    """A store whose ``exists`` answers one key too few."""
+
+    def exists(self, keys):  # type: ignore[no-untyped-def]
+        return super().exists(keys)[:-1]
+
+
+class ShortReadStore(InProcessStore):
+    """A store whose ``get_into`` answers one key too few."""
+
+    def get_into(self, keys, offsets, sizes):  # type: ignore[no-untyped-def]
+        return super().get_into(keys, offsets, sizes)[:-1]
+
+
+def test_a_store_answering_too_few_exists_is_a_store_error() -> None:
+    """Kills cache _lookup_items__mutmut_28/31/33 (zip without strict over exists())."""
+    store = ShortExistsStore()
+    cache = EmbeddingCache(8 * ALIGN, store=store, pin_memory=False)
+    try:
+        for key in ("a", "b"):
+            store.put_object(key, torch.arange(64, dtype=torch.float32).numpy().tobytes())
+        with cache.request("r") as request:
+            statuses = request.lookup([Item(k, (64,), torch.float32) for k in ("a", "b")])
+            assert [s.reason for s in statuses] == [Reason.STORE_ERROR, Reason.STORE_ERROR]
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+def test_a_store_answering_too_few_reads_ends_the_load_unknown() -> None:
+    """Kills cache _run_loads__mutmut_22/25/26 (zip without strict over get_into())."""
+    store = ShortReadStore()
+    cache = EmbeddingCache(8 * ALIGN, store=store, pin_memory=False)
+    try:
+        store.put_object("a", torch.arange(64, dtype=torch.float32).numpy().tobytes())
+        with cache.request("r") as request:
+            assert request.lookup([Item("a", (64,), torch.float32)])[0].status.name == "LOADING"
+            assert request.wait(timeout=10)
+            assert request.fallback_reasons() == [Reason.LOAD_UNKNOWN]
+        assert cache.entry_state("a") is QUARANTINED
+        cache.check_invariants()
+    finally:
+        cache.close()
