@@ -340,8 +340,8 @@ class EmbeddingCache:
         found: dict[str, bool] = {}
         store_error = False
         if prefetch and misses:
+            assert_unlocked("store exists")
             try:
-                assert_unlocked("store exists")
                 found = dict(zip(misses, self._store.exists(misses), strict=True))
             except Exception:
                 store_error = True
@@ -525,8 +525,8 @@ class EmbeddingCache:
         """Worker: read every entry from the store, then end each load. Never raises."""
         keys = [e.key for e in entries]
         sizes = [e.item.nbytes for e in entries]
+        assert_unlocked("store get_into")
         try:
-            assert_unlocked("store get_into")
             codes = self._store.get_into(keys, [e.offset for e in entries], sizes)
             outcomes = [get_outcome(self._store, c, n) for c, n in zip(codes, sizes, strict=True)]
         except Exception:
@@ -541,8 +541,8 @@ class EmbeddingCache:
 
     def _run_publishes(self, request_id: str, entries: list[Entry]) -> None:
         """Worker: write every entry to the store, then end each publish. Never raises."""
+        assert_unlocked("store put_from")
         try:
-            assert_unlocked("store put_from")
             codes = self._store.put_from(
                 [e.key for e in entries],
                 [e.offset for e in entries],
