@@ -609,7 +609,8 @@ class EmbeddingCache:
                 rs.waits.add(item.key)
                 self._counts["joins"] += 1
             status = ItemStatus(Status.RESERVED if entry.filler == r else Status.LOADING)
-        self._emit("Lookup", r, item.key, entry, outcome=status.status.name)
+        reason = None if status.reason is None else status.reason.value
+        self._emit("Lookup", r, item.key, entry, outcome=status.status.name, reason=reason)
         return status
 
     def _begin_load(

@@ -52,7 +52,9 @@ traceVars == <<vars, t, i>>
 NoOp(P) == P /\ UNCHANGED vars
 
 \* A Lookup that misses on a shape or dtype mismatch is a no-op in any state
-\* (the spec does not model shapes); the trace does not say why it missed.
+\* where the key is present (the spec does not model shapes).  A miss names its
+\* reason (MISS:not_found, MISS:busy, MISS:mismatch); a bare MISS (an older
+\* trace) is accepted wherever some reason could apply.
 LookupMismatch(r, k) == request[r] = "open"
 
 \* The spec action the event names, with its parameters.
@@ -61,6 +63,12 @@ Act(e) ==
         k == e.k
     IN  CASE e.a = "OpenRequest"                -> OpenRequest(r)
           [] e.a = "CloseRequest"               -> CloseRequest(r)
+          [] e.a = "Lookup" /\ e.out = "MISS:not_found" ->
+                NoOp(request[r] = "open" /\ entry[k].state = ABSENT)
+          [] e.a = "Lookup" /\ e.out = "MISS:busy" ->
+                NoOp(request[r] = "open" /\ (entry[k].doomed \/ entry[k].state = QUARANTINED))
+          [] e.a = "Lookup" /\ e.out = "MISS:mismatch" ->
+                NoOp(LookupMismatch(r, k) /\ entry[k].state # ABSENT)
           [] e.a = "Lookup" /\ e.out = "MISS"   -> NoOp(LookupIsNoOp(r, k) \/ LookupMismatch(r, k))
           [] e.a = "Lookup"                     -> Lookup(r, k) \/ NoOp(LookupIsNoOp(r, k))
           [] e.a = "BeginLoad" /\ e.out = "OK"  -> BeginLoad(r, k, e.n)

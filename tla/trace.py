@@ -47,6 +47,14 @@ JVM_OPTS = ["-XX:+UseParallelGC", "-Xss64m"]
 NO_REQUEST = -1  # the spec's NoRequest; slot 0 is never opened (ids that are not open)
 
 
+def _outcome(ev: dict[str, Any]) -> str:
+    """The event's outcome; a Lookup miss carries its reason ("MISS:not_found")."""
+    outcome: str = ev.get("outcome") or ""
+    if ev["action"] == "Lookup" and outcome == "MISS" and ev.get("reason"):
+        return f"MISS:{ev['reason']}"
+    return outcome
+
+
 def _check_module() -> ModuleType:
     """tla/check.py, for the jar and Java lookup and its reader of TLC's counterexamples."""
     if "tla_check" in sys.modules:
@@ -114,7 +122,7 @@ def convert(events: list[dict[str, Any]], name: str = "trace") -> Converted:
             keys.add(key)
         rec: dict[str, Any] = {
             "a": action, "seq": ev["seq"], "r": 0, "k": key, "n": 0, "o": 0,
-            "out": ev.get("outcome") or "", "e": "state" in ev, "st": ev.get("state", ""),
+            "out": _outcome(ev), "e": "state" in ev, "st": ev.get("state", ""),
             "h": set(), "w": set(), "p": NO_REQUEST, "d": bool(ev.get("doomed", False)),
             "q": bool(ev.get("tainted", False)), "V": set(), "Q": set(ev.get("keys") or []),
             "x": False,
