@@ -272,3 +272,28 @@ def test_a_publish_pin_keeps_the_slot_of_its_closed_request() -> None:
     assert (publish["h"], publish["p"]) == ({1}, 1)
     assert (release["h"], release["p"]) == (set(), 1)
     assert (end["r"], end["p"]) == (1, trace_mod.NO_REQUEST)
+
+
+@pytest.mark.tla
+@pytest.mark.timeout(120)
+def test_a_miss_with_the_wrong_reason_is_rejected_at_the_lookup(
+    traced: Callable[..., tuple[EmbeddingCache, TraceLog]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bug: a lookup of a doomed (busy) entry reports it as not found.
+    emit = EmbeddingCache._emit
+
+    def misreport(self: EmbeddingCache, action: str, *args: Any, **fields: Any) -> None:
+        if action == "Lookup" and fields.get("reason") == "busy":
+            fields["reason"] = "not_found"
+        emit(self, action, *args, **fields)
+
+    monkeypatch.setattr(EmbeddingCache, "_emit", misreport)
+    cache, log = traced(2)
+    a = item("a")
+    with cache.request("r1") as r1:
+        r1.insert(["a"], [tensor(a)], publish=False)
+        cache.remove("a")  # held by r1: doomed
+        with cache.request("r2") as r2:
+            r2.lookup([a])  # a miss: busy, reported as not_found
+    verdict = rejected_at(log)
+    assert verdict.seq == first(log, action="Lookup", request="r2")["seq"], verdict.describe()
