@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for `models`
+
+from embcache import EmbeddingCache, InProcessStore  # after the path: this checkout first
 
 _common = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 settings.register_profile("dev", max_examples=60, stateful_step_count=30, **_common)
@@ -25,3 +30,30 @@ if os.environ.get("EMBCACHE_LOCK_CHECK", "1") not in ("", "0"):
     from embcache.locks import enable_lock_checking
 
     enable_lock_checking()
+
+
+@pytest.fixture
+def store() -> Iterator[InProcessStore]:
+    """An InProcessStore whose held transfers are released at the end."""
+    s = InProcessStore()
+    yield s
+    s.release_holds()
+
+
+@pytest.fixture
+def make_cache(store: InProcessStore) -> Iterator[Callable[..., EmbeddingCache]]:
+    """Makes EmbeddingCaches on ``store`` (by default), all closed at the end."""
+    caches: list[EmbeddingCache] = []
+
+    def make(capacity: int = 1 << 20, **kwargs: Any) -> EmbeddingCache:
+        kwargs.setdefault("store", store)
+        cache = EmbeddingCache(capacity, pin_memory=False, **kwargs)
+        caches.append(cache)
+        return cache
+
+    yield make
+    for cache in caches:
+        release = getattr(cache.store, "release_holds", None)
+        if release is not None:
+            release()
+        cache.close()

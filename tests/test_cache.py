@@ -128,31 +128,6 @@ def present(cache: EmbeddingCache, keys: Sequence[str]) -> set[str]:
     return {k for k in keys if cache.entry_state(k) is not ABSENT}
 
 
-@pytest.fixture
-def store() -> Iterator[InProcessStore]:
-    s = InProcessStore()
-    yield s
-    s.release_holds()
-
-
-@pytest.fixture
-def make_cache(store: InProcessStore) -> Iterator[Callable[..., EmbeddingCache]]:
-    caches: list[EmbeddingCache] = []
-
-    def make(capacity: int = 1 << 20, **kwargs: Any) -> EmbeddingCache:
-        kwargs.setdefault("store", store)
-        cache = EmbeddingCache(capacity, pin_memory=False, **kwargs)
-        caches.append(cache)
-        return cache
-
-    yield make
-    for cache in caches:
-        release = getattr(cache.store, "release_holds", None)
-        if release is not None:
-            release()
-        cache.close()
-
-
 # ---------------------------------------------------------------------------- statuses
 def test_hit_pins_a_zero_copy_view_until_the_request_ends(
     make_cache: Callable[..., EmbeddingCache],

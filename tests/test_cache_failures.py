@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -78,31 +78,6 @@ def wait_until(predicate: Callable[[], bool], what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.002)
-
-
-@pytest.fixture
-def store() -> Iterator[InProcessStore]:
-    s = InProcessStore()
-    yield s
-    s.release_holds()
-
-
-@pytest.fixture
-def make_cache(store: InProcessStore) -> Iterator[Callable[..., EmbeddingCache]]:
-    caches: list[EmbeddingCache] = []
-
-    def make(capacity: int = 1 << 20, **kwargs: Any) -> EmbeddingCache:
-        kwargs.setdefault("store", store)
-        cache = EmbeddingCache(capacity, pin_memory=False, **kwargs)
-        caches.append(cache)
-        return cache
-
-    yield make
-    for cache in caches:
-        release = getattr(cache.store, "release_holds", None)
-        if release is not None:
-            release()
-        cache.close()
 
 
 class PartialWriteStore(InProcessStore):
