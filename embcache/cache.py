@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -46,6 +48,10 @@ from embcache.store.inprocess import InProcessStore
 if TYPE_CHECKING:
     from embcache.request import Request
 
+HIT = ItemStatus(Status.HIT)  # statuses are immutable: the common ones are shared
+LOADING_STATUS = ItemStatus(Status.LOADING)
+RESERVED_STATUS = ItemStatus(Status.RESERVED)
+MISSES = {reason: ItemStatus(Status.MISS, reason) for reason in Reason}
 Holder = str | tuple[str, str]  # a request id, or ("publish", request id) for a publish pin
 NOBODY: frozenset[Any] = frozenset()  # shared: an idle entry carries no set of its own
 
@@ -92,7 +98,7 @@ class RequestState:
     waits: set[str] = field(default_factory=set)
     reserved: set[str] = field(default_factory=set)
     fallbacks: dict[str, Reason] = field(default_factory=dict)
-    done: Any = None  # threading.Event, set while nothing is pending
+    done: Any = None  # a threading.Event made when it first waits on a load; set while idle
     async_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]] = field(
         default_factory=list
     )
@@ -151,6 +157,8 @@ class EmbeddingCache:
     event dict per action, in lock order.
     """
 
+    _new_event = threading.Event  # how a waiting request's Event is made (tests schedule it)
+
     def __init__(
         self,
         capacity_bytes: int,
@@ -191,6 +199,7 @@ class EmbeddingCache:
         self._store: GlobalStore = InProcessStore() if store is None else store
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._pool = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._typed_pools: dict[torch.dtype, torch.Tensor] = {}  # the pool viewed as each dtype
         self._store.register_buffer(self._pool)
         self._io = concurrent.futures.ThreadPoolExecutor(io_workers, "embcache-io")
         self._emit(
@@ -336,7 +345,11 @@ class EmbeddingCache:
         with self._lock:
             self._check_request(rs)
             statuses = [self._lookup_or_miss(rs, item) for item in items]
-        misses = sorted({it.key for it, s in zip(items, statuses, strict=True) if _is_new_miss(s)})
+            pairs = zip(items, statuses, strict=True)
+            misses = sorted({item.key for item, status in pairs if _is_new_miss(status)})
+            if not misses or not (prefetch or reserve):  # nothing to start: one pass is enough
+                self._record(rs, items, statuses)
+                return statuses
         found: dict[str, bool] = {}
         store_error = False
         if prefetch and misses:
@@ -352,21 +365,26 @@ class EmbeddingCache:
                 if _is_new_miss(statuses[i]):
                     statuses[i] = self._start(rs, item, found.get(item.key, False), reserve, loads)
                     if statuses[i].reason is Reason.NOT_FOUND and store_error:
-                        statuses[i] = ItemStatus(Status.MISS, Reason.STORE_ERROR)
-                reason = statuses[i].reason
-                if reason is not None:
-                    rs.fallbacks[item.key] = reason
-                    self._counts["miss:" + reason.value] += 1
-            rs.items.extend(items)
-            self._set_done(rs)
+                        statuses[i] = MISSES[Reason.STORE_ERROR]
+            self._record(rs, items, statuses)
         if loads:
             self._io.submit(self._run_loads, loads)
         return statuses
 
+    def _record(self, rs: RequestState, items: Sequence[Item], statuses: list[ItemStatus]) -> None:
+        """End a lookup (lock held): note the items, each miss's reason, and whether rs waits."""
+        for item, status in zip(items, statuses, strict=True):
+            reason = status.reason
+            if reason is not None:
+                rs.fallbacks[item.key] = reason
+                self._counts["miss:" + reason.value] += 1
+        rs.items.extend(items)
+        self._set_done(rs)
+
     def _lookup_or_miss(self, rs: RequestState, item: Item) -> ItemStatus:
         status = self._lookup(rs, item)
         if status.reason is Reason.NOT_FOUND and item.nbytes > self.capacity:
-            return ItemStatus(Status.MISS, Reason.TOO_LARGE)
+            return MISSES[Reason.TOO_LARGE]
         return status
 
     def _start(
@@ -376,14 +394,15 @@ class EmbeddingCache:
         if item.key in self._entries:
             return self._lookup(rs, item)
         if not (in_store or reserve):
-            return ItemStatus(Status.MISS, Reason.NOT_FOUND)
+            return MISSES[Reason.NOT_FOUND]
         entry, reason = self._begin_load(rs, item, from_store=in_store)
         if entry is None:
-            return ItemStatus(Status.MISS, reason)
+            assert reason is not None, "a failed BeginLoad names its reason"
+            return MISSES[reason]
         if in_store:
             loads.append(entry)
-            return ItemStatus(Status.LOADING)
-        return ItemStatus(Status.RESERVED)
+            return LOADING_STATUS
+        return RESERVED_STATUS
 
     def _insert(
         self, rs: RequestState, keys: Sequence[str], tensors: Sequence[torch.Tensor], publish: bool
@@ -487,7 +506,8 @@ class EmbeddingCache:
 
     def _wait(self, rs: RequestState, timeout: float | None) -> bool:
         assert_unlocked("request wait")
-        return bool(rs.done.wait(timeout))
+        done = rs.done  # None: this request never waited on a load, so nothing is pending
+        return done is None or bool(done.wait(timeout))
 
     async def _wait_async(self, rs: RequestState, timeout: float | None) -> bool:
         loop = asyncio.get_running_loop()
@@ -564,7 +584,8 @@ class EmbeddingCache:
         with self._lock:
             for rs in requests:
                 if not rs.pending():
-                    rs.done.set()
+                    if rs.done is not None:
+                        rs.done.set()
                     wake += rs.async_waiters
                     rs.async_waiters = []
         for loop, future in wake:
@@ -573,10 +594,7 @@ class EmbeddingCache:
 
     # ------------------------------------------------------------------ actions (lock held)
     def _open_request(self, request_id: str) -> RequestState:
-        import threading
-
-        rs = RequestState(request_id, done=threading.Event())
-        rs.done.set()
+        rs = RequestState(request_id)
         self._requests[request_id] = rs
         self._emit("OpenRequest", request_id)
         return rs
@@ -590,27 +608,28 @@ class EmbeddingCache:
         """Lookup(r, k): pin a READY entry, join a LOADING one, else a miss."""
         r, entry = rs.request_id, self._entries.get(item.key)
         if entry is None:
-            status = ItemStatus(Status.MISS, Reason.NOT_FOUND)
-        elif (entry.item.shape, entry.item.dtype) != (item.shape, item.dtype):
-            status = ItemStatus(Status.MISS, Reason.MISMATCH)
+            status = MISSES[Reason.NOT_FOUND]
+        elif entry.item.shape != item.shape or entry.item.dtype != item.dtype:
+            status = MISSES[Reason.MISMATCH]
         elif entry.doomed or entry.state not in (READY, LOADING):
-            status = ItemStatus(Status.MISS, Reason.BUSY)
+            status = MISSES[Reason.BUSY]
         elif entry.state is READY:
             transition(entry.state, Step.LOOKUP_HIT)
             if r not in entry.holders:
                 self._add_holder(entry, r)
                 rs.holds.add(item.key)
             self._counts["hits"] += 1
-            status = ItemStatus(Status.HIT)
+            status = HIT
         else:
             transition(entry.state, Step.LOOKUP_JOIN)
             if r not in entry.waiters:
                 entry.waiters |= {r}
                 rs.waits.add(item.key)
                 self._counts["joins"] += 1
-            status = ItemStatus(Status.RESERVED if entry.filler == r else Status.LOADING)
-        reason = None if status.reason is None else status.reason.value
-        self._emit("Lookup", r, item.key, entry, outcome=status.status.name, reason=reason)
+            status = RESERVED_STATUS if entry.filler == r else LOADING_STATUS
+        if self._trace is not None:  # (the per-item actions skip building the event's fields)
+            reason = None if status.reason is None else status.reason.value
+            self._emit("Lookup", r, item.key, entry, outcome=status.status.name, reason=reason)
         return status
 
     def _begin_load(
@@ -715,7 +734,8 @@ class EmbeddingCache:
         else:
             rs.holds.remove(key)
             self._drop_pin(entry, rs.request_id, Step.RELEASE_PIN)
-        self._emit("Release", rs.request_id, key, entry)
+        if self._trace is not None:
+            self._emit("Release", rs.request_id, key, entry)
 
     def _drop_pin(self, entry: Entry, holder: Holder, plain: Step) -> None:
         if entry.pins == 1:
@@ -793,11 +813,13 @@ class EmbeddingCache:
 
     # ------------------------------------------------------------------ helpers (lock held)
     def _add_holder(self, entry: Entry, holder: Holder) -> None:
-        if not entry.holders:
-            entry.pinned_since = time.monotonic()
-            if self._lru.pop(entry.key, None) is not None:
-                self._evictable_bytes -= entry.size
-        entry.holders |= {holder}
+        if entry.holders:
+            entry.holders |= {holder}
+            return
+        entry.holders = frozenset((holder,))
+        entry.pinned_since = time.monotonic()
+        if self._lru.pop(entry.key, None) is not None:
+            self._evictable_bytes -= entry.size
 
     def _make_evictable(self, entry: Entry) -> None:
         self._lru[entry.key] = entry
@@ -813,8 +835,10 @@ class EmbeddingCache:
 
     def _set_done(self, rs: RequestState) -> None:
         if rs.pending():
+            if rs.done is None:
+                rs.done = self._new_event()  # only requests that ever wait pay for an Event
             rs.done.clear()
-        else:
+        elif rs.done is not None:
             rs.done.set()
 
     def _check_open(self) -> None:
@@ -827,7 +851,11 @@ class EmbeddingCache:
             raise ClosedError(f"request {rs.request_id!r} is closed")
 
     def _view(self, offset: int, item: Item) -> torch.Tensor:
-        return self._pool[offset : offset + item.nbytes].view(item.dtype).view(item.shape)
+        """``item``'s bytes at ``offset`` as a tensor of its shape and dtype (zero-copy)."""
+        typed = self._typed_pools.get(item.dtype)
+        if typed is None:  # one view of the whole pool per dtype; a race makes two, both valid
+            typed = self._typed_pools.setdefault(item.dtype, self._pool.view(item.dtype))
+        return typed.as_strided(item.shape, _strides(item.shape), offset // item.dtype.itemsize)
 
     def _emit(
         self,
@@ -925,6 +953,16 @@ def _resolve(future: asyncio.Future[bool]) -> None:
 
 def _is_new_miss(status: ItemStatus) -> bool:
     return status.reason is Reason.NOT_FOUND
+
+
+@functools.lru_cache(maxsize=1024)
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major (contiguous) strides of ``shape``, in elements."""
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return tuple(reversed(strides))
 
 
 def _by_prefix(counts: Counter[str], prefix: str) -> dict[str, int]:

@@ -88,7 +88,10 @@ class HierarchyLock:
         return self._lock.locked()
 
     def __enter__(self) -> HierarchyLock:
-        self.acquire()
+        if _checking:
+            self.acquire()
+        else:  # the hot path: one call less
+            self._lock.acquire()
         return self
 
     def __exit__(
@@ -97,4 +100,7 @@ class HierarchyLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.release()
+        if _checking:
+            self.release()
+        else:
+            self._lock.release()

@@ -28,6 +28,8 @@ class EntryState(enum.Enum):
     READY = "READY"
     QUARANTINED = "QUARANTINED"
 
+    __hash__ = object.__hash__  # members are singletons: identity hashing keeps lookups cheap
+
 
 class Step(enum.Enum):
     """A guarded action: the unit the transition table is keyed by."""
@@ -49,6 +51,8 @@ class Step(enum.Enum):
     PUBLISH = ("Publish", "a write to the global store starts under its own pin")
     END_PUBLISH = ("EndPublish", "the publish pin is dropped (see RELEASE_* for the last pin)")
     FENCE = ("Fence", "the store is fenced: free a quarantined range")
+
+    __hash__ = object.__hash__  # members are singletons: identity hashing keeps lookups cheap
 
     @property
     def action(self) -> str:

@@ -809,7 +809,7 @@ def test_wait_is_not_ended_by_a_stale_wake_up(
     store.inject("b", Fault.HOLD)
     with cache.request("r") as request:
         done = GatedDone()
-        request._state.done = done
+        cache._new_event = lambda: done  # type: ignore[method-assign]
         request.lookup([slot_item("a")])
         assert done.entered.wait(WAIT_S)  # load A ended; its wake-up is on its way
         statuses: list[ItemStatus] = []
