@@ -10,8 +10,10 @@ copies run in the caller's thread while the entry is LOADING (for an insert) or 
 read or publish), so the range cannot be freed or reused under them.
 
 Lock hierarchy: the cache lock is level 1; the allocator's own lock (level 2) is taken inside
-it. Requests never take a lock of their own. Waking a waiting request (an Event, an asyncio
-future) happens after the cache lock is released.
+it. Requests never take a lock of their own. A waiting request is woken in ``_signal``, a short
+hold of the cache lock after the action's own: its Event is set there, under the lock, only if
+nothing is pending any more (so a late wake-up cannot end a newer wait); asyncio futures are
+resolved after the lock is released.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -40,13 +42,11 @@ from embcache.errors import (
 from embcache.eviction import choose_victims
 from embcache.item import Item
 from embcache.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
+from embcache.request import Request
 from embcache.states import ABSENT, LOADING, QUARANTINED, READY, EntryState, Step, transition
 from embcache.status import ItemStatus, Reason, Status
 from embcache.store.base import GlobalStore, TransferOutcome, get_outcome, put_outcome
 from embcache.store.inprocess import InProcessStore
-
-if TYPE_CHECKING:
-    from embcache.request import Request
 
 HIT = ItemStatus(Status.HIT)  # statuses are immutable: the common ones are shared
 LOADING_STATUS = ItemStatus(Status.LOADING)
@@ -69,6 +69,7 @@ class Entry:
     item: Item
     offset: int
     size: int  # allocated bytes (rounded up to the alignment)
+    key: str = field(init=False)  # item.key, kept at hand
     from_store: bool  # a store read is (or was) filling it; else a request fills it
     state: EntryState = LOADING
     holders: frozenset[Holder] = NOBODY  # immutable values; every empty one is NOBODY
@@ -79,16 +80,15 @@ class Entry:
     publishing: bool = False
     pinned_since: float = 0.0
 
-    @property
-    def key(self) -> str:
-        return self.item.key
+    def __post_init__(self) -> None:
+        self.key = self.item.key
 
     @property
     def pins(self) -> int:
         return len(self.holders)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RequestState:
     """A request's bookkeeping. Mutated only under the cache lock."""
 
@@ -104,7 +104,8 @@ class RequestState:
     )
 
     def pending(self) -> bool:
-        return bool(self.waits - self.reserved)
+        """Whether it waits on a load that someone else fills (a store read or another's insert)."""
+        return bool(self.waits) and not self.waits <= self.reserved
 
 
 @dataclass(frozen=True)
@@ -229,8 +230,6 @@ class EmbeddingCache:
 
     def request(self, request_id: str) -> Request:
         """Open a request; use it as a context manager so leaving it releases everything."""
-        from embcache.request import Request
-
         if not isinstance(request_id, str):
             raise InvalidTypeError(f"request_id must be a str, got {request_id!r}")
         if not request_id:
@@ -344,15 +343,22 @@ class EmbeddingCache:
     ) -> list[ItemStatus]:
         with self._lock:
             self._check_request(rs)
-            statuses = [self._lookup_or_miss(rs, item) for item in items]
-            pairs = zip(items, statuses, strict=True)
-            misses = sorted({item.key for item, status in pairs if _is_new_miss(status)})
-            if not misses or not (prefetch or reserve):  # nothing to start: one pass is enough
+            statuses, new_misses = [], set()
+            for item in items:
+                status = self._lookup(rs, item)
+                if status.reason is Reason.NOT_FOUND:
+                    if item.nbytes > self.capacity:
+                        status = MISSES[Reason.TOO_LARGE]
+                    else:
+                        new_misses.add(item.key)
+                statuses.append(status)
+            if not new_misses or not (prefetch or reserve):  # nothing to start: one pass will do
                 self._record(rs, items, statuses)
                 return statuses
+        misses = sorted(new_misses)
         found: dict[str, bool] = {}
         store_error = False
-        if prefetch and misses:
+        if prefetch:
             assert_unlocked("store exists")
             try:
                 found = dict(zip(misses, self._store.exists(misses), strict=True))
@@ -362,7 +368,7 @@ class EmbeddingCache:
         with self._lock:
             self._check_request(rs)
             for i, item in enumerate(items):
-                if _is_new_miss(statuses[i]):
+                if statuses[i].reason is Reason.NOT_FOUND:
                     statuses[i] = self._start(rs, item, found.get(item.key, False), reserve, loads)
                     if statuses[i].reason is Reason.NOT_FOUND and store_error:
                         statuses[i] = MISSES[Reason.STORE_ERROR]
@@ -380,12 +386,6 @@ class EmbeddingCache:
                 self._counts["miss:" + reason.value] += 1
         rs.items.extend(items)
         self._set_done(rs)
-
-    def _lookup_or_miss(self, rs: RequestState, item: Item) -> ItemStatus:
-        status = self._lookup(rs, item)
-        if status.reason is Reason.NOT_FOUND and item.nbytes > self.capacity:
-            return MISSES[Reason.TOO_LARGE]
-        return status
 
     def _start(
         self, rs: RequestState, item: Item, in_store: bool, reserve: bool, loads: list[Entry]
@@ -492,7 +492,7 @@ class EmbeddingCache:
         if item.key not in rs.holds:
             return False
         held = self._entries[item.key].item
-        return (held.shape, held.dtype) == (item.shape, item.dtype)
+        return held.shape == item.shape and held.dtype == item.dtype
 
     @staticmethod
     def _fallback_reason(rs: RequestState, item: Item) -> Reason | None:
@@ -538,7 +538,10 @@ class EmbeddingCache:
             for key in sorted(rs.holds):
                 self._release(rs, key)
             self._close_request(rs)
-        self._signal([*notify, rs])
+            if rs.done is not None or rs.async_waiters:  # someone may wait on rs itself
+                notify.append(rs)
+        if notify:
+            self._signal(notify)
 
     # ------------------------------------------------------------------ I/O workers
     def _run_loads(self, entries: list[Entry]) -> None:
@@ -596,13 +599,15 @@ class EmbeddingCache:
     def _open_request(self, request_id: str) -> RequestState:
         rs = RequestState(request_id)
         self._requests[request_id] = rs
-        self._emit("OpenRequest", request_id)
+        if self._trace is not None:
+            self._emit("OpenRequest", request_id)
         return rs
 
     def _close_request(self, rs: RequestState) -> None:
         assert not (rs.holds or rs.waits or rs.reserved), "close releases everything first"
         del self._requests[rs.request_id]
-        self._emit("CloseRequest", rs.request_id)
+        if self._trace is not None:
+            self._emit("CloseRequest", rs.request_id)
 
     def _lookup(self, rs: RequestState, item: Item) -> ItemStatus:
         """Lookup(r, k): pin a READY entry, join a LOADING one, else a miss."""
@@ -738,7 +743,7 @@ class EmbeddingCache:
             self._emit("Release", rs.request_id, key, entry)
 
     def _drop_pin(self, entry: Entry, holder: Holder, plain: Step) -> None:
-        if entry.pins == 1:
+        if len(entry.holders) == 1:
             if entry.tainted:
                 plain = Step.RELEASE_LAST_TAINTED
             elif entry.doomed:
@@ -846,8 +851,8 @@ class EmbeddingCache:
             raise ClosedError("the cache is closed: create a new EmbeddingCache")
 
     def _check_request(self, rs: RequestState) -> None:
-        self._check_open()
-        if self._requests.get(rs.request_id) is not rs:
+        if self._closed or self._requests.get(rs.request_id) is not rs:
+            self._check_open()
             raise ClosedError(f"request {rs.request_id!r} is closed")
 
     def _view(self, offset: int, item: Item) -> torch.Tensor:
@@ -949,10 +954,6 @@ class EmbeddingCache:
 def _resolve(future: asyncio.Future[bool]) -> None:
     if not future.done():
         future.set_result(True)
-
-
-def _is_new_miss(status: ItemStatus) -> bool:
-    return status.reason is Reason.NOT_FOUND
 
 
 @functools.lru_cache(maxsize=1024)

@@ -154,6 +154,28 @@ def test_hit_pins_a_zero_copy_view_until_the_request_ends(
     assert_clean(cache)
 
 
+def test_closing_a_request_from_another_thread_ends_its_wait(
+    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+) -> None:
+    """A server cancelling a request (close on another thread) wakes the thread waiting on it."""
+    cache = make_cache()
+    store.put_object("img", raw(slot(1)))
+    store.inject("img", Fault.HOLD)
+    request = cache.request("r")
+    assert request.lookup([slot_item("img")])[0].status is Status.LOADING
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: woke.append(request.wait(timeout=WAIT_S)))
+    waiter.start()
+    time.sleep(0.05)  # let it block (if it has not yet, its wait returns at once: same result)
+    started = time.monotonic()
+    request.close()
+    waiter.join(WAIT_S)
+    assert woke == [True] and time.monotonic() - started < WAIT_S / 2, "the wait was not ended"
+    store.release_holds()
+    cache.close()
+    assert_clean(cache)
+
+
 def test_loading_from_the_store_then_ready(
     store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:

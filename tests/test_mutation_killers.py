@@ -788,11 +788,15 @@ def test_request_close_under_a_lock_names_the_wake_up() -> None:
         pytest.skip("needs EMBCACHE_LOCK_CHECK=1")
     cache = EmbeddingCache(4 * ALIGN, pin_memory=False)
     try:
-        request = cache.request("r")
+        request, waiter = cache.request("r"), cache.request("w")
+        item = Item("k", (ALIGN // 4,), torch.float32)
+        request.lookup([item], prefetch=False, reserve_misses=True)
+        waiter.lookup([item], prefetch=False)  # waits on r's reservation: r's close wakes it
         outer = HierarchyLock(0, "test outer lock")
         with outer, pytest.raises(LockOrderError, match=r"^waking requests while holding"):
             request.close()
         cache.check_invariants()
+        waiter.close()
     finally:
         cache.close()
 
