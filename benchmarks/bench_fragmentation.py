@@ -17,6 +17,11 @@ Reported against each baseline: allocation failures although a fitting run exist
 contiguous run of free blocks and idle entries, at most ``max_eviction_batch`` of them, that
 holds the request; target 0), bytes evicted that served no allocation (evicted ranges that the
 allocation does not overlap, or every eviction of a failed one; target 0), and hit ratio.
+Two informational rows per baseline explain the hit ratios: the share of encoder tokens
+saved (hits weighted by their token count: what a hit is worth, since encoder time grows with
+tokens), and the hit ratio of the same mix when the popularity ranking is reshuffled every
+``drift_every`` requests (serving traffic drifts; a cache that stops admitting new entries,
+as LRU-to-bytes does once fragmented, keeps serving the old favourites).
 Run from the repository root: python -m benchmarks.bench_fragmentation [--quick]
 """
 
@@ -68,8 +73,15 @@ class Workload:
     inflight: int  # requests held open (pinned) at once
 
 
-def make_workload(quick: bool, seed: int = 7) -> Workload:
-    """Log-uniform token counts, 70% bf16, Zipf(0.9) popularity, 1-3 images per request."""
+def drift_every(quick: bool) -> int:
+    """Requests between two reshuffles of the popularity ranking in the drifting variant."""
+    return 100 if quick else 500
+
+
+def make_workload(quick: bool, seed: int = 7, drifting: bool = False) -> Workload:
+    """Log-uniform token counts, 70% bf16, Zipf(0.9) popularity, 1-3 images per request.
+    ``drifting``: the same draws, but which image holds each popularity rank is reshuffled
+    every ``drift_every(quick)`` requests."""
     rng = random.Random(seed)
     universe = 600 if quick else 1500
     specs = [
@@ -90,6 +102,12 @@ def make_workload(quick: bool, seed: int = 7) -> Workload:
             if index not in chosen:
                 chosen.append(index)
         requests.append(chosen)
+    if drifting:
+        shuffler, owner = random.Random(seed + 1), list(range(universe))
+        for n, chosen in enumerate(requests):
+            if n % drift_every(quick) == 0:
+                shuffler.shuffle(owner)
+            chosen[:] = [owner[rank] for rank in chosen]
     return Workload(specs, requests, inflight=4)
 
 
@@ -136,6 +154,8 @@ def layout(entries: list[tuple[int, int, bool]], capacity: int) -> list[tuple[in
 class Tally:
     lookups: int = 0
     hits: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
     attempts: int = 0  # allocations tried (misses to insert)
     failures: int = 0
     failures_with_run: int = 0  # a fitting run existed (oracle)
@@ -223,6 +243,10 @@ def run_ours(workload: Workload) -> Tally:
             statuses = request.lookup([s.item for s in specs], prefetch=False, reserve_misses=True)
             tally.lookups += len(specs)
             tally.hits += sum(s.status is Status.HIT for s in statuses)
+            tally.lookup_tokens += sum(sp.tokens for sp in specs)
+            tally.hit_tokens += sum(
+                sp.tokens for sp, st in zip(specs, statuses, strict=True) if st.status is Status.HIT
+            )
             reserved = [
                 sp for sp, st in zip(specs, statuses, strict=True) if st.status is Status.RESERVED
             ]
@@ -276,6 +300,8 @@ def run_baseline(workload: Workload, mode: str) -> Tally:
             pin(index)
         tally.lookups += len(indices)
         tally.hits += len(held)
+        tally.lookup_tokens += sum(workload.specs[i].tokens for i in indices)
+        tally.hit_tokens += sum(workload.specs[i].tokens for i in held)
         for index in (i for i in indices if i not in entries):
             size = aligned(workload.specs[index].nbytes)
             tally.attempts += 1
@@ -332,9 +358,12 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     """Rows ``{name, ours, baseline, unit, ratio, target, met}`` against both baselines."""
     workload = make_workload(quick)
     ours = run_ours(workload)
+    drifting = make_workload(quick, drifting=True)
+    ours_drifting = run_ours(drifting)
     rows = []
     for mode in BASELINES:
         base = run_baseline(workload, mode)
+        base_drifting = run_baseline(drifting, mode)
         rows += [
             row(
                 f"fails, fitting run existed, {mode}",
@@ -380,6 +409,22 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 f"hit ratio, {mode}",
                 100 * ours.hits / ours.lookups,
                 100 * base.hits / base.lookups,
+                "%",
+                "",
+                None,
+            ),
+            row(
+                f"encoder tokens saved, {mode}",
+                100 * ours.hit_tokens / ours.lookup_tokens,
+                100 * base.hit_tokens / base.lookup_tokens,
+                "%",
+                "",
+                None,
+            ),
+            row(
+                f"drifting mix (every {drift_every(quick)} requests): hit ratio, {mode}",
+                100 * ours_drifting.hits / ours_drifting.lookups,
+                100 * base_drifting.hits / base_drifting.lookups,
                 "%",
                 "",
                 None,

@@ -6,8 +6,9 @@ The cache holds N idle READY entries (256 bytes each). Each timed request opens,
 baseline does, per item, what a cache at its barest must: ``dict[key]`` and
 ``OrderedDict.move_to_end(key)`` over the same N keys and the same key sequence. A second,
 informational baseline also builds the same torch view (one ``as_strided`` of the pool viewed
-as the item's dtype, as the cache does), the part of our path that is torch's and not ours. Every N's cache is built first; then chunks
-alternate over N and contenders (so load drift on a shared machine hits them alike); medians.
+as the item's dtype, as the cache does), the part of our path that is torch's and not ours.
+Every N's cache is built first; then chunks alternate over N and contenders (so load drift on a
+shared machine hits them alike); medians.
 Flat in N is judged as ours at the largest N over ours at the smallest.
 Run from the repository root: python -m benchmarks.bench_hitpath [--quick]
 """

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 
 from benchmarks import run as bench_run
 from benchmarks.bench_eviction import ENTRY_BYTES, ScanLRUCache
-from benchmarks.bench_fragmentation import make_workload
+from benchmarks.bench_fragmentation import drift_every, make_workload, run_baseline, run_ours
 from benchmarks.bench_paged import run_paged
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,3 +177,24 @@ def test_paged_baseline_accounts_for_every_allocation() -> None:
     assert 0 <= tally.failures <= tally.attempts
     assert tally.wasted_bytes == 0  # victims' pages are used first
     assert tally.evicted_bytes >= 0 and tally.evictions >= 0
+
+
+def test_drifting_mix_reshuffles_popularity_between_phases() -> None:
+    steady, drifting = make_workload(quick=True), make_workload(quick=True, drifting=True)
+    every = drift_every(quick=True)
+    assert [len(r) for r in steady.requests] == [len(r) for r in drifting.requests]
+    assert all(len(set(r)) == len(r) for r in drifting.requests)
+    assert steady.requests != drifting.requests  # the first shuffle already moves the ranks
+    top = [
+        Counter(i for r in drifting.requests[p : p + every] for i in r).most_common(1)[0][0]
+        for p in range(0, len(drifting.requests), every)
+    ]
+    assert len(set(top)) > 1, "the favourite image never changed between phases"
+
+
+def test_token_weighted_hits_are_counted_alike_for_ours_and_the_baselines() -> None:
+    workload = make_workload(quick=True)
+    total = sum(workload.specs[i].tokens for r in workload.requests for i in r)
+    for tally in (run_ours(workload), run_baseline(workload, "LRU-to-fit")):
+        assert tally.lookup_tokens == total
+        assert 0 < tally.hit_tokens < total
