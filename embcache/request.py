@@ -59,7 +59,9 @@ class Request:
 
     def embeddings(self) -> list[torch.Tensor | None]:
         """Zero-copy views (shape and dtype of each item) valid until the request ends; None
-        for every looked-up item this request does not hold."""
+        for every looked-up item this request does not hold. Every call makes new view
+        objects: reshaping one in place (``unsqueeze_``) touches nobody else's, but writing
+        into one changes the cached bytes that every request reads."""
         return self._cache._embeddings(self._state)
 
     def fallback_mask(self) -> torch.Tensor:

@@ -154,6 +154,26 @@ def test_hit_pins_a_zero_copy_view_until_the_request_ends(
     assert_clean(cache)
 
 
+def test_each_request_gets_its_own_view_objects(
+    make_cache: Callable[..., EmbeddingCache],
+) -> None:
+    """Views share the pool's bytes but not their metadata: an in-place reshape stays local."""
+    cache = make_cache()
+    insert(cache, "a", slot(1))
+    with cache.request("r1") as first, cache.request("r2") as second:
+        first.lookup([slot_item("a")])
+        second.lookup([slot_item("a")])
+        (mine,), (theirs,) = first.embeddings(), second.embeddings()
+        assert mine is not None and theirs is not None and mine is not theirs
+        assert mine.data_ptr() == theirs.data_ptr()
+        mine.unsqueeze_(0)
+        assert theirs.shape == slot_item("a").shape
+        (again,) = second.embeddings()
+        assert again is not None and again.shape == slot_item("a").shape
+        assert raw(again) == raw(slot(1))
+    assert_clean(cache)
+
+
 def test_closing_a_request_from_another_thread_ends_its_wait(
     store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
