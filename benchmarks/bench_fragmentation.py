@@ -32,6 +32,7 @@ import math
 import random
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -360,75 +361,36 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     ours = run_ours(workload)
     drifting = make_workload(quick, drifting=True)
     ours_drifting = run_ours(drifting)
+    drift = f"drifting mix (every {drift_every(quick)} requests): "
+    # name, unit, value of a tally (the steady mix's, or the drifting mix's), target, met
+    metrics: list[tuple[str, str, Callable[[Tally, Tally], float], str, bool | None]] = [
+        (
+            "fails, fitting run existed",
+            "allocs",
+            lambda t, _: t.failures_with_run,
+            "= 0",
+            ours.failures_with_run == 0,
+        ),
+        ("fails, enough bytes idle", "allocs", lambda t, _: t.failures_with_bytes, "", None),
+        ("failed allocations", "%", lambda t, _: 100 * t.failures / t.attempts, "", None),
+        (
+            "evicted for nothing",
+            "MiB",
+            lambda t, _: t.wasted_bytes / 2**20,
+            "= 0",
+            ours.wasted_bytes == 0,
+        ),
+        ("evicted in all", "MiB", lambda t, _: t.evicted_bytes / 2**20, "", None),
+        ("hit ratio", "%", lambda t, _: 100 * t.hits / t.lookups, "", None),
+        ("encoder tokens saved", "%", lambda t, _: 100 * t.hit_tokens / t.lookup_tokens, "", None),
+        (drift + "hit ratio", "%", lambda _, d: 100 * d.hits / d.lookups, "", None),
+    ]
     rows = []
     for mode in BASELINES:
-        base = run_baseline(workload, mode)
-        base_drifting = run_baseline(drifting, mode)
+        base = run_baseline(workload, mode), run_baseline(drifting, mode)
         rows += [
-            row(
-                f"fails, fitting run existed, {mode}",
-                ours.failures_with_run,
-                base.failures_with_run,
-                "allocs",
-                "= 0",
-                ours.failures_with_run == 0,
-            ),
-            row(
-                f"fails, enough bytes idle, {mode}",
-                ours.failures_with_bytes,
-                base.failures_with_bytes,
-                "allocs",
-                "",
-                None,
-            ),
-            row(
-                f"failed allocations, {mode}",
-                100 * ours.failures / ours.attempts,
-                100 * base.failures / base.attempts,
-                "%",
-                "",
-                None,
-            ),
-            row(
-                f"evicted for nothing, {mode}",
-                ours.wasted_bytes / 2**20,
-                base.wasted_bytes / 2**20,
-                "MiB",
-                "= 0",
-                ours.wasted_bytes == 0,
-            ),
-            row(
-                f"evicted in all, {mode}",
-                ours.evicted_bytes / 2**20,
-                base.evicted_bytes / 2**20,
-                "MiB",
-                "",
-                None,
-            ),
-            row(
-                f"hit ratio, {mode}",
-                100 * ours.hits / ours.lookups,
-                100 * base.hits / base.lookups,
-                "%",
-                "",
-                None,
-            ),
-            row(
-                f"encoder tokens saved, {mode}",
-                100 * ours.hit_tokens / ours.lookup_tokens,
-                100 * base.hit_tokens / base.lookup_tokens,
-                "%",
-                "",
-                None,
-            ),
-            row(
-                f"drifting mix (every {drift_every(quick)} requests): hit ratio, {mode}",
-                100 * ours_drifting.hits / ours_drifting.lookups,
-                100 * base_drifting.hits / base_drifting.lookups,
-                "%",
-                "",
-                None,
-            ),
+            row(f"{name}, {mode}", value(ours, ours_drifting), value(*base), unit, target, met)
+            for name, unit, value, target, met in metrics
         ]
     rows.append(
         {

@@ -40,7 +40,7 @@ from embcache.errors import (
     RequestError,
 )
 from embcache.eviction import choose_victims
-from embcache.item import Item
+from embcache.item import Item, check_key
 from embcache.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
 from embcache.request import Request
 from embcache.states import ABSENT, LOADING, QUARANTINED, READY, EntryState, Step, transition
@@ -243,7 +243,7 @@ class EmbeddingCache:
 
     def remove(self, key: str) -> bool:
         """Remove ``key``: freed now if idle, else doomed and freed once idle. False if absent."""
-        _check_key(key)
+        check_key(key)
         with self._lock:
             self._check_open()
             return self._remove(key)
@@ -283,7 +283,7 @@ class EmbeddingCache:
 
     def entry_state(self, key: str) -> EntryState:
         """The state of ``key``'s entry (ABSENT when there is none)."""
-        _check_key(key)
+        check_key(key)
         with self._lock:
             entry = self._entries.get(key)
             return ABSENT if entry is None else entry.state
@@ -409,7 +409,7 @@ class EmbeddingCache:
     ) -> list[bool]:
         if isinstance(keys, str) or len(keys) != len(tensors):
             raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
-        items = [Item.of(_check_key(k), t) for k, t in zip(keys, tensors, strict=True)]
+        items = [Item.of(check_key(k), t) for k, t in zip(keys, tensors, strict=True)]
         with self._lock:
             self._check_request(rs)
             for item in items:
@@ -968,11 +968,3 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def _by_prefix(counts: Counter[str], prefix: str) -> dict[str, int]:
     return {k[len(prefix) :]: v for k, v in counts.items() if k.startswith(prefix)}
-
-
-def _check_key(key: object) -> str:
-    if not isinstance(key, str):
-        raise InvalidTypeError(f"key must be a str, got {type(key).__name__}")
-    if not key:
-        raise InvalidArgumentError("key must be a non-empty str")
-    return key

@@ -19,10 +19,7 @@ class Item:
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        if not isinstance(self.key, str):
-            raise InvalidTypeError(f"key must be a str, got {type(self.key).__name__}")
-        if not self.key:
-            raise InvalidArgumentError("key must be a non-empty str")
+        check_key(self.key)
         if not isinstance(self.shape, tuple) or not self.shape:
             raise InvalidTypeError(f"shape must be a non-empty tuple of ints, got {self.shape!r}")
         for dim in self.shape:
@@ -46,3 +43,12 @@ class Item:
                 f"expected a torch.Tensor for {key!r}, got {type(tensor).__name__}"
             )
         return cls(key, tuple(tensor.shape), tensor.dtype)
+
+
+def check_key(key: object) -> str:
+    """``key`` if it is a non-empty str; else ``InvalidTypeError`` or ``InvalidArgumentError``."""
+    if not isinstance(key, str):
+        raise InvalidTypeError(f"key must be a str, got {type(key).__name__}")
+    if not key:
+        raise InvalidArgumentError("key must be a non-empty str")
+    return key

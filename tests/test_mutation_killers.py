@@ -396,7 +396,7 @@ def test_duplicate_keys_in_one_insert_do_not_stop_the_rest() -> None:
 
 
 def test_insert_argument_messages() -> None:
-    """Kills cache _check_key__mutmut_3/6 and _insert__mutmut_4 (error messages)."""
+    """Kills item check_key__mutmut_3/6 (was cache _check_key) and _insert__mutmut_4 (messages)."""
     cache = EmbeddingCache(8 * ALIGN, pin_memory=False)
     try:
         t = torch.arange(64, dtype=torch.float32)
