@@ -413,17 +413,17 @@ def test_insert_argument_messages() -> None:
         cache.close()
 
 
-@pytest.mark.parametrize("call", ["wait", "insert", "close"])
+@pytest.mark.parametrize("call", ["wait", "insert", "close", "lookup"])
 def test_blocking_work_under_a_lock_names_what_it_was(call: str) -> None:
-    """Kills cache _wait__mutmut_1-3, _copy_in__mutmut_1-3 and close__mutmut_3-6 (what the
-    LockOrderError says is being done). The same message in lookup ("store exists") is caught
-    with every store error and never seen."""
+    """Kills cache _wait__mutmut_1-3, _copy_in__mutmut_1-3, close__mutmut_3-6 and (session 2)
+    _lookup_items__mutmut_28-30 (what the LockOrderError says is being done)."""
     if not lock_checking_enabled():
         pytest.skip("needs EMBCACHE_LOCK_CHECK=1")
     what = {
         "wait": "request wait",
         "insert": "payload copy",
         "close": "waiting for I/O workers",
+        "lookup": "store exists",
     }[call]
     cache = EmbeddingCache(8 * ALIGN, pin_memory=False)
     outer = HierarchyLock(0, "test outer lock")
@@ -436,6 +436,8 @@ def test_blocking_work_under_a_lock_names_what_it_was(call: str) -> None:
         ):
             if call == "wait":
                 request.wait(timeout=0)
+            elif call == "lookup":  # a miss, prefetched: the store is asked between two holds
+                request.lookup([Item("k", (64,), torch.float32)])
             elif call == "insert":
                 request.insert(["k"], [t])
             else:
