@@ -198,3 +198,14 @@ def test_token_weighted_hits_are_counted_alike_for_ours_and_the_baselines() -> N
     for tally in (run_ours(workload), run_baseline(workload, "LRU-to-fit")):
         assert tally.lookup_tokens == total
         assert 0 < tally.hit_tokens < total
+
+
+def test_cold_request_probe_times_every_step() -> None:
+    from benchmarks.cold_request import measure
+
+    steps = measure(rounds=3)
+    for name in ("open", "lookup", "embeddings", "close"):
+        cold, warm = steps[name]
+        assert cold > 0 and warm > 0
+    assert steps["copy out of the fresh view"][0] > 0
+    assert steps["copy out of a view made beforehand"][0] > 0
