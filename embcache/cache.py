@@ -378,14 +378,20 @@ class EmbeddingCache:
         return statuses
 
     def _record(self, rs: RequestState, items: Sequence[Item], statuses: list[ItemStatus]) -> None:
-        """End a lookup (lock held): note the items, each miss's reason, and whether rs waits."""
+        """End a lookup (lock held): note the items, each miss's reason, and whether rs waits
+        (its Event is clear while it does; only requests that ever wait get an Event)."""
         for item, status in zip(items, statuses, strict=True):
             reason = status.reason
             if reason is not None:
                 rs.fallbacks[item.key] = reason
                 self._counts["miss:" + reason.value] += 1
         rs.items.extend(items)
-        self._set_done(rs)
+        if rs.pending():
+            if rs.done is None:
+                rs.done = self._new_event()
+            rs.done.clear()
+        elif rs.done is not None:
+            rs.done.set()
 
     def _start(
         self, rs: RequestState, item: Item, in_store: bool, reserve: bool, loads: list[Entry]
@@ -837,14 +843,6 @@ class EmbeddingCache:
         if self._lru.pop(entry.key, None) is not None:
             self._evictable_bytes -= entry.size
         entry.state = ABSENT
-
-    def _set_done(self, rs: RequestState) -> None:
-        if rs.pending():
-            if rs.done is None:
-                rs.done = self._new_event()  # only requests that ever wait pay for an Event
-            rs.done.clear()
-        elif rs.done is not None:
-            rs.done.set()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import repeat
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -45,9 +46,10 @@ class Request:
         for the same key wait for its insert instead of encoding it again. A key repeated in
         ``items`` gets the status of its first occurrence and holds one pin.
         """
-        if isinstance(items, Item) or not all(isinstance(it, Item) for it in items):
+        checked = None if isinstance(items, Item) else list(items)
+        if checked is None or not all(map(isinstance, checked, repeat(Item))):  # no frame per item
             raise InvalidTypeError("lookup takes a sequence of Item")
-        return self._cache._lookup_items(self._state, list(items), prefetch, reserve_misses)
+        return self._cache._lookup_items(self._state, checked, prefetch, reserve_misses)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every load this request waits on has ended; False on timeout."""
