@@ -100,7 +100,7 @@ class Request:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self._cache._close(self._state)  # what close() does, one call shorter
 
 
 def _check_timeout(timeout: object) -> float | None:
