@@ -92,6 +92,27 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     return rows
 
 
+def make_row(
+    name: str,
+    ours: float,
+    base: float | None,
+    unit: str,
+    ratio: float,
+    target: str,
+    met: bool | None,
+) -> dict[str, Any]:
+    """One row of ``benchmarks/run.py``'s table and JSON."""
+    return {
+        "name": name,
+        "ours": ours,
+        "baseline": base,
+        "unit": unit,
+        "ratio": ratio,
+        "target": target,
+        "met": met,
+    }
+
+
 def print_rows(rows: list[dict[str, Any]]) -> None:
     print(f"{'benchmark':44} {'ours':>12} {'baseline':>12} {'unit':>8} {'ratio':>9}  target")
     for r in rows:

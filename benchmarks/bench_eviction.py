@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_allocator import print_rows
+from benchmarks.bench_allocator import make_row, print_rows
 from embcache import EmbeddingCache, RangeAllocator, Request
 
 ENTRY_BYTES = 256
@@ -159,26 +159,6 @@ def measure(sides: list[Side], chunks: int) -> None:
             side.times.append(side.chunk())
 
 
-def _row(
-    name: str,
-    ours: float,
-    base: float | None,
-    unit: str,
-    ratio: float,
-    target: str,
-    met: bool | None,
-) -> dict[str, Any]:
-    return {
-        "name": name,
-        "ours": ours,
-        "baseline": base,
-        "unit": unit,
-        "ratio": ratio,
-        "target": target,
-        "met": met,
-    }
-
-
 def run(quick: bool = False) -> list[dict[str, Any]]:
     """Per N: us per evicting insert, ours vs the scanning baseline (ratio = speedup); at the
     largest N: cost with N/2 pinned over cost with none pinned; growth over N."""
@@ -201,7 +181,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     for n in sizes:
         ours_t, base_t = ours[n].median(), base[n].median()
         rows.append(
-            _row(
+            make_row(
                 f"evicting insert, {n} entries, half pinned",
                 ours_t * 1e6,
                 base_t * 1e6,
@@ -213,7 +193,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         )
     pinned_over_free = ours[largest].median() / ours_free.median()
     rows.append(
-        _row(
+        make_row(
             f"evicting insert, {largest} entries, {largest // 2} pinned / 0 pinned",
             pinned_over_free,
             base[largest].median() / base_free.median(),
@@ -225,7 +205,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     )
     growth = ours[largest].median() / ours[sizes[0]].median()
     rows.append(
-        _row(
+        make_row(
             f"evicting insert growth {largest} vs {sizes[0]} entries",
             growth,
             None,

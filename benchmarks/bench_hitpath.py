@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_allocator import print_rows
+from benchmarks.bench_allocator import make_row, print_rows
 from benchmarks.bench_eviction import insert_all
 from embcache import EmbeddingCache, Item, Status
 
@@ -108,26 +108,6 @@ def measure(sizes: list[int], requests: int, chunks: int) -> dict[int, tuple[flo
     }
 
 
-def _row(
-    name: str,
-    ours: float,
-    base: float | None,
-    unit: str,
-    ratio: float,
-    target: str,
-    met: bool | None,
-) -> dict[str, Any]:
-    return {
-        "name": name,
-        "ours": ours,
-        "baseline": base,
-        "unit": unit,
-        "ratio": ratio,
-        "target": target,
-        "met": met,
-    }
-
-
 def run(quick: bool = False) -> list[dict[str, Any]]:
     """Per N: us per item, ours vs bare dict+move (ratio = ours / bare, target < 10x) and vs
     bare dict+move+view (informational); growth of ours over N (flat)."""
@@ -138,7 +118,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         ours_at[entries] = ours_t
         ratio = ours_t / bare_t
         rows.append(
-            _row(
+            make_row(
                 f"hit path, {entries} entries, vs dict+move",
                 ours_t * 1e6,
                 bare_t * 1e6,
@@ -149,7 +129,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             )
         )
         rows.append(
-            _row(
+            make_row(
                 f"hit path, {entries} entries, vs dict+move+view",
                 ours_t * 1e6,
                 view_t * 1e6,
@@ -161,7 +141,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         )
     growth = ours_at[sizes[-1]] / ours_at[sizes[0]]
     rows.append(
-        _row(
+        make_row(
             f"hit path growth {sizes[-1]} vs {sizes[0]} entries",
             growth,
             None,
