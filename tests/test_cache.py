@@ -39,6 +39,7 @@ from embcache.errors import (
 )
 from embcache.states import ABSENT, LOADING, QUARANTINED, READY
 from embcache.store.inprocess import NOT_FOUND, TIMED_OUT
+from tests.tensors import aligned, item_of, payload, raw
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,26 +63,9 @@ ACTIONS = {
 
 
 # ---------------------------------------------------------------------------- helpers
-def payload(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype)
-
-
 def slot(seed: int, units: int = 1) -> torch.Tensor:
     """A float32 tensor of ``units`` slots with seed-dependent values."""
     return payload((units * UNIT // 4,), torch.float32, seed)
-
-
-def raw(tensor: torch.Tensor) -> bytes:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def item_of(key: str, tensor: torch.Tensor) -> Item:
-    return Item(key, tuple(tensor.shape), tensor.dtype)
 
 
 def slot_item(key: str, units: int = 1) -> Item:

@@ -19,6 +19,7 @@ import torch
 
 from embcache import EmbeddingCache, Fault, InProcessStore, Item, Reason, Status
 from embcache.states import ABSENT, LOADING, QUARANTINED, READY
+from tests.tensors import aligned, item_of, payload, raw
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,25 +28,6 @@ WAIT_S = 10.0
 
 
 # ---------------------------------------------------------------------------- helpers
-def payload(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Deterministic, seed-dependent values (every byte pattern differs between seeds)."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype)
-
-
-def raw(tensor: torch.Tensor) -> bytes:
-    """The bytes of ``tensor`` as stored (any dtype, bf16 included)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def item_of(key: str, tensor: torch.Tensor) -> Item:
-    return Item(key, tuple(tensor.shape), tensor.dtype)
-
-
 def assert_clean(cache: EmbeddingCache, present: Sequence[Item] = ()) -> None:
     """Invariants hold, no pin or request is left, bytes are exactly those of present entries."""
     cache.check_invariants()

@@ -23,6 +23,7 @@ from embcache import EmbeddingCache, Fault, InProcessStore, Item
 from embcache.errors import LockOrderError
 from embcache.locks import assert_unlocked, enable_lock_checking, lock_checking_enabled
 from embcache.states import QUARANTINED, READY
+from tests.tensors import raw
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,10 +89,6 @@ def cache() -> Iterator[EmbeddingCache]:
 
 def tensor(seed: int, n: int = 256) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int32) * 7919 + seed
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def assert_usable(cache: EmbeddingCache) -> None:

@@ -28,6 +28,7 @@ from embcache import (
 from embcache.errors import InvalidArgumentError, InvalidTypeError, RequestError
 from embcache.locks import assert_unlocked
 from embcache.states import ABSENT, LOADING, QUARANTINED, READY
+from tests.tensors import raw
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,10 +76,6 @@ def item(n: int) -> Item:
 
 def reference(inputs: Sequence[int]) -> torch.Tensor:
     return torch.cat([expected(n) for n in inputs])
-
-
-def raw(tensor: torch.Tensor) -> bytes:
-    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def encode(pipeline: EncodePipeline, request_id: str, inputs: Sequence[int]) -> torch.Tensor:

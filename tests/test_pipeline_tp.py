@@ -28,6 +28,7 @@ from embcache import EmbeddingCache, EncodePipeline, Fault, InProcessStore, Item
 from embcache.encoders import TinyViT, synthetic_image
 from embcache.errors import RequestError
 from embcache.pipeline import TensorParallelError
+from tests.tensors import raw
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,10 +49,6 @@ def expected(n: int) -> torch.Tensor:
 
 def item(n: int) -> Item:
     return Item(f"img-{n}", (1 + n % 3, HIDDEN), DTYPE)
-
-
-def raw(tensor: torch.Tensor) -> bytes:
-    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 class ReplicatedEncoder:
@@ -392,9 +389,7 @@ def outcomes(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return {
-        rank: json.loads((outdir / f"rank{rank}.json").read_text()) for rank in range(world)
-    }
+    return {rank: json.loads((outdir / f"rank{rank}.json").read_text()) for rank in range(world)}
 
 
 @pytest.mark.parametrize("scenario", NAMES)

@@ -21,6 +21,7 @@ from embcache.item import Item
 from embcache.states import ABSENT
 from embcache.status import Reason, Status
 from embcache.store.mooncake import MooncakeStore
+from tests.tensors import payload
 
 if TYPE_CHECKING:
     from tests.integration.conftest import MooncakeMaster
@@ -34,11 +35,6 @@ WAIT_S = 10.0
 
 def unique(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:10]}"
-
-
-def payload(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype)
 
 
 def open_worker(stack: ExitStack, master: MooncakeMaster, **cache_kwargs: object) -> EmbeddingCache:

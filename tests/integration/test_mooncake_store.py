@@ -26,6 +26,7 @@ from embcache.errors import (
 from embcache.store import mooncake as mooncake_module
 from embcache.store.base import GlobalStore, TransferOutcome, get_outcome, put_outcome
 from embcache.store.mooncake import CODES, MooncakeStore, StoreCode
+from tests.tensors import payload
 
 if TYPE_CHECKING:
     from tests.integration.conftest import MooncakeMaster
@@ -74,11 +75,6 @@ def workers(mooncake_master: MooncakeMaster) -> Iterator[tuple[Worker, Worker]]:
         a.connect()
         b.connect()
         yield Worker(a), Worker(b)
-
-
-def payload(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype)
 
 
 # -- round trips ------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ import torch
 
 from embcache import EmbeddingCache, Item, Request, Status
 from embcache.states import READY
+from tests.tensors import raw
 
 WAIT_S = 10.0
 WAIT_TIMEOUTS = (0.0, 0.0005, 0.002, 0.01)
@@ -51,10 +52,6 @@ def make_payload(item: Item) -> torch.Tensor:
     words = np.arange(item.nbytes // 4, dtype=np.uint32) * np.uint32(2654435761)
     words += np.uint32(checksum(item))
     return torch.from_numpy(words.view(np.uint8).copy()).view(item.dtype).view(item.shape)
-
-
-def raw(tensor: torch.Tensor) -> bytes:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 class Abandon(Exception):

@@ -1,0 +1,28 @@
+"""Tensor helpers shared by the tests: seeded payloads and the bytes a tensor is stored as."""
+
+from __future__ import annotations
+
+import torch
+
+from embcache import Item
+
+
+def payload(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Deterministic, seed-dependent values (every byte pattern differs between seeds)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype)
+
+
+def raw(tensor: torch.Tensor) -> bytes:
+    """The bytes of ``tensor`` as stored (any dtype, bf16 included)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def item_of(key: str, tensor: torch.Tensor) -> Item:
+    """The item naming ``tensor`` under ``key``."""
+    return Item(key, tuple(tensor.shape), tensor.dtype)
+
+
+def aligned(nbytes: int, alignment: int = 256) -> int:
+    """``nbytes`` rounded up to ``alignment``."""
+    return -(-nbytes // alignment) * alignment
