@@ -69,7 +69,6 @@ class Entry:
     item: Item
     offset: int
     size: int  # allocated bytes (rounded up to the alignment)
-    key: str = field(init=False)  # item.key, kept at hand
     from_store: bool  # a store read is (or was) filling it; else a request fills it
     state: EntryState = LOADING
     holders: frozenset[Holder] = NOBODY  # immutable values; every empty one is NOBODY
@@ -80,8 +79,9 @@ class Entry:
     publishing: bool = False
     pinned_since: float = 0.0
 
-    def __post_init__(self) -> None:
-        self.key = self.item.key
+    @property
+    def key(self) -> str:
+        return self.item.key
 
     @property
     def pins(self) -> int:
