@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_allocator import make_row, print_rows
+from benchmarks.bench_allocator import growth_row, make_row, print_rows
 from embcache import EmbeddingCache, RangeAllocator, Request
 
 ENTRY_BYTES = 256
@@ -203,16 +203,9 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             pinned_over_free <= FLAT_PINNED,
         )
     )
-    growth = ours[largest].median() / ours[sizes[0]].median()
     rows.append(
-        make_row(
-            f"evicting insert growth {largest} vs {sizes[0]} entries",
-            growth,
-            None,
-            "x",
-            growth,
-            f"<= {FLAT_GROWTH}x",
-            growth <= FLAT_GROWTH,
+        growth_row(
+            "evicting insert", sizes, {n: ours[n].median() for n in sizes}, "entries", FLAT_GROWTH
         )
     )
     return rows

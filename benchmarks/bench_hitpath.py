@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_allocator import make_row, print_rows
+from benchmarks.bench_allocator import growth_row, make_row, print_rows
 from benchmarks.bench_eviction import insert_all
 from embcache import EmbeddingCache, Item, Status
 
@@ -139,18 +139,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 None,
             )
         )
-    growth = ours_at[sizes[-1]] / ours_at[sizes[0]]
-    rows.append(
-        make_row(
-            f"hit path growth {sizes[-1]} vs {sizes[0]} entries",
-            growth,
-            None,
-            "x",
-            growth,
-            f"<= {FLAT_GROWTH}x",
-            growth <= FLAT_GROWTH,
-        )
-    )
+    rows.append(growth_row("hit path", sizes, ours_at, "entries", FLAT_GROWTH))
     return rows
 
 
