@@ -39,7 +39,7 @@ from embcache.errors import (
 )
 from embcache.states import ABSENT, LOADING, QUARANTINED, READY
 from embcache.store.inprocess import NOT_FOUND, TIMED_OUT
-from tests.tensors import aligned, item_of, payload, raw
+from tests.helpers import aligned, item_of, payload, raw, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,14 +98,6 @@ def read(cache: EmbeddingCache, item: Item, request_id: str = "") -> bytes | Non
             return None
         assert view.dtype == item.dtype and tuple(view.shape) == item.shape
         return raw(view)
-
-
-def wait_until(predicate: Callable[[], bool], what: str) -> None:
-    """Bounded polling for work that reports back on an I/O thread."""
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.002)
 
 
 def present(cache: EmbeddingCache, keys: Sequence[str]) -> set[str]:

@@ -19,7 +19,7 @@ import torch
 
 from embcache import EmbeddingCache, Fault, InProcessStore, Item, Reason, Status
 from embcache.states import ABSENT, LOADING, QUARANTINED, READY
-from tests.tensors import aligned, item_of, payload, raw
+from tests.helpers import aligned, item_of, payload, raw, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,14 +52,6 @@ def read_back(cache: EmbeddingCache, item: Item, request_id: str) -> bytes:
         assert view is not None, request.fallback_reasons()
         assert view.dtype == item.dtype and tuple(view.shape) == item.shape
         return raw(view)
-
-
-def wait_until(predicate: Callable[[], bool], what: str) -> None:
-    """Bounded polling for work that reports back on an I/O thread (publishes)."""
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.002)
 
 
 class PartialWriteStore(InProcessStore):

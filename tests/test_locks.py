@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -23,7 +22,7 @@ from embcache import EmbeddingCache, Fault, InProcessStore, Item
 from embcache.errors import LockOrderError
 from embcache.locks import assert_unlocked, enable_lock_checking, lock_checking_enabled
 from embcache.states import QUARANTINED, READY
-from tests.tensors import raw
+from tests.helpers import raw, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -322,13 +321,6 @@ def test_with_checking_off_violations_raise_nothing(unchecked: None, cache: Embe
 
 
 # ---------------------------------------------------------------------------- same behaviour
-def wait_until(predicate: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.002)
-
-
 def scripted_flow() -> dict[str, Any]:
     """One normal run touching every action; each asynchronous step is awaited, so the trace
     is deterministic. Returns everything observable."""

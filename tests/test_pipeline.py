@@ -28,7 +28,7 @@ from embcache import (
 from embcache.errors import InvalidArgumentError, InvalidTypeError, RequestError
 from embcache.locks import assert_unlocked
 from embcache.states import ABSENT, LOADING, QUARANTINED, READY
-from tests.tensors import raw
+from tests.helpers import raw, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -413,13 +413,6 @@ def test_bad_construction_is_refused(cache: EmbeddingCache) -> None:
 
 
 # ---------------------------------------------------------------------------- helpers
-def wait_until(condition: Any, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.002)
-
-
 # ---------------------------------------------------------------------------- cache API report
 def test_cache_reports_a_reason_for_every_item_it_does_not_serve(cache: EmbeddingCache) -> None:
     with cache.request("r") as request:

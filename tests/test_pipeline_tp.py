@@ -28,7 +28,7 @@ from embcache import EmbeddingCache, EncodePipeline, Fault, InProcessStore, Item
 from embcache.encoders import TinyViT, synthetic_image
 from embcache.errors import RequestError
 from embcache.pipeline import TensorParallelError
-from tests.tensors import raw
+from tests.helpers import raw
 
 pytestmark = pytest.mark.timeout(120)
 

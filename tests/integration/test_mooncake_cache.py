@@ -21,7 +21,7 @@ from embcache.item import Item
 from embcache.states import ABSENT
 from embcache.status import Reason, Status
 from embcache.store.mooncake import MooncakeStore
-from tests.tensors import payload
+from tests.helpers import payload
 
 if TYPE_CHECKING:
     from tests.integration.conftest import MooncakeMaster

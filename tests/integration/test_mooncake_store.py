@@ -26,7 +26,7 @@ from embcache.errors import (
 from embcache.store import mooncake as mooncake_module
 from embcache.store.base import GlobalStore, TransferOutcome, get_outcome, put_outcome
 from embcache.store.mooncake import CODES, MooncakeStore, StoreCode
-from tests.tensors import payload
+from tests.helpers import payload
 
 if TYPE_CHECKING:
     from tests.integration.conftest import MooncakeMaster

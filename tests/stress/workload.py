@@ -36,7 +36,7 @@ import torch
 
 from embcache import EmbeddingCache, Item, Request, Status
 from embcache.states import READY
-from tests.tensors import raw
+from tests.helpers import raw
 
 WAIT_S = 10.0
 WAIT_TIMEOUTS = (0.0, 0.0005, 0.002, 0.01)

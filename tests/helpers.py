@@ -1,6 +1,9 @@
-"""Tensor helpers shared by the tests: seeded payloads and the bytes a tensor is stored as."""
+"""Helpers shared by the tests: seeded payloads, stored bytes, bounded polling."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -26,3 +29,14 @@ def item_of(key: str, tensor: torch.Tensor) -> Item:
 def aligned(nbytes: int, alignment: int = 256) -> int:
     """``nbytes`` rounded up to ``alignment``."""
     return -(-nbytes // alignment) * alignment
+
+
+def wait_until(
+    predicate: Callable[[], bool], what: str = "a condition", timeout_s: float = 10.0
+) -> None:
+    """Poll ``predicate`` (work that reports back on an I/O thread) until true; fail after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
