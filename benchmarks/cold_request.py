@@ -14,6 +14,7 @@ Run from the repository root: python -m benchmarks.cold_request [--rounds N]
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -46,7 +47,11 @@ def measure(rounds: int) -> dict[str, tuple[float, float]]:
             "one time.monotonic()": time.monotonic,
         }
 
-        def request(i: int, warm: bool) -> None:
+        def record(column: int, steps: dict[str, float]) -> None:  # column 0: cold, 1: warm
+            for name, seconds in steps.items():
+                times.setdefault(name, ([], []))[column].append(seconds)
+
+        def request(i: int, copy: bool) -> dict[str, float]:
             clock = time.perf_counter
             t0 = clock()
             handle = cache.request("probe")
@@ -56,39 +61,34 @@ def measure(rounds: int) -> dict[str, tuple[float, float]]:
             (view,) = handle.embeddings()
             t3 = clock()
             assert view is not None
-            if not warm:
+            if copy:
                 destination.copy_(view)
             t4 = clock()
             handle.close()
             t5 = clock()
             steps = {"open": t1 - t0, "lookup": t2 - t1, "embeddings": t3 - t2, "close": t5 - t4}
-            if not warm:
+            if copy:
                 steps["copy out of the fresh view"] = t4 - t3
-            for name, seconds in steps.items():
-                times.setdefault(name, ([], []))[warm].append(seconds)
+            return steps
+
+        def timed(call: Callable[[], object]) -> float:
+            start = time.perf_counter()
+            call()
+            return time.perf_counter() - start
 
         for n in range(rounds):
             i = (n * 7) % COUNT
             destination.copy_(raws[(i + 3) % COUNT])  # evict: what follows runs cold
-            request(i, warm=False)
-            request(i, warm=True)  # warms up the path: only the second warm one is kept
-            for name in ("open", "lookup", "embeddings", "close"):
-                times[name][1].pop()
-            request(i, warm=True)
+            record(0, request(i, copy=True))
+            request(i, copy=False)  # warms the path up; the next one is timed warm
+            record(1, request(i, copy=False))
             for name, call in singles.items():
                 destination.copy_(raws[(i + 5) % COUNT])
-                start = time.perf_counter()
-                call()
-                times.setdefault(name, ([], []))[0].append(time.perf_counter() - start)
-                start = time.perf_counter()
-                call()
-                times[name][1].append(time.perf_counter() - start)
+                record(0, {name: timed(call)})
+                record(1, {name: timed(call)})
             destination.copy_(raws[(i + 9) % COUNT])
-            start = time.perf_counter()
-            destination.copy_(raws[i])
-            times.setdefault("copy out of a view made beforehand", ([], []))[0].append(
-                time.perf_counter() - start
-            )
+            copy_raw = functools.partial(destination.copy_, raws[i])
+            record(0, {"copy out of a view made beforehand": timed(copy_raw)})
     return {
         k: (statistics.median(c), statistics.median(w) if w else float("nan"))
         for k, (c, w) in times.items()
