@@ -209,3 +209,52 @@ def test_cold_request_probe_times_every_step() -> None:
         assert cold > 0 and warm > 0
     assert steps["copy out of the fresh view"][0] > 0
     assert steps["copy out of a view made beforehand"][0] > 0
+
+
+# ---------------------------------------------------------------------------- SGLang's controller
+@pytest.fixture(scope="module")
+def sglang_module() -> Any:
+    from benchmarks import sglang_wheel
+
+    try:
+        return sglang_wheel.load_controller_module()
+    except sglang_wheel.SGLangUnavailable as exc:
+        pytest.skip(f"the sglang wheel cannot be had here: {exc}")
+
+
+def test_sglang_controller_runs_from_the_wheel_and_leaves_no_stand_ins(sglang_module: Any) -> None:
+    from benchmarks import sglang_wheel
+
+    assert sglang_module.__file__.endswith(sglang_wheel.MODULE_FILE)
+    assert ".whl/" in sglang_module.__file__  # read out of the wheel, not a copy in the repo
+    assert "sglang" not in sys.modules and "sgl_kernel" not in sys.modules
+    controller = sglang_wheel.make_controller(64 * 1024, 16, torch.uint8, page_bytes=1024)
+    sglang_wheel.stop_io(controller)
+    pool = controller.vision_pool
+    assert pool.page_bytes == 1024 and pool.num_pages == 64
+    image = sglang_wheel.image_modality()
+    # Two 32-page entries fill the pool; a third evicts the least recently used idle one.
+    for key in ("a", "b", "c"):
+        controller.prefetch(key, [key], [32 * pool.page_size], image)
+        controller._finish_get(controller.prefetch_queue.get_nowait(), [True])
+    assert sorted(controller.entries) == ["b", "c"]
+    views = controller.get_pool_views(["b", "x"])
+    assert views[1] is None and sum(v.shape[0] for v in views[0]) == 32 * pool.page_size
+    controller.prefetch("d", ["d"], [32 * pool.page_size], image)  # "b" is pinned: "c" goes
+    assert sorted(controller.entries) == ["b", "d"]
+
+
+def test_sglang_unavailable_says_why_and_how(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import sglang_wheel
+
+    monkeypatch.setenv(sglang_wheel.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # real pip, which finds nothing to download
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    with pytest.raises(sglang_wheel.SGLangUnavailable) as caught:
+        sglang_wheel.wheel_path()
+    message = str(caught.value)
+    assert f"sglang=={sglang_wheel.VERSION}" in message and "failed" in message
+    assert f"pip download sglang=={sglang_wheel.VERSION} --no-deps -d {tmp_path}" in message
+    assert sglang_wheel.CACHE_ENV in message
