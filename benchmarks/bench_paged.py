@@ -72,6 +72,8 @@ def run_paged(workload: frag.Workload) -> frag.Tally:
             pin(index)
         tally.lookups += len(indices)
         tally.hits += len(held)
+        tally.lookup_tokens += sum(workload.specs[i].tokens for i in indices)
+        tally.hit_tokens += sum(workload.specs[i].tokens for i in held)
         for index in (i for i in indices if i not in entries):
             nbytes = workload.specs[index].nbytes
             need = pages_for(nbytes)
