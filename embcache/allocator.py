@@ -1,12 +1,15 @@
 """Best-fit byte-range allocator over one buffer ``[0, capacity)``; it owns no memory.
 
-Theory of operation: the buffer is partitioned into blocks, each free or allocated. Free
-blocks are indexed twice, by offset (to coalesce with neighbours) and by ``(size, offset)``
-(to find the best fit); allocated blocks are indexed by offset. Sizes are rounded up to the
-alignment, so every block boundary is a multiple of it. ``allocate`` takes the smallest free
-block that fits (lowest offset among equal sizes) and carves the allocation from its start;
-``free`` merges the block with free neighbours on both sides, so the free list is always
-fully coalesced. Same calls, same offsets: a reference model can predict every result.
+Theory of operation: the buffer is partitioned into blocks, each free or allocated. Every
+block is indexed by its start (``_free`` or ``_allocated``: start -> end) and by its end
+(``_end``: end -> start), so the blocks on both sides of a boundary are found in O(1); free
+blocks are also kept in one ``SortedList`` ordered by ``(size, offset)`` (to find the best
+fit), each encoded as one int, ``size_units * capacity_units + offset_units``: ints compare
+faster than tuples, and the order is the same. Sizes are rounded up to the alignment, so every
+block boundary is a multiple of it. ``allocate`` takes the smallest free block that fits
+(lowest offset among equal sizes) and carves the allocation from its start; ``free`` merges
+the block with free neighbours on both sides, so the free list is always fully coalesced.
+Same calls, same offsets: a reference model can predict every result.
 
 Thread-safe: one internal lock, level 2 of the hierarchy (``embcache.locks``). A caller that
 holds the cache lock (level 1) may call in; nothing here calls out.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from sortedcontainers import SortedDict, SortedList
+from sortedcontainers import SortedList
 
 from embcache.errors import (
     InvalidArgumentError,
@@ -72,10 +75,13 @@ class RangeAllocator:
             )
         self._capacity = capacity
         self._alignment = alignment
+        self._shift = alignment.bit_length() - 1
+        self._units = capacity >> self._shift  # the size index: size_units * _units + offset_units
         self._lock = HierarchyLock(ALLOCATOR_LEVEL, "allocator lock")
-        self._free_by_offset: SortedDict = SortedDict({0: capacity})
-        self._free_by_size: SortedList = SortedList([(capacity, 0)])
-        self._allocated: SortedDict = SortedDict()
+        self._free: dict[int, int] = {0: capacity}  # start -> end
+        self._allocated: dict[int, int] = {}  # start -> end
+        self._end: dict[int, int] = {capacity: 0}  # end -> start, of every block
+        self._free_by_size: SortedList = SortedList([self._units * self._units])
         self._allocated_bytes = 0
 
     @property
@@ -100,9 +106,12 @@ class RangeAllocator:
 
     @property
     def largest_free_block(self) -> int:
-        """Size of the largest free block, 0 when full. O(log n)."""
+        """Size of the largest free block, 0 when full. O(1)."""
         with self._lock:
-            return int(self._free_by_size[-1][0]) if self._free_by_size else 0
+            if not self._free_by_size:
+                return 0
+            largest: int = self._free_by_size[-1]
+            return largest // self._units << self._shift
 
     def rounded(self, nbytes: int) -> int:
         """The size ``allocate(nbytes)`` would reserve; raises like ``allocate`` on bad input.
@@ -120,18 +129,26 @@ class RangeAllocator:
         post: __return__ is None or __return__ % self.alignment == 0
         post: __return__ is None or __return__ + nbytes <= self.capacity
         """
-        size = self.rounded(nbytes)
+        if type(nbytes) is not int or not 0 < nbytes <= self._capacity:
+            self._check_size(nbytes)  # raises, unless an int subclass in range
+        size = (nbytes + self._alignment - 1) & -self._alignment
+        shift, units = self._shift, self._units
+        by_size = self._free_by_size
         with self._lock:
-            index = self._free_by_size.bisect_left((size, -1))
-            if index == len(self._free_by_size):
+            index = by_size.bisect_left((size >> shift) * units)
+            if index == len(by_size):
                 return None
-            block_size, offset = self._free_by_size.pop(index)
-            del self._free_by_offset[offset]
-            if block_size > size:
-                self._add_free(offset + size, block_size - size)
-            self._allocated[offset] = size
+            key: int = by_size.pop(index)
+            offset = (key % units) << shift
+            end = self._free.pop(offset)
+            self._allocated[offset] = middle = offset + size
+            if middle < end:
+                self._free[middle] = end
+                self._end[middle] = offset
+                self._end[end] = middle
+                by_size.add(((end - middle) >> shift) * units + (middle >> shift))
             self._allocated_bytes += size
-            return int(offset)
+            return offset
 
     def free(self, offset: int) -> int:
         """Free the range starting at ``offset``; returns its size. O(log n).
@@ -140,25 +157,31 @@ class RangeAllocator:
         post: __return__ > 0 and __return__ % self.alignment == 0
         post: self.allocated_bytes == __old__.self.allocated_bytes - __return__
         """
-        _check_int("offset", offset)
+        if type(offset) is not int:
+            _check_int("offset", offset)
+        shift, units = self._shift, self._units
+        free, ends, by_size = self._free, self._end, self._free_by_size
         with self._lock:
-            size = self._allocated.pop(offset, None)
-            if size is None:
+            end = self._allocated.pop(offset, None)
+            if end is None:
                 raise NotAllocatedError(self._not_allocated_message(offset))
+            size = end - offset
             self._allocated_bytes -= size
-            start, end = offset, offset + size
-            before = self._free_by_offset.bisect_left(start) - 1
-            if before >= 0:
-                prev_offset, prev_size = self._free_by_offset.peekitem(before)
-                if prev_offset + prev_size == start:
-                    self._remove_free(prev_offset, prev_size)
-                    start = prev_offset
-            next_size = self._free_by_offset.get(end)
-            if next_size is not None:
-                self._remove_free(end, next_size)
-                end += next_size
-            self._add_free(start, end - start)
-            return int(size)
+            start = offset
+            before = ends.get(start)
+            if before is not None and before in free:
+                del free[before], ends[start]
+                by_size.remove(((start - before) >> shift) * units + (before >> shift))
+                start = before
+            after = free.pop(end, None)
+            if after is not None:
+                del ends[end]
+                by_size.remove(((after - end) >> shift) * units + (end >> shift))
+                end = after
+            free[start] = end
+            ends[end] = start
+            by_size.add(((end - start) >> shift) * units + (start >> shift))
+            return size
 
     def size_of(self, offset: int) -> int:
         """Size of the live allocation starting at ``offset``. O(1).
@@ -167,41 +190,37 @@ class RangeAllocator:
         """
         _check_int("offset", offset)
         with self._lock:
-            size = self._allocated.get(offset)
-            if size is None:
+            end = self._allocated.get(offset)
+            if end is None:
                 raise NotAllocatedError(self._not_allocated_message(offset))
-            return int(size)
+            return end - offset
 
     def free_blocks(self) -> list[tuple[int, int]]:
-        """Every free block as ``(offset, size)`` in address order. O(n)."""
+        """Every free block as ``(offset, size)`` in address order. O(n log n)."""
         with self._lock:
-            return [(int(o), int(s)) for o, s in self._free_by_offset.items()]
+            return [(start, end - start) for start, end in sorted(self._free.items())]
 
     def allocations(self) -> list[tuple[int, int]]:
-        """Every allocated block as ``(offset, size)`` in address order. O(n)."""
+        """Every allocated block as ``(offset, size)`` in address order. O(n log n)."""
         with self._lock:
-            return [(int(o), int(s)) for o, s in self._allocated.items()]
+            return [(start, end - start) for start, end in sorted(self._allocated.items())]
 
     def block_before(self, offset: int) -> Block | None:
-        """The block that ends at ``offset`` (a block boundary), or None at 0. O(log n)."""
+        """The block that ends at ``offset`` (a block boundary), or None at 0. O(1)."""
         with self._lock:
-            candidates = []
-            for index, free in ((self._free_by_offset, True), (self._allocated, False)):
-                i = index.bisect_left(offset) - 1
-                if i >= 0:
-                    o, s = index.peekitem(i)
-                    candidates.append(Block(int(o), int(s), free))
-            best = max(candidates, default=None)
-            return best if best is not None and best.offset + best.size == offset else None
+            start = self._end.get(offset)
+            if start is None:
+                return None
+            return Block(start, offset - start, start in self._free)
 
     def block_at(self, offset: int) -> Block | None:
         """The block that starts at ``offset``, or None. O(1)."""
         with self._lock:
-            size = self._free_by_offset.get(offset)
-            if size is not None:
-                return Block(offset, int(size), True)
-            size = self._allocated.get(offset)
-            return None if size is None else Block(offset, int(size), False)
+            end = self._free.get(offset)
+            if end is not None:
+                return Block(offset, end - offset, True)
+            end = self._allocated.get(offset)
+            return None if end is None else Block(offset, end - offset, False)
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` naming the first broken invariant. O(n log n)."""
@@ -211,17 +230,24 @@ class RangeAllocator:
     def _check_invariants_locked(self) -> None:
         def fail(what: str) -> None:
             raise InvariantError(
-                f"allocator invariant broken: {what}; free_by_offset={dict(self._free_by_offset)} "
-                f"free_by_size={list(self._free_by_size)} allocated={dict(self._allocated)} "
+                f"allocator invariant broken: {what}; free={dict(sorted(self._free.items()))} "
+                f"allocated={dict(sorted(self._allocated.items()))} "
+                f"end={dict(sorted(self._end.items()))} free_by_size={list(self._free_by_size)} "
                 f"allocated_bytes={self._allocated_bytes} capacity={self._capacity}"
             )
 
-        if sorted(self._free_by_size) != sorted((s, o) for o, s in self._free_by_offset.items()):
+        if set(self._free) & set(self._allocated):
+            fail("a block is both free and allocated")
+        units, shift = self._units, self._shift
+        keys = sorted(((e - s) >> shift) * units + (s >> shift) for s, e in self._free.items())
+        if keys != list(self._free_by_size):
             fail("the size index and the offset index of free blocks disagree")
-        blocks = sorted(
-            [(o, s, True) for o, s in self._free_by_offset.items()]
-            + [(o, s, False) for o, s in self._allocated.items()]
-        )
+        starts = {**self._free, **self._allocated}
+        if self._end != {end: start for start, end in starts.items()}:
+            fail("the end index disagrees with the blocks")
+        blocks = sorted([(s, e - s, True) for s, e in self._free.items()])
+        blocks += [(s, e - s, False) for s, e in self._allocated.items()]
+        blocks.sort()
         cursor, previous_free = 0, False
         for offset, size, free in blocks:
             if offset != cursor:
@@ -233,7 +259,7 @@ class RangeAllocator:
             cursor, previous_free = offset + size, free
         if cursor != self._capacity:
             fail(f"blocks end at {cursor}, not at the capacity")
-        if self._allocated_bytes != sum(self._allocated.values()):
+        if self._allocated_bytes != sum(e - s for s, e in self._allocated.items()):
             fail("allocated_bytes differs from the sum of allocated blocks")
 
     def _check_size(self, nbytes: int) -> None:
@@ -245,14 +271,6 @@ class RangeAllocator:
                 f"nbytes {nbytes} exceeds the capacity {self._capacity}: it can never fit"
             )
 
-    def _add_free(self, offset: int, size: int) -> None:
-        self._free_by_offset[offset] = size
-        self._free_by_size.add((size, offset))
-
-    def _remove_free(self, offset: int, size: int) -> None:
-        del self._free_by_offset[offset]
-        self._free_by_size.remove((size, offset))
-
     def _not_allocated_message(self, offset: int) -> str:
         return (
             f"offset {offset} is not the start of a live allocation (double free, interior "
@@ -262,5 +280,5 @@ class RangeAllocator:
     def __repr__(self) -> str:
         return (
             f"RangeAllocator(capacity={self._capacity}, alignment={self._alignment}, "
-            f"allocated_bytes={self._allocated_bytes}, free_blocks={len(self._free_by_offset)})"
+            f"allocated_bytes={self._allocated_bytes}, free_blocks={len(self._free)})"
         )

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from embcache import RangeAllocator
-from embcache.errors import EmbCacheError, InvalidArgumentError, InvalidTypeError, NotAllocatedError
+from embcache.allocator import Block
+from embcache.errors import (
+    EmbCacheError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    InvariantError,
+    NotAllocatedError,
+)
 
 
 def snapshot(a: RangeAllocator) -> tuple[object, ...]:
@@ -175,3 +185,93 @@ def test_threads_never_hand_out_overlapping_ranges() -> None:
     a.check_invariants()
     live = sorted((o, a.size_of(o)) for s in seen for o in s)
     assert live == a.allocations()
+
+
+def test_int_subclasses_are_sizes_and_offsets() -> None:
+    class Units(int):
+        pass
+
+    a = RangeAllocator(1024, alignment=256)
+    assert a.allocate(Units(300)) == 0
+    assert a.size_of(0) == 512
+    assert a.free(Units(0)) == 512
+    a.check_invariants()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=16),
+    freed=st.lists(st.booleans(), min_size=16, max_size=16),
+)
+def test_neighbour_queries_match_the_block_list(sizes: list[int], freed: list[bool]) -> None:
+    """block_before and block_at (O(1) through the start and end indexes) agree with the
+    partition as free_blocks() and allocations() list it, at every multiple of the alignment."""
+    a = RangeAllocator((sum(sizes) + 2) * 256, alignment=256)
+    offsets = [a.allocate(size * 256) for size in sizes]
+    for offset, free in zip(offsets, freed, strict=False):
+        assert offset is not None
+        if free:
+            a.free(offset)
+    a.check_invariants()
+    blocks = sorted(
+        [Block(o, s, True) for o, s in a.free_blocks()]
+        + [Block(o, s, False) for o, s in a.allocations()]
+    )
+    starts = {b.offset: b for b in blocks}
+    ends = {b.offset + b.size: b for b in blocks}
+    for offset in range(0, a.capacity + 256, 256):
+        assert a.block_at(offset) == starts.get(offset)
+        assert a.block_before(offset) == ends.get(offset)
+    assert a.largest_free_block == max((b.size for b in blocks if b.free), default=0)
+
+
+def corrupted(corrupt: str) -> str:
+    """The message of check_invariants after one corruption of the allocator's indexes."""
+    a = RangeAllocator(8 * 256, alignment=256)
+    a.allocate(256)
+    a.allocate(256)
+    a.check_invariants()  # blocks: [0, 256) and [256, 512) allocated, [512, 2048) free
+    if corrupt == "size_index":
+        a._free_by_size.add(1)
+    elif corrupt == "end_index":
+        a._end[1024] = 512
+    elif corrupt == "free_and_allocated":
+        a._free[0] = 256
+    elif corrupt == "not_coalesced":
+        a._free_by_size.clear()
+        a._free = {512: 1024, 1024: 2048}
+        a._end = {256: 0, 512: 256, 1024: 512, 2048: 1024}
+        a._free_by_size.update([2 * 8 + 2, 4 * 8 + 4])
+    elif corrupt == "gap":
+        del a._allocated[0], a._end[256]
+        a._allocated_bytes -= 256
+    elif corrupt == "unaligned":
+        a._allocated[0] = 240
+        a._end = {240: 0, 512: 256, 2048: 512}
+        a._allocated_bytes -= 16
+    elif corrupt == "allocated_bytes":
+        a._allocated_bytes += 256
+    with pytest.raises(InvariantError) as info:
+        a.check_invariants()
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        ("size_index", "the size index and the offset index of free blocks disagree"),
+        ("end_index", "the end index disagrees with the blocks"),
+        ("free_and_allocated", "a block is both free and allocated"),
+        ("not_coalesced", r"free block at 1024 touches the previous free block \(not coalesced\)"),
+        ("gap", r"block at 256 does not start where the previous ends \(0\)"),
+        ("unaligned", r"block \(0, 240\) is empty or not aligned"),
+        ("allocated_bytes", "allocated_bytes differs from the sum of allocated blocks"),
+    ],
+)
+def test_check_invariants_names_each_corruption(corrupt: str, message: str) -> None:
+    got = corrupted(corrupt)
+    assert re.fullmatch(
+        f"allocator invariant broken: {message}; free=\\{{.*\\}} allocated=\\{{.*\\}} "
+        r"end=\{.*\} free_by_size=\[.*\] allocated_bytes=\d+ capacity=2048",
+        got,
+    ), got
