@@ -2,17 +2,30 @@
 
 Design notes. Plain LRU frees the oldest entries until enough bytes are free; when the freed
 holes are not adjacent the allocation fails anyway and the evictions were for nothing. Here
-candidates are added in LRU order (oldest first); after adding the k-th, we ask whether a
-contiguous run made only of free blocks and candidates can hold the request with at most
-``max_batch`` victims. The first k for which one exists is the smallest such k, and every
+candidates are added in eviction order (lowest value first); after adding the k-th, we ask
+whether a contiguous run made only of free blocks and candidates can hold the request with at
+most ``max_batch`` victims. The first k for which one exists is the smallest such k, and every
 feasible run at that k contains the k-th candidate (any run without it already existed at
 k - 1). So only the neighbourhood of the newest candidate is examined: at most ``max_batch - 1``
 candidates on each side. Among the feasible runs we take the fewest victims, then the fewest
 victim bytes, then the lowest offset. Evicting exactly those leaves one free block (the span)
 that the best-fit allocator must then choose, since no other free block fits.
 
-``best_window`` is the pure core (CrossHair checks its contract); ``choose_victims`` walks the
-allocator's blocks to build the neighbourhood for each k.
+Cost. A window never spans more than the *run of available space* it lies in: the maximal
+stretch of free blocks and candidates around it. So ``choose_victims`` keeps the runs as
+candidates arrive (two dicts, start -> end and end -> start: adding a candidate merges it with
+the runs that end where it starts and start where it ends, or else with a free block beside it,
+which no run can hold yet, since free blocks are coalesced and a run swallows the free blocks
+beside its candidates), and searches only when the newest candidate's run spans ``need`` bytes:
+a run that spans less holds no feasible window. A candidate alone in its run (no other
+candidate beside it) has one window, itself and the free blocks beside it, known without a
+search. Each candidate costs O(1) dict operations and at most two O(1) allocator queries,
+as plain LRU's victims do; only a run that merged candidates and spans ``need`` pays for the
+walk and the window search. ``models.eviction`` keeps the rule as first written (a walk and a
+search for every k); a test compares the two.
+
+``best_window`` is the pure core (CrossHair checks its contract); ``neighbourhood`` walks the
+allocator's blocks around a candidate, through free blocks and candidates only.
 """
 
 from __future__ import annotations
@@ -131,21 +144,44 @@ def neighbourhood(
 
 def choose_victims(
     need: int,
-    lru: Iterable[Block],
+    candidates: Iterable[Block],
     max_batch: int,
     block_before: Callable[[int], Block | None],
     block_at: Callable[[int], Block | None],
 ) -> Window | None:
-    """The eviction rule of DESIGN.md over candidates in LRU order; None when nothing can work.
+    """The eviction rule of DESIGN.md over ``candidates`` in eviction order (lowest value
+    first); None when nothing can work.
 
-    Cost: O(k * max_batch * log n) for the k candidates examined, never all entries.
+    Cost: O(k) for the k candidates examined (never all entries), plus one walk of at most
+    ``2 * max_batch`` blocks and one window search each time a merged run spans ``need``.
     """
-    candidates: set[int] = set()
-    for block in lru:
-        candidates.add(block.offset)
-        pieces, must = neighbourhood(
-            block, max_batch, block_before, block_at, candidates.__contains__
-        )
+    added: set[int] = set()
+    run_end: dict[int, int] = {}  # start -> end of each run of free blocks and candidates
+    run_start: dict[int, int] = {}  # end -> start
+    for block in candidates:
+        offset, end = block.offset, block.offset + block.size
+        added.add(offset)
+        start = run_start.pop(offset, None)
+        merged = start is not None
+        if start is None:
+            before = block_before(offset)
+            start = before.offset if before is not None and before.free else offset
+        else:
+            del run_end[start]
+        stop = run_end.pop(end, None)
+        if stop is None:
+            after = block_at(end)
+            stop = end + after.size if after is not None and after.free else end
+        else:
+            del run_start[stop]
+            merged = True
+        run_end[start] = stop
+        run_start[stop] = start
+        if stop - start < need:
+            continue
+        if not merged:  # one candidate between blocks that are neither free nor candidates
+            return Window((offset,), block.size, start, stop - start)
+        pieces, must = neighbourhood(block, max_batch, block_before, block_at, added.__contains__)
         window = best_window(pieces, need, max_batch, must)
         if window is not None:
             return window

@@ -1,0 +1,111 @@
+"""``choose_victims`` chooses exactly the victims of the rule as first written
+(``models.eviction``), on random and on every small layout of free blocks, candidates and
+other entries, for every size asked for and every batch limit; and examines candidates only
+until the first feasible run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embcache.allocator import Block, RangeAllocator
+from embcache.eviction import Window, choose_victims
+from models import eviction as reference
+
+ALIGN = 256
+
+
+def build(sizes: list[int], kinds: str) -> tuple[RangeAllocator, list[Block]]:
+    """An allocator whose blocks are ``sizes`` (in units) of ``kinds`` (F free, C candidate,
+    O other allocated), and the candidates' blocks in address order."""
+    allocator = RangeAllocator(sum(sizes) * ALIGN, ALIGN)
+    offsets = [allocator.allocate(size * ALIGN) for size in sizes]
+    candidates = []
+    for kind, offset, size in zip(kinds, offsets, sizes, strict=True):
+        assert offset is not None
+        if kind == "F":
+            allocator.free(offset)
+        elif kind == "C":
+            candidates.append(Block(offset, size * ALIGN, False))
+    return allocator, candidates
+
+
+def both(
+    allocator: RangeAllocator, order: list[Block], need: int, max_batch: int
+) -> tuple[Window | None, Window | None]:
+    new = choose_victims(need, order, max_batch, allocator.block_before, allocator.block_at)
+    old = reference.choose_victims(
+        need, order, max_batch, allocator.block_before, allocator.block_at
+    )
+    return new, old
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    layout=st.lists(st.tuples(st.integers(1, 6), st.sampled_from("FCCO")), min_size=1, max_size=24),
+    data=st.data(),
+    max_batch=st.integers(1, 6),
+)
+def test_same_victims_as_the_reference_on_random_layouts(
+    layout: list[tuple[int, str]], data: st.DataObject, max_batch: int
+) -> None:
+    sizes = [size for size, _ in layout]
+    allocator, candidates = build(sizes, "".join(kind for _, kind in layout))
+    order = data.draw(st.permutations(candidates))
+    need = data.draw(st.integers(1, (sum(sizes) + 1) * ALIGN))
+    new, old = both(allocator, order, need, max_batch)
+    assert new == old
+
+
+def small_layouts(max_len: int) -> Iterator[str]:
+    """Every row of F, C, O up to ``max_len`` blocks with at least one C."""
+    rows = [""]
+    for _ in range(max_len):
+        rows = [r + k for r in rows for k in "FCO"]
+        yield from (r for r in rows if "C" in r)
+
+
+def test_same_victims_as_the_reference_on_every_small_layout() -> None:
+    checked = 0
+    for kinds in small_layouts(5):
+        sizes = [1 + (i * 2) % 3 for i in range(len(kinds))]  # 1, 3, 2, 1, 3 units
+        allocator, candidates = build(sizes, kinds)
+        orders = [candidates, candidates[::-1], candidates[1::2] + candidates[::2]]
+        for order in orders:
+            for need in range(1, sum(sizes) + 2):
+                for max_batch in (1, 2, 3):
+                    new, old = both(allocator, order, need * ALIGN, max_batch)
+                    assert new == old, (kinds, order, need, max_batch)
+                    checked += 1
+    assert checked > 10_000
+
+
+def test_examines_candidates_only_until_the_first_feasible_run() -> None:
+    # O C F C O C C: the second candidate in order lies beside the first one's free block.
+    allocator, (a, b, c, d) = build([1, 1, 1, 1, 1, 2, 2], "OCFCOCC")
+    seen: list[Block] = []
+
+    def order() -> Iterator[Block]:
+        for block in (d, a, b, c):
+            seen.append(block)
+            yield block
+
+    window = choose_victims(3 * ALIGN, order(), 4, allocator.block_before, allocator.block_at)
+    assert window == Window((a.offset, b.offset), 2 * ALIGN, ALIGN, 3 * ALIGN)
+    assert seen == [d, a, b]  # c is never looked at
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_a_lone_candidate_takes_its_free_neighbours(max_batch: int) -> None:
+    allocator, (a, b) = build([1, 2, 1, 1, 1], "CFCFO")
+    # b with the free blocks on both sides spans 4 units; a and b together 5 (two victims).
+    assert choose_victims(
+        4 * ALIGN, [b, a], max_batch, allocator.block_before, allocator.block_at
+    ) == Window((b.offset,), ALIGN, ALIGN, 4 * ALIGN)
+    five = choose_victims(5 * ALIGN, [b, a], max_batch, allocator.block_before, allocator.block_at)
+    assert five == (
+        Window((a.offset, b.offset), 2 * ALIGN, 0, 5 * ALIGN) if max_batch == 2 else None
+    )
