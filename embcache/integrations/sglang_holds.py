@@ -1,0 +1,209 @@
+"""Who holds which pin for the SGLang controller: SGLang's per-hash pins over embcache requests.
+
+SGLang's controller counts pins per hash (``get_pool_views`` +1, ``release_pool_views`` -1),
+and after ``prefetch`` its calls carry no request id. embcache pins belong to requests. This
+module maps the one onto the other:
+
+- A *prefetch* is one embcache ``Request`` that looked its hashes up. Once its loads have
+  ended (``finish``), each hash it serves becomes a *ticket*: a pin waiting for its reader.
+- A reader (``get_pool_views``, ``load_to_device_async``, ``get_embeddings``) takes a ticket
+  of the hash if there is one, else joins the readers already holding the hash (SGLang's
+  count above one); with neither it gets nothing (SGLang: the entry is not READY).
+- A release (``release_pool_views``, ``wait_load_to_device``, ``release_embeddings``) ends one
+  reader of the hash; when the last reader goes, every prefetch that backed the hash gives it
+  up. A release that finds no reader consumes a ticket (MMEncoder releases in a ``finally``,
+  also when its read failed).
+- A prefetch that gave up every hash it served is closed: its embcache pins are released.
+- A *staged store* (``store_to_pool_async``) holds its reservations until it is claimed by
+  ``wait_store_to_pool``.
+- A prefetch or staged store still open ``hold_timeout_s`` after it started is expired by the
+  next ``expire`` call: a staged store is closed (its reservations end, their waiters fall
+  back), a prefetch drops its tickets and is closed once no reader depends on it. Only a
+  reader keeps a pin for as long as it likes, as in SGLang.
+
+Pure bookkeeping under one lock, never held while calling the cache: each method returns the
+requests its caller must close, after the lock is released. Each method is O(hashes it is
+given); ``expire`` is O(what it expires).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from embcache.item import Item
+from embcache.request import Request
+
+
+@dataclass(eq=False)
+class Prefetch:
+    """One ``prefetch`` call: its request, its items, and the hashes it still holds for SGLang."""
+
+    request: Request
+    req_id: str
+    items: list[Item]
+    serves: dict[str, int] = field(default_factory=dict)  # hash -> index in items, once finished
+    kept: set[str] = field(default_factory=set)  # served hashes not given up yet
+    finished: bool = False
+    closed: bool = False
+    views: list[torch.Tensor | None] | None = None  # read by device copies only, never handed out
+
+
+@dataclass(eq=False)
+class Staged:
+    """One ``store_to_pool_async`` call: the reserved keys and their staged tensors."""
+
+    request: Request
+    keys: list[str]
+    tensors: list[torch.Tensor]
+    events: list[Any] = field(default_factory=list)  # torch.cuda.Event per device copied from
+    sources: list[torch.Tensor] = field(default_factory=list)  # CUDA inputs kept alive
+    claimed: bool = False
+
+
+@dataclass
+class _Readers:
+    count: int = 0
+    backing: list[Prefetch] = field(default_factory=list)
+
+
+class Holds:
+    """The per-hash pin accounting of one controller (module docstring). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: dict[str, Prefetch] = {}  # req_id -> prefetch whose loads may run
+        self._tickets: dict[str, deque[Prefetch]] = {}
+        self._readers: dict[str, _Readers] = {}
+        self._live: OrderedDict[Prefetch | Staged, float] = OrderedDict()  # -> deadline
+
+    def start(self, prefetch: Prefetch, deadline: float) -> list[Request]:
+        """Register a new prefetch; an unfinished one with the same req_id is closed."""
+        with self._lock:
+            old = self._running.pop(prefetch.req_id, None)
+            self._running[prefetch.req_id] = prefetch
+            self._live[prefetch] = deadline
+            return [] if old is None else self._close(old)
+
+    def running(self, req_id: str) -> Prefetch | None:
+        """The unfinished prefetch of ``req_id``, if any."""
+        with self._lock:
+            return self._running.get(req_id)
+
+    def finish(self, prefetch: Prefetch, served: Sequence[int]) -> list[Request]:
+        """End ``prefetch``'s loads: ``served[i]`` is 1 where item i is pinned for it."""
+        with self._lock:
+            if prefetch.closed or prefetch.finished:
+                return []
+            prefetch.finished = True
+            self._running.pop(prefetch.req_id, None)
+            for i, (item, ok) in enumerate(zip(prefetch.items, served, strict=True)):
+                if ok and item.key not in prefetch.serves:
+                    prefetch.serves[item.key] = i
+                    prefetch.kept.add(item.key)
+                    self._tickets.setdefault(item.key, deque()).append(prefetch)
+            return [] if prefetch.kept else self._close(prefetch)
+
+    def has(self, key: str) -> bool:
+        """Whether a finished prefetch or a reader holds ``key``."""
+        with self._lock:
+            return key in self._tickets or key in self._readers
+
+    def take(self, keys: Iterable[str]) -> list[tuple[Prefetch, int] | None]:
+        """Make each key's caller a reader: the prefetch that pins it and the item index."""
+        taken: list[tuple[Prefetch, int] | None] = []
+        with self._lock:
+            for key in keys:
+                tickets = self._tickets.get(key)
+                readers = self._readers.get(key)
+                if tickets:
+                    prefetch = tickets.popleft()
+                    if not tickets:
+                        del self._tickets[key]
+                    if readers is None:
+                        readers = self._readers[key] = _Readers()
+                    readers.backing.append(prefetch)
+                elif readers is None:
+                    taken.append(None)
+                    continue
+                readers.count += 1
+                prefetch = readers.backing[0]
+                taken.append((prefetch, prefetch.serves[key]))
+        return taken
+
+    def give_back(self, keys: Iterable[str]) -> list[Request]:
+        """End one reader of each key (or consume a ticket where no reader is left)."""
+        closing: list[Request] = []
+        with self._lock:
+            for key in keys:
+                readers = self._readers.get(key)
+                if readers is not None:
+                    readers.count -= 1
+                    if readers.count > 0:
+                        continue
+                    del self._readers[key]
+                    for prefetch in readers.backing:
+                        closing += self._drop(prefetch, key)
+                elif tickets := self._tickets.get(key):
+                    prefetch = tickets.popleft()
+                    if not tickets:
+                        del self._tickets[key]
+                    closing += self._drop(prefetch, key)
+        return closing
+
+    def add_staged(self, staged: Staged, deadline: float) -> None:
+        """Register a staged store until ``claim`` or expiry."""
+        with self._lock:
+            self._live[staged] = deadline
+
+    def claim(self, staged: Staged) -> bool:
+        """Take ``staged`` for its wait; False if it was claimed or expired already."""
+        with self._lock:
+            if staged.claimed:
+                return False
+            staged.claimed = True
+            self._live.pop(staged, None)
+            return True
+
+    def expire(self, now: float) -> list[Request]:
+        """Expire what started before its deadline (module docstring); the requests to close."""
+        closing: list[Request] = []
+        with self._lock:
+            while self._live:
+                held, deadline = next(iter(self._live.items()))
+                if deadline > now:
+                    break
+                del self._live[held]
+                if isinstance(held, Staged):
+                    held.claimed = True
+                    closing.append(held.request)
+                elif not held.finished:
+                    if self._running.get(held.req_id) is held:
+                        del self._running[held.req_id]
+                    closing += self._close(held)
+                else:
+                    for key in list(held.kept):
+                        tickets = self._tickets.get(key)
+                        if tickets is None or held not in tickets:
+                            continue  # it backs a reader of key: kept until that reader ends
+                        tickets.remove(held)
+                        if not tickets:
+                            del self._tickets[key]
+                        closing += self._drop(held, key)
+        return closing
+
+    def _drop(self, prefetch: Prefetch, key: str) -> list[Request]:
+        prefetch.kept.discard(key)
+        return [] if prefetch.kept else self._close(prefetch)
+
+    def _close(self, prefetch: Prefetch) -> list[Request]:
+        if prefetch.closed:
+            return []
+        prefetch.closed = True
+        self._live.pop(prefetch, None)
+        return [prefetch.request]
