@@ -1,4 +1,24 @@
-"""embcache: a formally checked embedding cache for multimodal LLM serving."""
+"""embcache: a formally checked embedding cache for multimodal LLM serving.
+
+An encode worker keeps vision-encoder outputs (embeddings, keyed by a hash of the image) in
+one pool, a large uint8 tensor; entries are pinned while a request reads them, evicted in LRU
+order with contiguity in mind when the pool is full, and shared across workers through a
+global store (in-process, or Mooncake).
+
+- ``EmbeddingCache(capacity_bytes, store=...)``: the cache. ``cache.request(id)`` opens a
+  ``Request`` (a context manager): ``lookup`` items, ``wait`` for store loads, ``insert``
+  fresh encoder outputs, read ``embeddings()`` (views into the pool, valid inside the block).
+  ``cache.stats()`` is a ``CacheStats`` snapshot; ``cache.fence()`` frees quarantined ranges.
+- ``EncodePipeline(cache, encoder).encode(request_id, items, inputs)``: all of the above for
+  one call, returning one tensor of the items' embeddings concatenated along dim 0.
+- ``Item(key, shape, dtype)``: what is looked up. Statuses: ``ItemStatus``, ``Status``,
+  ``Reason``. Stores: ``InProcessStore``; ``embcache.store.mooncake.MooncakeStore``.
+- Errors: all derive from ``EmbCacheError`` and the matching builtin (``embcache.errors``).
+- ``embcache.metrics``: Prometheus metrics (extra ``metrics``). ``python -m embcache demo``:
+  the main job. The design, its states and invariants: ``embcache/DESIGN.md``.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
 
 from embcache.allocator import RangeAllocator
 from embcache.cache import CacheStats, EmbeddingCache
@@ -9,8 +29,29 @@ from embcache.states import EntryState
 from embcache.status import ItemStatus, Reason, Status
 from embcache.store import Fault, GlobalStore, InProcessStore, TransferOutcome
 
+from embcache.errors import (  # isort: skip
+    ClosedError,
+    EmbCacheError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    InvariantError,
+    LockOrderError,
+    NotAllocatedError,
+    RequestError,
+    StoreConfigError,
+    StoreUnavailableError,
+    TransitionError,
+)
+
+try:
+    __version__ = version("embcache")
+except PackageNotFoundError:  # a checkout used without installing it
+    __version__ = "0+unknown"
+
 __all__ = [
     "CacheStats",
+    "ClosedError",
+    "EmbCacheError",
     "EmbeddingCache",
     "EncodePipeline",
     "Encoder",
@@ -18,13 +59,23 @@ __all__ = [
     "Fault",
     "GlobalStore",
     "InProcessStore",
+    "InvalidArgumentError",
+    "InvalidTypeError",
+    "InvariantError",
     "Item",
     "ItemStatus",
+    "LockOrderError",
+    "NotAllocatedError",
     "PipelineStats",
     "RangeAllocator",
     "Reason",
     "Request",
+    "RequestError",
     "Status",
+    "StoreConfigError",
+    "StoreUnavailableError",
     "TensorParallelError",
     "TransferOutcome",
+    "TransitionError",
+    "__version__",
 ]

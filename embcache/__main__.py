@@ -1,34 +1,44 @@
 """Command line: ``python -m embcache demo`` runs the main job (see ``embcache.demo``).
 
 Exit status: 0 when the run is clean, 1 when a request failed, a response differed from a
-fresh encode (``--verify``) or the leak check found something, 2 for bad options.
+fresh encode (``--verify``), the leak check found something or the run could not go on (one
+line on stderr; ``--verbose`` adds the traceback and Mooncake's own log), 2 for bad options.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import math
 import shutil
 import signal
 import sys
+import traceback
 from pathlib import Path
 from types import FrameType
 
+from embcache import __version__
 from embcache.demo import DTYPES, DemoConfig, result_json, run_demo, write_plot
 
 _DEFAULTS = DemoConfig()
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m embcache", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m embcache",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"embcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = sub.add_parser(
         "demo",
         help="run an encode worker with the cache under a Zipf load and report",
         description="Drive concurrent requests of synthetic images through EncodePipeline "
         "(TinyViT encoder, a small pool, a global store), then print a summary and a leak "
-        "check. A progress bar goes to stderr.",
+        "check. A progress bar goes to stderr when it is a terminal.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d = _DEFAULTS
     demo.add_argument("--requests", type=int, default=d.requests, help="requests to send")
@@ -63,14 +73,25 @@ def _parser() -> argparse.ArgumentParser:
         "--prefetch-timeout", type=float, default=d.prefetch_timeout,
         help="seconds to wait for store loads before encoding instead",
     )
-    demo.add_argument("--seed", type=int, default=d.seed)
+    demo.add_argument("--seed", type=int, default=d.seed, help="seed of the workload and faults")
     demo.add_argument(
         "--verify", action="store_true", help="check every response against a fresh encode"
     )
     demo.add_argument("--json", action="store_true", help="print one JSON object, not a summary")
-    demo.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
-                      help="draw hit ratio and pool occupancy over time")
+    demo.add_argument(
+        "--plot", type=Path, default=None, metavar="FILE.png",
+        help="draw hit ratios, pool occupancy and fragmentation over time (extra: plot)",
+    )  # fmt: skip
+    demo.add_argument(
+        "--metrics-port", type=int, default=None, metavar="PORT",
+        help="serve Prometheus metrics on 127.0.0.1:PORT during the run, 0: a free port "
+        "(extra: metrics)",
+    )  # fmt: skip
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument(
+        "--verbose", action="store_true",
+        help="tracebacks for errors, embcache's info log and Mooncake's native log on stderr",
+    )  # fmt: skip
     return parser
 
 
@@ -102,7 +123,14 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoCo
                 "--store mooncake without --master starts mooncake_master, which is not on "
                 "PATH: pip install 'embcache[mooncake]' or give --master HOST:PORT"
             )
+    if args.metrics_port is not None:
+        if not 0 <= args.metrics_port < 65536:
+            parser.error(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
+        if importlib.util.find_spec("prometheus_client") is None:
+            parser.error("--metrics-port needs the extra: pip install 'embcache[metrics]'")
     if args.plot is not None:
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error("--plot needs the extra: pip install 'embcache[plot]'")
         if args.plot.suffix.lower() != ".png":
             parser.error(f"--plot writes a PNG: give a FILE.png, got {args.plot}")
         if not args.plot.resolve().parent.is_dir():
@@ -125,6 +153,7 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoCo
         prefetch_timeout=args.prefetch_timeout,
         seed=args.seed,
         verify=args.verify,
+        metrics_port=args.metrics_port,
     )
 
 
@@ -137,18 +166,41 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     config = _config(parser, args)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if config.store == "mooncake" and not args.verbose:
+        from embcache.store.mooncake import quiet_native_logging
+
+        quiet_native_logging()
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         result = run_demo(config, progress=None if args.quiet else sys.stderr)
+        if args.plot is not None:
+            write_plot(result.timeline, args.plot)
+    except KeyboardInterrupt:
+        print("embcache demo: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # one line for the operator; the traceback with --verbose
+        if args.verbose:
+            traceback.print_exc()
+        print(f"embcache demo: {_one_line(exc)}", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(result_json(result) if args.json else result.summary())
-    if args.plot is not None:
-        write_plot(result.timeline, args.plot)
-        if not args.json:
-            print(f"plot              {args.plot}")
+    if args.plot is not None and not args.json:
+        print(f"plot              {args.plot}")
     clean = not result.errors and not result.leaks and not result.verify_mismatches
     return 0 if clean else 1
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` and where to find the rest."""
+    lines = str(exc).strip().splitlines() or [""]
+    more = " ..." if len(lines) > 1 else ""
+    return f"{type(exc).__name__}: {lines[0]}{more} (--verbose shows the details)"
 
 
 if __name__ == "__main__":

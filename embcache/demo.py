@@ -11,8 +11,15 @@ Definitions used in the summary (every number is per image looked up, unless it 
 local hit: in the pool at lookup. Global hit: read from the global store (a load that ended
 OK); a request that joined a transfer another request started counts as a single-flight join
 instead. Encoded: given to the encoder (an image repeated in one request counts once).
-Encoder calls saved: images looked up minus images encoded. Fallback: an item encoded for a
-reason other than a plain miss (a failed, timed-out or quarantined load, no space, ...).
+Encodes saved: images looked up minus images encoded (encoder calls are the batches the
+encoder ran). Fallback: an item encoded for a reason other than a plain miss (a failed,
+timed-out or quarantined load, no space, ...). Fragmentation: 1 - largest free range / free
+bytes; 0 when the free space is one range, near 1 when it is scattered in small holes, so an
+item may not fit (and entries are evicted) although enough bytes are free in total.
+
+A progress bar (tqdm) goes to the progress stream only when it is a terminal. With
+``metrics_port`` set, the cache's metrics (``embcache.metrics``) are served on 127.0.0.1 for
+the length of the run; store reads are timed into ``embcache_load_seconds``.
 
 With ``tp > 1``, ranks 1.. run in spawned processes on loopback gloo; each lane has its own
 group, so lanes stay independent and each group sees its calls in the same order on every
@@ -27,25 +34,28 @@ import datetime
 import itertools
 import json
 import math
+import os
 import random
 import socket
-import struct
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
+from tqdm import tqdm
 
 from embcache.cache import CacheStats, EmbeddingCache
 from embcache.encoders import TinyViT, synthetic_image
 from embcache.errors import InvariantError
 from embcache.pipeline import EncodePipeline
 from embcache.store.base import GlobalStore, TransferOutcome
+
+if TYPE_CHECKING:  # embcache.metrics needs the optional prometheus_client
+    from embcache.metrics import CacheMetrics
 
 __all__ = [
     "DTYPES",
@@ -83,6 +93,7 @@ class DemoConfig:
     prefetch_timeout: float = 5.0
     seed: int = 0
     verify: bool = False
+    metrics_port: int | None = None  # serve Prometheus metrics here (0: a free port)
 
 
 @dataclass(frozen=True)
@@ -134,7 +145,8 @@ class DemoResult:
         return self.requests / self.seconds if self.seconds > 0 else 0.0
 
     @property
-    def encoder_calls_saved(self) -> int:
+    def encodes_saved(self) -> int:
+        """Images looked up that were not given to the encoder."""
         return self.images - self.encoded
 
     @property
@@ -161,7 +173,7 @@ class DemoResult:
             "global_hit_ratio": round(self.global_hits / images, 4),
             "encoded": self.encoded,
             "encoder_batches": self.encoder_batches,
-            "encoder_calls_saved": self.encoder_calls_saved,
+            "encodes_saved": self.encodes_saved,
             "misses": self.misses,
             "fallbacks": self.fallbacks,
             "fallbacks_by_reason": dict(sorted(self.fallbacks_by_reason.items())),
@@ -217,7 +229,7 @@ class DemoResult:
             f"  joins           {self.single_flight_joins} single-flight joins of a transfer "
             "in flight",
             f"  encoded         {self.encoded} images in {self.encoder_batches} encoder calls; "
-            f"{self.encoder_calls_saved} encodes saved ({pct(self.encoder_calls_saved)})",
+            f"{self.encodes_saved} encodes saved ({pct(self.encodes_saved)})",
             f"misses            {self.misses} not found",
             f"fallbacks         {self.fallbacks}" + (f": {reasons}" if reasons else ""),
             f"evictions         {self.evictions} entries ({mib(self.evicted_bytes)})",
@@ -315,6 +327,8 @@ def _global_store(config: DemoConfig) -> Iterator[GlobalStore]:
         if config.master is None:
             master = stack.enter_context(MooncakeMaster())
             kwargs.update(master.store_kwargs())
+            for name, value in MooncakeMaster.CLIENT_ENVIRONMENT.items():
+                os.environ.setdefault(name, value)  # read by Mooncake at each client setup
             kwargs["key_prefix"] = prefix + uuid.uuid4().hex[:8] + "/"
         else:
             kwargs["master_address"] = config.master
@@ -388,21 +402,26 @@ def _run_lane(
 
 # ---------------------------------------------------------------------------- running
 class _Progress:
-    """Counts finished requests, samples the timeline and draws the bar (no cache lock held)."""
+    """Counts finished requests and samples the timeline every 0.1 s (no cache lock held).
+
+    The bar (tqdm) is drawn only when ``out`` is a terminal: files and CI logs get none.
+    """
 
     def __init__(
         self, total: int, cache: EmbeddingCache, pipeline_stats: Callable[[], Any],
         out: TextIO | None,
-    ) -> None:
-        self.total = total
+    ) -> None:  # fmt: skip
         self.cache = cache
         self.pipeline_stats = pipeline_stats
-        self.out = out
         self.lock = threading.Lock()
         self.latencies: list[float] = []
         self.mismatches = 0
         self.timeline: list[Sample] = []
         self.started = time.perf_counter()
+        self._bar = tqdm(
+            total=total, unit="req", file=out, dynamic_ncols=True, mininterval=0.1,
+            disable=out is None or not out.isatty(),
+        )  # fmt: skip
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="embcache-demo-progress")
 
@@ -419,9 +438,7 @@ class _Progress:
         self._stop.set()
         self._thread.join()
         self._sample()
-        if self.out is not None:
-            self.out.write("\n")
-            self.out.flush()
+        self._bar.close()
 
     def _loop(self) -> None:
         while not self._stop.wait(0.1):
@@ -441,32 +458,60 @@ class _Progress:
             fragmentation=cache.fragmentation,
         )
         self.timeline.append(sample)
-        if self.out is not None:
-            filled = int(30 * finished / self.total)
-            rate = finished / sample.seconds if sample.seconds > 0 else 0.0
-            line = (
-                f"[{'#' * filled}{'.' * (30 - filled)}] {finished}/{self.total} requests "
-                f"{rate:6.1f}/s  local hits {100 * sample.local_hit_ratio:4.1f}%  "
-                f"pool {100 * sample.occupancy:5.1f}%"
-            )
-            self.out.write("\r" + line.ljust(100))
-            self.out.flush()
+        self._bar.set_postfix_str(
+            f"local hits {100 * sample.local_hit_ratio:.0f}%, pool {100 * sample.occupancy:.0f}%",
+            refresh=False,
+        )
+        self._bar.update(finished - self._bar.n)
 
 
 def run_demo(config: DemoConfig, progress: TextIO | None = None) -> DemoResult:
-    """Run the demo; the progress bar goes to ``progress`` (None: silent)."""
+    """Run the demo. ``progress`` gets the progress bar when it is a terminal, and the line
+    naming the metrics address when ``config.metrics_port`` is set (None: silent)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with contextlib.ExitStack() as stack:
             store = stack.enter_context(_global_store(config))
             flaky = FlakyStore(store, config.store_fault_rate, config.seed)
+            metrics = None if config.metrics_port is None else _serve_metrics(
+                stack, config.metrics_port, progress
+            )  # fmt: skip
+            timed: GlobalStore = flaky if metrics is None else _timed(flaky, metrics)
             pool = int(config.pool_mib * (1 << 20)) // 256 * 256
-            cache = EmbeddingCache(pool, store=flaky, pin_memory=False)
+            cache = EmbeddingCache(pool, store=timed, pin_memory=False)
             stack.callback(cache.close)
+            if metrics is not None:
+                metrics.add("demo", cache)
             return _run(config, cache, flaky, progress)
     finally:
         torch.set_num_threads(threads)
+
+
+def _timed(store: GlobalStore, metrics: CacheMetrics) -> GlobalStore:
+    from embcache.metrics import TimedStore
+
+    return TimedStore(store, metrics, "demo")
+
+
+def _serve_metrics(
+    stack: contextlib.ExitStack, port: int, out: TextIO | None
+) -> CacheMetrics:
+    """Metrics served on 127.0.0.1:``port`` until ``stack`` closes; the address goes to ``out``."""
+    from prometheus_client import CollectorRegistry
+
+    from embcache.metrics import CacheMetrics, serve
+
+    metrics = CacheMetrics()
+    registry = CollectorRegistry()
+    registry.register(metrics)
+    server = serve(registry, port)
+    stack.callback(server.server_close)
+    stack.callback(server.shutdown)
+    if out is not None:
+        out.write(f"metrics: http://127.0.0.1:{server.server_port}/metrics\n")
+        out.flush()
+    return metrics
 
 
 def _run(
@@ -722,114 +767,46 @@ def _free_port() -> int:
 
 
 # ---------------------------------------------------------------------------- the plot
-_FONT = {  # 3x5 glyphs, rows top to bottom
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111",
-    "3": "111001111001111", "4": "101101111001001", "5": "111100111001111",
-    "6": "111100111101111", "7": "111001001001001", "8": "111101111101111",
-    "9": "111101111001111", "A": "010101111101101", "B": "110101110101110",
-    "C": "011100100100011", "D": "110101101101110", "E": "111100110100111",
-    "F": "111100110100100", "G": "011100101101011", "H": "101101111101101",
-    "I": "111010010010111", "J": "001001001101010", "K": "101101110101101",
-    "L": "100100100100111", "M": "101111111101101", "N": "110101101101101",
-    "O": "010101101101010", "P": "110101110100100", "Q": "010101101110011",
-    "R": "110101110101101", "S": "011100010001110", "T": "111010010010010",
-    "U": "101101101101111", "V": "101101101101010", "W": "101101111111101",
-    "X": "101101010101101", "Y": "101101010010010", "Z": "111001010100111",
-    " ": "000000000000000", "%": "101001010100101", ".": "000000000000010",
-    "(": "010100100100010", ")": "010001001001010", ":": "000010000010000",
-    "/": "001001010100100", "-": "000000111000000", "=": "000111000111000",
+_LEGEND = {
+    "local_hit_ratio": "local hits: found in this worker's pool",
+    "global_hit_ratio": "global hits: read from the global store into the pool",
+    "occupancy": "occupancy: bytes held by entries / pool size",
+    "fragmentation": "fragmentation: 1 - largest free range / free bytes\n"
+    "(high: the free space is scattered in small holes, so an item\n"
+    "may not fit and entries are evicted although bytes are free)",
 }
-_BLUE, _ORANGE, _GREEN, _RED = (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)
-_BLACK, _GREY, _WHITE = (0, 0, 0), (200, 200, 200), (255, 255, 255)
-
-
-class _Canvas:
-    """An RGB raster with lines, rectangles and 3x5 text, saved as PNG with the stdlib."""
-
-    def __init__(self, width: int, height: int) -> None:
-        self.width, self.height = width, height
-        self.pixels = bytearray(_WHITE * (width * height))
-
-    def dot(self, x: int, y: int, color: tuple[int, int, int]) -> None:
-        if 0 <= x < self.width and 0 <= y < self.height:
-            i = 3 * (y * self.width + x)
-            self.pixels[i : i + 3] = bytes(color)
-
-    def rect(self, x0: int, y0: int, x1: int, y1: int, color: tuple[int, int, int]) -> None:
-        for y in range(y0, y1 + 1):
-            for x in range(x0, x1 + 1):
-                self.dot(x, y, color)
-
-    def line(self, x0: int, y0: int, x1: int, y1: int, color: tuple[int, int, int]) -> None:
-        steps = max(abs(x1 - x0), abs(y1 - y0), 1)
-        for s in range(steps + 1):
-            x = round(x0 + (x1 - x0) * s / steps)
-            y = round(y0 + (y1 - y0) * s / steps)
-            self.rect(x, y, x + 1, y + 1, color)
-
-    def text(self, x: int, y: int, text: str, color: tuple[int, int, int], scale: int = 2) -> None:
-        for ch in text.upper():
-            glyph = _FONT.get(ch, _FONT[" "])
-            for i, bit in enumerate(glyph):
-                if bit == "1":
-                    gx, gy = x + (i % 3) * scale, y + (i // 3) * scale
-                    self.rect(gx, gy, gx + scale - 1, gy + scale - 1, color)
-            x += 4 * scale
-
-    def png(self) -> bytes:
-        rows = b"".join(
-            b"\x00" + bytes(self.pixels[3 * y * self.width : 3 * (y + 1) * self.width])
-            for y in range(self.height)
-        )
-
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            body = kind + data
-            return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-        header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)
-        return (
-            b"\x89PNG\r\n\x1a\n"
-            + chunk(b"IHDR", header)
-            + chunk(b"IDAT", zlib.compress(rows, 6))
-            + chunk(b"IEND", b"")
-        )
 
 
 def write_plot(timeline: Sequence[Sample], path: Path) -> None:
-    """Draw hit ratios (top) and pool occupancy and fragmentation (bottom) over time as PNG."""
-    canvas = _Canvas(720, 460)
-    end = max((s.seconds for s in timeline), default=1.0) or 1.0
-    left, right = 60, 700
-    panels = [
-        ("HIT RATIO (CUMULATIVE)", 40, 200,
-         [("LOCAL", _BLUE, "local_hit_ratio"), ("GLOBAL", _ORANGE, "global_hit_ratio")]),
-        ("POOL", 260, 420,
-         [("OCCUPANCY", _GREEN, "occupancy"), ("FRAGMENTATION", _RED, "fragmentation")]),
-    ]
-    for title, top, bottom, series in panels:
-        canvas.text(left, top - 22, title, _BLACK)
-        for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
-            y = round(bottom - frac * (bottom - top))
-            canvas.line(left, y, right, y, _GREY)
-            canvas.text(8, y - 5, f"{round(100 * frac)}%", _BLACK)
-        legend_x = left + 260
-        for name, color, attr in series:
-            canvas.rect(legend_x, top - 20, legend_x + 10, top - 12, color)
-            canvas.text(legend_x + 16, top - 22, name, color)
-            legend_x += 16 + 8 * (len(name) + 2)
-            points = [
-                (left + round((right - left) * s.seconds / end),
-                 round(bottom - min(max(getattr(s, attr), 0.0), 1.0) * (bottom - top)))
-                for s in timeline
-            ]
-            for (x0, y0), (x1, y1) in itertools.pairwise(points):
-                canvas.line(x0, y0, x1, y1, color)
-        canvas.line(left, bottom, right, bottom, _BLACK)
-        canvas.line(left, top, left, bottom, _BLACK)
-    canvas.text(left, 432, "0", _BLACK)
-    label = f"TIME {end:.1f} S"
-    canvas.text(right - 8 * len(label), 432, label, _BLACK)
-    path.write_bytes(canvas.png())
+    """Draw hit ratios (top) and pool occupancy and fragmentation (bottom) over time as PNG.
+
+    Needs matplotlib (``pip install 'embcache[plot]'``); raises ``ImportError`` saying so.
+    """
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import PercentFormatter
+    except ImportError as exc:
+        raise ImportError(f"--plot needs matplotlib ({exc}): pip install 'embcache[plot]'") from exc
+    seconds = [s.seconds for s in timeline]
+    figure = Figure(figsize=(12, 6.5), layout="constrained")
+    top, bottom = figure.subplots(2, 1, sharex=True)
+    panels = (
+        (top, "Hit ratio, cumulative", "% of images looked up",
+         ("local_hit_ratio", "global_hit_ratio")),
+        (bottom, "Pool", "percent (see the legend)", ("occupancy", "fragmentation")),
+    )  # fmt: skip
+    for axes, title, unit, fields in panels:
+        for name in fields:
+            axes.plot(seconds, [100 * getattr(s, name) for s in timeline], label=_LEGEND[name])
+        axes.set_title(title)
+        axes.set_ylabel(unit)
+        axes.set_ylim(-2, 102)
+        axes.yaxis.set_major_formatter(PercentFormatter())
+        axes.grid(alpha=0.3)
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    bottom.set_xlabel("time since the first request (s)")
+    figure.suptitle("embcache demo")
+    figure.savefig(path, format="png", dpi=100)
 
 
 def result_json(result: DemoResult) -> str:

@@ -38,6 +38,7 @@ may block checks (``assert_unlocked``) that its caller holds no cache or allocat
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging
 import math
@@ -153,6 +154,7 @@ CODES: dict[int, CodeInfo] = {
 
 _RPC_FAIL = -900
 _OBJECT_ALREADY_EXISTS = -705
+_NO_AVAILABLE_HANDLE = -200
 
 _INSTALL_HINT = (
     "install the extra: pip install 'embcache[mooncake]' (CPU hosts, package "
@@ -202,6 +204,48 @@ def _load_binding() -> Callable[[], _Client]:
         ) from exc
     factory: Callable[[], _Client] = module.MooncakeDistributedStore
     return factory
+
+
+# ---------------------------------------------------------------------------------------------
+# Mooncake's native log
+
+_GLOG_FATAL = 3
+_GLOG_MINLOGLEVEL = "_ZN3fLI17FLAGS_minloglevelE"  # glog's int32 FLAGS_minloglevel
+
+
+def quiet_native_logging() -> None:
+    """Keep Mooncake's C++ log (glog) off stderr in this process; call before the first store.
+
+    Sets Mooncake's own knob ``MC_LOG_LEVEL=ERROR`` (read when its library loads), loads the
+    library, then raises glog's ``minloglevel`` to FATAL, which also drops the errors Mooncake
+    logs for normal events (``http=404 metadata not found`` while a client registers). Store
+    failures still reach the cache as codes (``CODES``) and show in ``stats()``. Does nothing
+    when ``MC_LOG_LEVEL`` is already set (the caller chose) or Mooncake is not installed;
+    without this call Mooncake logs at INFO on stderr. Idempotent.
+    """
+    if "MC_LOG_LEVEL" in os.environ:
+        return
+    os.environ["MC_LOG_LEVEL"] = "ERROR"
+    try:
+        importlib.import_module("mooncake.store")
+    except ImportError:
+        return
+    for path in _loaded_libraries("libglog"):
+        try:
+            flag = ctypes.c_int32.in_dll(ctypes.CDLL(path), _GLOG_MINLOGLEVEL)
+        except (OSError, ValueError):
+            continue
+        flag.value = max(flag.value, _GLOG_FATAL)
+
+
+def _loaded_libraries(name: str) -> list[str]:
+    """Paths of the shared libraries of this process whose file name starts with ``name``."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.basename(p).startswith(name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,6 +517,7 @@ class MooncakeStore:
         self._master_down = False
         self._next_probe = 0.0
         self._next_connect = 0.0
+        self._warned_no_space = False
         # Guarded by _swap_lock:
         self._segment_client: _Client | None = None
 
@@ -616,7 +661,33 @@ class MooncakeStore:
     ) -> list[int]:
         """``batch_put_from`` out of pool ranges; a stored key is skipped (0). Per key 0 or < 0."""
         assert_unlocked("MooncakeStore.put_from")
-        return self._batch(keys, offsets, sizes, _put_missing)
+        codes = self._batch(keys, offsets, sizes, _put_missing)
+        if _NO_AVAILABLE_HANDLE in codes:
+            self._warn_no_space()
+        return codes
+
+    def _warn_no_space(self) -> None:
+        """Log the first put that found no space in the global store, once per store."""
+        with self._lock:
+            if self._warned_no_space:
+                return
+            self._warned_no_space = True
+        cfg = self._config
+        if cfg.global_segment_size == 0:
+            lent = (
+                "this worker lends it no memory (global_segment_size=0, the default), so it "
+                "holds only what other workers sharing the master lend"
+            )
+        else:
+            lent = f"the memory lent to it is full (this worker lends {cfg.global_segment_size} B)"
+        logger.warning(
+            "Mooncake (master %s) has no space for a put (-200 NO_AVAILABLE_HANDLE): %s. Set "
+            "global_segment_size (or MOONCAKE_GLOBAL_SEGMENT_SIZE), e.g. '4GB', on this worker "
+            "or another one sharing the master. Logged once; stats().publishes_failed counts "
+            "the publishes that fail.",
+            cfg.master_address,
+            lent,
+        )
 
     def classify(self, code: int) -> TransferOutcome:
         """The outcome ``code`` means for its range (table ``CODES``; unlisted: UNKNOWN). O(1)."""

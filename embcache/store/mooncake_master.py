@@ -21,8 +21,10 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
+from types import MappingProxyType, TracebackType
+from typing import ClassVar
 
 from embcache.errors import StoreUnavailableError
 
@@ -74,7 +76,17 @@ class MooncakeMaster:
 
     ``binary`` defaults to ``find_master_binary()``; the log goes to ``log_dir`` (default: a
     temporary directory removed by ``stop``). As a context manager it starts and stops.
+
+    The master's RPC service, metadata server and metrics are given 127.0.0.1 (Mooncake
+    0.3.13's metadata server still binds every interface). A client process should also have
+    ``CLIENT_ENVIRONMENT`` set before it connects, so its transfer engine advertises loopback
+    instead of the first LAN address it finds (it still listens on every interface).
     """
+
+    #: Environment for a client process of a loopback master (read at each client setup).
+    CLIENT_ENVIRONMENT: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    )
 
     def __init__(self, binary: str | None = None, log_dir: Path | None = None) -> None:
         self.binary = binary or find_master_binary()
