@@ -11,7 +11,9 @@
 (*    waiters, doomed, publisher, quarantinePending).  ABSENT is NoEntry.  *)
 (*  - The allocator is the set `free` of free units.  It is maintained by  *)
 (*    the actions, never derived, so Accounting and NoOverlap can fail.    *)
-(*  - The LRU is a sequence, oldest first: exactly the evictable entries.  *)
+(*  - The eviction order is a sequence, first victim first: exactly the   *)
+(*    evictable entries.  A policy decides where an entry enters it (LRU:  *)
+(*    the tail); the spec lets it enter anywhere (see Enter).              *)
 (*  - Transfers are explicit: a load writes into a LOADING range, a read   *)
 (*    (a holder copying the bytes out) or a publish reads a pinned range.  *)
 (*    A transfer that ends with outcome UNKNOWN leaves a zombie that may   *)
@@ -27,6 +29,8 @@
 (*  - Allocation is a contiguous run at an offset the spec chooses among   *)
 (*    the runs the eviction rule allows (see Placements); the victims are  *)
 (*    exactly the entries the run overlaps.                                *)
+(*  - Admission may refuse any BeginLoad (RefuseBeginLoad): nothing        *)
+(*    changes and the item falls back; RefusalChangesNothing checks it.    *)
 (*  - Events of the code that change nothing (a Lookup that misses, a      *)
 (*    BeginLoad without room, a Remove of a doomed or QUARANTINED entry)   *)
 (*    are stuttering steps: Next leaves them out, and LookupIsNoOp,        *)
@@ -61,12 +65,12 @@ Outcomes == {OK, FAILED, UNKNOWN}
 VARIABLES
     entry,     \* entry[k]: the entry record of key k (NoEntry when ABSENT)
     free,      \* the allocator's free units
-    lru,       \* evictable keys, oldest first
+    order,     \* the eviction order: evictable keys, first victim first
     transfers, \* live transfers: [kind, req, key, units]
     zombies,   \* transfers that ended UNKNOWN: [key, units], until their entry is fenced
     request    \* request[r] \in {"closed", "open"}
 
-vars == <<entry, free, lru, transfers, zombies, request>>
+vars == <<entry, free, order, transfers, zombies, request>>
 
 Pool == 0..(Units - 1)
 Run(o, n) == o..(o + n - 1)
@@ -79,7 +83,7 @@ Owned(k) == IF entry[k].state = ABSENT THEN {}
             ELSE Run(entry[k].off, entry[k].size)
 UnitsOf(S) == UNION {Owned(k) : k \in S}
 Present == {k \in Keys : entry[k].state # ABSENT}
-LruSet == {lru[i] : i \in 1..Len(lru)}
+OrderSet == {order[i] : i \in 1..Len(order)}
 Quarantine == {k \in Keys : entry[k].state = QUARANTINED}
 Without(s, k) == SelectSeq(s, LAMBDA j : j # k)
 
@@ -96,33 +100,40 @@ LoadDone(k) == {t \in transfers : ~(t.kind = "load" /\ t.key = k)}
 
 (***************************************************************************)
 (* Eviction that respects contiguity.  A placement of n units at offset o  *)
-(* is allowed with the p oldest LRU entries when the run is made only of   *)
-(* free units and of those entries, with at most MaxEvictionBatch victims. *)
+(* is allowed with the p first entries of the eviction order when the run  *)
+(* is made only of free units and of those entries, with at most           *)
+(* MaxEvictionBatch victims.                                               *)
 (* The victims are exactly the entries the run overlaps, so none is        *)
 (* evicted for nothing.  Prefix(n) is the smallest such p (0: a free run   *)
 (* fits and nothing is evicted).  The code then picks one placement by     *)
 (* fewest victims, fewest bytes, lowest offset and best fit; the spec      *)
 (* allows any placement within that prefix (see README: why).              *)
 (***************************************************************************)
-Oldest(p) == {lru[i] : i \in 1..p}
+First(p) == {order[i] : i \in 1..p}
 Victims(R) == {j \in Present : Owned(j) \cap R # {}}
 Feasible(o, n, p) ==
     LET R == Run(o, n)
         V == Victims(R)
     IN  /\ R \subseteq free \cup UnitsOf(V)
-        /\ V \subseteq Oldest(p)
+        /\ V \subseteq First(p)
         /\ Cardinality(V) <= MaxEvictionBatch
 Placements(n, p) == {o \in 0..(Units - n) : Feasible(o, n, p)}
-\* Feasible is monotone in p, so these look at the whole LRU or at p and p-1.
-HasRoom(n) == Placements(n, Len(lru)) # {}
-Prefix(n) == CHOOSE p \in 0..Len(lru) :
+\* Feasible is monotone in p, so these look at the whole order or at p and p-1.
+HasRoom(n) == Placements(n, Len(order)) # {}
+Prefix(n) == CHOOSE p \in 0..Len(order) :
                  /\ Placements(n, p) # {}
                  /\ p > 0 => Placements(n, p - 1) = {}
 
-\* Evict(V): the victims leave the table, the LRU, and give back their units.
+\* Evict(V): the victims leave the table and the order, and give back their units.
 EvictEntries(V) == [j \in Keys |-> IF j \in V THEN NoEntry ELSE entry[j]]
 EvictUnits(V)   == free \cup UnitsOf(V)
-EvictLru(V)     == SelectSeq(lru, LAMBDA j : j \notin V)
+EvictOrder(V)   == SelectSeq(order, LAMBDA j : j \notin V)
+
+\* k becomes evictable and enters the eviction order.  The policy decides
+\* where (LRU: at the tail, after the i = Len(order) entries already there);
+\* safety must not depend on it, so the spec takes any position i.
+Enter(k) == \E i \in 0..Len(order) :
+                order' = SubSeq(order, 1, i) \o <<k>> \o SubSeq(order, i + 1, Len(order))
 
 Loading(r, o, n) == [NoEntry EXCEPT !.state = LOADING, !.off = o, !.size = n,
                                     !.waiters = {r}]
@@ -136,7 +147,7 @@ Quarantined(e) == [e EXCEPT !.state = QUARANTINED, !.holders = {}, !.waiters = {
 Init ==
     /\ entry = [k \in Keys |-> NoEntry]
     /\ free = Pool
-    /\ lru = <<>>
+    /\ order = <<>>
     /\ transfers = {}
     /\ zombies = {}
     /\ request = [r \in Requests |-> "closed"]
@@ -144,23 +155,23 @@ Init ==
 OpenRequest(r) ==
     /\ request[r] = "closed"
     /\ request' = [request EXCEPT ![r] = "open"]
-    /\ UNCHANGED <<entry, free, lru, transfers, zombies>>
+    /\ UNCHANGED <<entry, free, order, transfers, zombies>>
 
 CloseRequest(r) ==
     /\ request[r] = "open"
     /\ \A k \in Keys : r \notin entry[k].holders \cup entry[k].waiters
     /\ request' = [request EXCEPT ![r] = "closed"]
-    /\ UNCHANGED <<entry, free, lru, transfers, zombies>>
+    /\ UNCHANGED <<entry, free, order, transfers, zombies>>
 
 Pin(r, k) ==
     /\ entry' = [entry EXCEPT ![k].holders = @ \cup {r}, ![k].pins = @ + 1]
-    /\ lru' = Without(lru, k)
+    /\ order' = Without(order, k)
     /\ transfers' = transfers \cup {ReadBy(r, k)}
     /\ UNCHANGED <<free, zombies, request>>
 
 Wait(r, k) ==
     /\ entry' = [entry EXCEPT ![k].waiters = @ \cup {r}]
-    /\ UNCHANGED <<free, lru, transfers, zombies, request>>
+    /\ UNCHANGED <<free, order, transfers, zombies, request>>
 
 \* A hit pins (READY), a join waits (LOADING).  Every other lookup (a miss,
 \* or a repeat) changes nothing: see LookupIsNoOp.
@@ -183,29 +194,38 @@ BeginLoad(r, k, n) ==
              V == Victims(R)
          IN  /\ entry' = [EvictEntries(V) EXCEPT ![k] = Loading(r, o, n)]
              /\ free' = EvictUnits(V) \ R
-             /\ lru' = EvictLru(V)
+             /\ order' = EvictOrder(V)
              /\ transfers' = transfers \cup {LoadInto(k, R)}
              /\ UNCHANGED <<zombies, request>>
 
-\* The waiters become holders in the same step: no gap to evict in.
+\* Admission may refuse any BeginLoad (DESIGN.md, "Eviction order and
+\* admission"): a refused BeginLoad allocates nothing, evicts nothing and
+\* makes no entry; the item falls back to its encoder output.  It is a
+\* stuttering step, but Next names it, so that RefusalChangesNothing (and a
+\* mutant that evicts on refusal) has a step to look at.
+NotAdmitted(r, k, n) == request[r] = "open" /\ entry[k].state = ABSENT
+RefuseBeginLoad(r, k, n) == NotAdmitted(r, k, n) /\ UNCHANGED vars
+
+\* The waiters become holders in the same step: no gap to evict in.  With
+\* no waiters the entry is evictable at once.
 HandOff(k) ==
     LET e == entry[k] IN
     /\ entry' = [entry EXCEPT ![k] = [e EXCEPT !.state = READY, !.holders = e.waiters,
                                            !.waiters = {}, !.pins = Cardinality(e.waiters)]]
-    /\ lru' = IF e.waiters = {} THEN Append(lru, k) ELSE lru
+    /\ IF e.waiters = {} THEN Enter(k) ELSE UNCHANGED order
     /\ transfers' = LoadDone(k) \cup {ReadBy(r, k) : r \in e.waiters}
     /\ UNCHANGED free
 
 QuarantineLoad(k) ==
     /\ entry' = [entry EXCEPT ![k] = Quarantined(@)]
     /\ transfers' = LoadDone(k)
-    /\ UNCHANGED <<free, lru>>
+    /\ UNCHANGED <<free, order>>
 
 DiscardLoad(k) ==
     /\ entry' = [entry EXCEPT ![k] = NoEntry]
     /\ free' = free \cup Owned(k)
     /\ transfers' = LoadDone(k)
-    /\ UNCHANGED lru
+    /\ UNCHANGED order
 
 \* OK & !doomed: READY.  UNKNOWN: QUARANTINED (the write may still land).
 \* FAILED, or OK & doomed: freed.  Waiters not handed the entry fall back.
@@ -219,22 +239,22 @@ EndLoad(k, outcome) ==
 
 \* Entry k after one of its pins is dropped (e: the record without that pin).
 \* At zero pins a pending quarantine wins over doomed: a zombie publish may
-\* still read the range.
+\* still read the range.  Otherwise the entry enters the eviction order.
 Unpin(k, e) ==
     IF e.pins > 0 THEN
-        entry' = [entry EXCEPT ![k] = e] /\ UNCHANGED <<free, lru>>
+        entry' = [entry EXCEPT ![k] = e] /\ UNCHANGED <<free, order>>
     ELSE IF e.quarantinePending THEN
-        entry' = [entry EXCEPT ![k] = Quarantined(e)] /\ UNCHANGED <<free, lru>>
+        entry' = [entry EXCEPT ![k] = Quarantined(e)] /\ UNCHANGED <<free, order>>
     ELSE IF e.doomed THEN
-        entry' = [entry EXCEPT ![k] = NoEntry] /\ free' = free \cup Owned(k) /\ UNCHANGED lru
+        entry' = [entry EXCEPT ![k] = NoEntry] /\ free' = free \cup Owned(k) /\ UNCHANGED order
     ELSE
-        entry' = [entry EXCEPT ![k] = e] /\ lru' = Append(lru, k) /\ UNCHANGED free
+        entry' = [entry EXCEPT ![k] = e] /\ Enter(k) /\ UNCHANGED free
 
 Release(r, k) ==
     /\ r \in entry[k].holders \cup entry[k].waiters
     /\ IF r \in entry[k].waiters
          THEN /\ entry' = [entry EXCEPT ![k].waiters = @ \ {r}]
-              /\ UNCHANGED <<free, lru, transfers, zombies, request>>
+              /\ UNCHANGED <<free, order, transfers, zombies, request>>
          ELSE /\ Unpin(k, [entry[k] EXCEPT !.holders = @ \ {r}, !.pins = @ - 1])
               /\ transfers' = transfers \ {ReadBy(r, k)}
               /\ UNCHANGED <<zombies, request>>
@@ -247,10 +267,10 @@ Remove(k) ==
     /\ IF entry[k].state = READY /\ entry[k].pins = 0
          THEN /\ entry' = [entry EXCEPT ![k] = NoEntry]
               /\ free' = free \cup Owned(k)
-              /\ lru' = Without(lru, k)
+              /\ order' = Without(order, k)
               /\ UNCHANGED <<transfers, zombies, request>>
          ELSE /\ entry' = [entry EXCEPT ![k].doomed = TRUE]
-              /\ UNCHANGED <<free, lru, transfers, zombies, request>>
+              /\ UNCHANGED <<free, order, transfers, zombies, request>>
 
 \* A write of k's range to the global store, under its own pin.
 Publish(r, k) ==
@@ -258,7 +278,7 @@ Publish(r, k) ==
     /\ entry[k].publisher = NoRequest
     /\ entry' = [entry EXCEPT ![k].publisher = r, ![k].pins = @ + 1]
     /\ transfers' = transfers \cup {PublishBy(r, k)}
-    /\ UNCHANGED <<free, lru, zombies, request>>
+    /\ UNCHANGED <<free, order, zombies, request>>
 
 EndPublish(r, k, outcome) ==
     /\ entry[k].publisher = r
@@ -278,7 +298,11 @@ Fence(Q) ==
     /\ zombies' = {z \in zombies : z.key \notin Q}
     /\ entry' = [k \in Keys |-> IF k \in Q THEN NoEntry ELSE entry[k]]
     /\ free' = free \cup UnitsOf(Q)
-    /\ UNCHANGED <<lru, transfers, request>>
+    /\ UNCHANGED <<order, transfers, request>>
+
+\* The cache fences by itself (DESIGN.md, "Fencing"): one fence step frees a
+\* non-empty snapshot Q of the quarantine.
+FenceStep == \E Q \in SUBSET Quarantine : Q # {} /\ Fence(Q)
 
 \* The code's events that change nothing.  They are stuttering steps, so Next
 \* leaves them out; the trace spec (issue 5) checks that each was legal.  (A
@@ -301,23 +325,31 @@ RemoveIsNoOp(k) == entry[k].state = QUARANTINED \/ entry[k].doomed
 Next ==
     \/ \E r \in Requests : OpenRequest(r) \/ CloseRequest(r)
     \/ \E r \in Requests, k \in Keys : Lookup(r, k) \/ Release(r, k) \/ Publish(r, k)
-    \/ \E r \in Requests, k \in Keys, n \in Sizes : BeginLoad(r, k, n)
+    \/ \E r \in Requests, k \in Keys, n \in Sizes :
+           BeginLoad(r, k, n) \/ RefuseBeginLoad(r, k, n)
     \/ \E k \in Keys, o \in Outcomes : EndLoad(k, o)
     \/ \E r \in Requests, k \in Keys, o \in {OK, UNKNOWN} : EndPublish(r, k, o)
     \/ \E k \in Keys : Remove(k)
-    \/ \E Q \in SUBSET Quarantine : Q # {} /\ Fence(Q)
+    \/ FenceStep
 
 \* Per key: loads and publishes complete, a pinned entry is released by some
-\* holder, a QUARANTINED entry is fenced.  A waiter does not give up on its
-\* own (EndLoad serves it), and closes need no fairness: NoLeak assumes that
-\* requests stop.  The fewer the fairness conditions, the stronger the
-\* properties, and the faster TLC checks them.
+\* holder, and the cache fences by itself: while k is QUARANTINED, a fence
+\* step whose snapshot holds k eventually happens (FenceOf is enabled exactly
+\* when k \in Quarantine; nobody has to call fence()).  This is weak fairness
+\* of FenceStep while the quarantine is non-empty, per entry: the code's
+\* snapshot holds every entry quarantined before the fence began.  Plain
+\* WF_vars(FenceStep) is enough for NoLeak but not for DoomedFreed: while
+\* requests go on, fences of other entries could starve one (README).  A
+\* waiter does not give up on its own (EndLoad serves it), and closes need
+\* no fairness: NoLeak assumes that requests stop.  The fewer the fairness
+\* conditions, the stronger the properties, and the faster TLC checks them.
+FenceOf(k) == \E Q \in SUBSET Quarantine : k \in Q /\ Fence(Q)
 Fairness ==
     \A k \in Keys :
         /\ WF_vars(\E o \in Outcomes : EndLoad(k, o))
         /\ WF_vars(\E r \in Requests, o \in Outcomes : EndPublish(r, k, o))
         /\ WF_vars(\E r \in entry[k].holders : Release(r, k))
-        /\ WF_vars(Fence({k}))
+        /\ WF_vars(FenceOf(k))
 
 Spec == Init /\ [][Next]_vars
 LiveSpec == Spec /\ Fairness
@@ -336,7 +368,7 @@ TypeOK ==
     /\ entry \in [Keys -> Entry]
     /\ \A k \in Keys : entry[k].state = ABSENT => entry[k] = NoEntry
     /\ free \subseteq Pool
-    /\ lru \in Seq(Keys)
+    /\ order \in Seq(Keys)
     /\ transfers \subseteq Transfer
     /\ zombies \subseteq [key : Keys, units : SUBSET Pool]
     /\ request \in [Requests -> {"closed", "open"}]
@@ -373,10 +405,10 @@ NoUseAfterFree ==
         /\ t.kind = "read" => entry[t.key].state = READY /\ t.req \in entry[t.key].holders
         /\ t.kind = "publish" => entry[t.key].state = READY /\ entry[t.key].publisher = t.req
 
-\* The LRU holds each evictable entry once, and nothing else.
+\* The eviction order holds each evictable entry once, and nothing else.
 EvictableExact ==
-    /\ Len(lru) = Cardinality(LruSet)
-    /\ LruSet = {k \in Keys : /\ entry[k].state = READY /\ entry[k].pins = 0
+    /\ Len(order) = Cardinality(OrderSet)
+    /\ OrderSet = {k \in Keys : /\ entry[k].state = READY /\ entry[k].pins = 0
                               /\ ~entry[k].doomed /\ ~entry[k].quarantinePending}
 
 DoomedIsBusy ==
@@ -408,6 +440,12 @@ NoWastedEviction ==
                  V == {j \in Keys : entry[j].state = READY /\ entry'[j].state = ABSENT}
              IN  /\ \A j \in V : Owned(j) \cap Run(entry'[k].off, n) # {}
                  /\ V # {} => \A o \in 0..(Units - n) : ~(Run(o, n) \subseteq free)]_vars
+
+\* Admission: a refused BeginLoad changes nothing (no eviction, no
+\* allocation, no entry, no transfer); the item falls back.
+RefusalChangesNothing ==
+    [][\A r \in Requests, k \in Keys, n \in Sizes :
+           RefuseBeginLoad(r, k, n) => UNCHANGED <<entry, free, order, transfers>>]_vars
 
 -----------------------------------------------------------------------------
 (* Liveness, checked under LiveSpec (never with symmetry). *)

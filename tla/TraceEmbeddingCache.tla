@@ -73,7 +73,7 @@ Act(e) ==
           [] e.a = "Lookup"                     -> Lookup(r, k) \/ NoOp(LookupIsNoOp(r, k))
           [] e.a = "BeginLoad" /\ e.out = "OK"  -> BeginLoad(r, k, e.n)
           [] e.a = "BeginLoad"                  -> NoOp(BeginLoadFails(r, k, e.n))
-          [] e.a = "Evict"                      -> NoOp(k \in LruSet)
+          [] e.a = "Evict"                      -> NoOp(k \in OrderSet)
           [] e.a = "EndLoad"                    -> EndLoad(k, e.out)
           [] e.a = "Release"                    -> Release(r, k)
           [] e.a = "Remove"                     -> Remove(k) \/ NoOp(RemoveIsNoOp(k))

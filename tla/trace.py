@@ -37,7 +37,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 SPEC = "EmbeddingCache.tla"
 TRACE_SPEC = "TraceEmbeddingCache.tla"
-SPEC_VARIABLES = ["entry", "free", "lru", "transfers", "zombies", "request"]
+SPEC_VARIABLES = ["entry", "free", "order", "transfers", "zombies", "request"]
 INVARIANTS = [
     "TypeOK", "NoOverlap", "Accounting", "PinsExact", "NoUseAfterFree", "EvictableExact",
     "DoomedIsBusy", "QuarantineHolds",
@@ -292,7 +292,7 @@ class Verdict:
         lines = [f"  spec state there (request slots: {self.slots}):"]
         for path, value in self.state.items():
             show = (
-                path.split("[")[0] in ("free", "lru", "zombies")
+                path.split("[")[0] in ("free", "order", "zombies")
                 or any(
                     path.startswith(f'entry["{k}"]') or path.startswith(f"entry[{k}]")
                     for k in keys
