@@ -1,4 +1,5 @@
-"""What a lookup tells the caller about each item, and why an item falls back."""
+"""What a lookup tells the caller about each item, why an item falls back, and how a
+transfer ended."""
 
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ class Reason(enum.Enum):
     ABANDONED = "abandoned"  # the request that reserved it ended without inserting it
     REMOVED = "removed"  # the entry was removed while its load was in flight
     TIMEOUT = "timeout"  # still loading when the caller stopped waiting
+
+
+class TransferOutcome(enum.Enum):
+    """How a transfer into or out of a pool range ended."""
+
+    OK = "OK"
+    FAILED = "FAILED"
+    UNKNOWN = "UNKNOWN"
 
 
 @dataclass(frozen=True, slots=True)

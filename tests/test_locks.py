@@ -93,7 +93,7 @@ def tensor(seed: int, n: int = 256) -> torch.Tensor:
 def assert_usable(cache: EmbeddingCache) -> None:
     """After a caught violation: this thread holds nothing, and the cache still works."""
     assert_unlocked("checking that a violation left no lock behind")
-    assert not cache._lock.locked() and not cache._allocator._lock.locked()
+    assert not cache._lock.locked() and not cache._core.allocator._lock.locked()
     with cache.request("after") as request:
         assert request.insert(["after"], [tensor(1)], publish=False) == [True]
         assert [s.status.name for s in request.lookup([Item("after", (256,), torch.int32)])] == [
@@ -107,7 +107,7 @@ def assert_usable(cache: EmbeddingCache) -> None:
 
 # ---------------------------------------------------------------------------- checking on
 def test_allocator_lock_then_cache_lock_is_refused(checking: None, cache: EmbeddingCache) -> None:
-    allocator_lock = cache._allocator._lock
+    allocator_lock = cache._core.allocator._lock
     with allocator_lock, pytest.raises(LockOrderError) as caught:
         cache._lock.acquire()
     message = str(caught.value)
@@ -121,7 +121,8 @@ def test_cache_method_called_while_holding_the_allocator_lock_is_refused(
     checking: None, cache: EmbeddingCache
 ) -> None:
     """The same inversion through the public API: a cache call from under the allocator lock."""
-    with cache._allocator._lock, pytest.raises(LockOrderError, match="while holding allocator"):
+    allocator_lock = cache._core.allocator._lock
+    with allocator_lock, pytest.raises(LockOrderError, match="while holding allocator"):
         cache.stats()
     assert_usable(cache)
 
@@ -130,8 +131,8 @@ def test_cache_lock_then_allocator_lock_is_the_allowed_order(
     checking: None, cache: EmbeddingCache
 ) -> None:
     with cache._lock:
-        assert cache._allocator.allocate(256) == 0  # takes level 2 under level 1
-        cache._allocator.free(0)
+        assert cache._core.allocator.allocate(256) == 0  # takes level 2 under level 1
+        cache._core.allocator.free(0)
     assert_usable(cache)
 
 
@@ -139,7 +140,7 @@ def test_cache_lock_then_allocator_lock_is_the_allowed_order(
 def test_reentrant_acquisition_is_refused(
     checking: None, cache: EmbeddingCache, which: str
 ) -> None:
-    lock = cache._lock if which == "cache" else cache._allocator._lock
+    lock = cache._lock if which == "cache" else cache._core.allocator._lock
     with lock, pytest.raises(LockOrderError) as caught:
         lock.acquire()
     level = 1 if which == "cache" else 2
@@ -162,9 +163,9 @@ def test_reentrant_cache_call_from_under_the_cache_lock_is_refused(
 def test_allocator_call_under_its_own_lock_is_refused(
     checking: None, cache: EmbeddingCache
 ) -> None:
-    with cache._allocator._lock, pytest.raises(LockOrderError, match="allocator lock"):
-        cache._allocator.allocate(256)
-    assert cache._allocator.allocated_bytes == 0
+    with cache._core.allocator._lock, pytest.raises(LockOrderError, match="allocator lock"):
+        cache._core.allocator.allocate(256)
+    assert cache._core.allocator.allocated_bytes == 0
     assert_usable(cache)
 
 
@@ -189,7 +190,7 @@ def test_store_call_under_the_cache_lock_is_refused(checking: None, cache: Embed
 def test_store_call_under_the_allocator_lock_names_both_held_locks(
     checking: None, cache: EmbeddingCache
 ) -> None:
-    with cache._lock, cache._allocator._lock, pytest.raises(LockOrderError) as caught:
+    with cache._lock, cache._core.allocator._lock, pytest.raises(LockOrderError) as caught:
         cache.store.fence()
     assert "store fence while holding cache lock, allocator lock" in str(caught.value)
     assert_usable(cache)
@@ -275,7 +276,7 @@ def test_checker_is_per_thread(checking: None, cache: EmbeddingCache) -> None:
     try:
         assert held.wait(WAIT_S)
         assert_unlocked("store call in another thread")  # nothing raised: this thread holds none
-        with pytest.raises(LockOrderError), cache._allocator._lock:
+        with pytest.raises(LockOrderError), cache._core.allocator._lock:
             assert_unlocked("copy")
     finally:
         release.set()
@@ -307,7 +308,7 @@ def test_store_probes_run_with_no_lock_in_every_normal_flow(
 def test_with_checking_off_violations_raise_nothing(unchecked: None, cache: EmbeddingCache) -> None:
     store = cache.store
     assert isinstance(store, ProbeStore)
-    with cache._allocator._lock:
+    with cache._core.allocator._lock:
         cache._lock.acquire()  # inverted, but only one thread: no deadlock
         cache._lock.release()
     with cache._lock:

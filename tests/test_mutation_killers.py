@@ -316,7 +316,7 @@ def test_timed_out_async_wait_drops_its_future() -> None:
         with cache.request("r") as request:
             request.lookup([Item("k", (64,), torch.float32)])
             assert asyncio.run(request.wait_async(timeout=0.01)) is False
-            assert cache._requests["r"].async_waiters == []
+            assert cache._core.requests["r"].wakeup.futures == []
             store.release_holds()
             assert request.wait(timeout=10)
         cache.check_invariants()
@@ -515,7 +515,7 @@ def test_one_completion_wakes_every_async_waiter() -> None:
 
         async def wait_all() -> list[bool]:
             waits = [asyncio.ensure_future(r.wait_async(timeout=10)) for r in requests]
-            while not all(cache._requests[f"r{i}"].async_waiters for i in range(3)):
+            while not all(cache._core.requests[f"r{i}"].wakeup.futures for i in range(3)):
                 await asyncio.sleep(0.001)
             store.release_holds()
             return list(await asyncio.gather(*waits))
@@ -620,11 +620,11 @@ def corrupt_and_check(corrupt: str) -> str:
         ].status.name == ("RESERVED")
         s = cache.request("s")
         cache.check_invariants()
-        e, rs = cache._entries, cache._requests
+        e, rs = cache._core.entries, cache._core.requests
         if corrupt == "allocation":
-            cache._allocator.allocate(ALIGN)
+            cache._core.allocator.allocate(ALIGN)
         elif corrupt == "offset_index":
-            cache._by_offset.pop(e["idle"].offset)
+            cache._core.by_offset.pop(e["idle"].offset)
         elif corrupt == "reserved_not_waited":
             rs["r"].reserved.add("held")
         elif corrupt == "holder":
@@ -645,9 +645,9 @@ def corrupt_and_check(corrupt: str) -> str:
         elif corrupt == "tainted_idle":
             e["idle"].tainted = True
         elif corrupt == "lru":
-            cache._lru.pop("idle")
+            cache._core.lru.pop("idle")
         elif corrupt == "evictable_bytes":
-            cache._evictable_bytes += 1
+            cache._core.evictable_bytes += 1
         del s
         with pytest.raises(InvariantError) as info:
             cache.check_invariants()
@@ -674,7 +674,7 @@ def corrupt_and_check(corrupt: str) -> str:
         ("quarantined_doomed", r"QUARANTINED 'q' is pinned or doomed"),
         ("doomed_idle", r"doomed 'idle' is idle"),
         ("tainted_idle", r"tainted 'idle' is not pinned \(it should be QUARANTINED\)"),
-        ("lru", r"LRU \[\] != evictable \['idle'\]"),
+        ("lru", r"eviction order \[\] != evictable \['idle'\]"),
         ("evictable_bytes", r"evictable byte count drifted"),
     ],
 )
@@ -742,7 +742,7 @@ def test_lock_names_in_a_hierarchy_violation() -> None:
     cache = EmbeddingCache(4 * ALIGN, pin_memory=False)
     try:
         with (
-            cache._allocator._lock,
+            cache._core.allocator._lock,
             pytest.raises(
                 LockOrderError,
                 match=r"^taking cache lock \(level 1\) while holding allocator lock \(level 2\)",
@@ -873,11 +873,11 @@ def test_a_closed_event_loop_does_not_stop_other_wake_ups() -> None:
                 await asyncio.wait_for(a.wait_async(), 0.01)
 
         asyncio.run(cancelled())
-        assert cache._requests["a"].async_waiters  # the premise: a waiter on a closed loop
+        assert cache._core.requests["a"].wakeup.futures  # the premise: a waiter on a closed loop
 
         async def wait_b() -> bool:
             task = asyncio.ensure_future(b.wait_async(timeout=5))
-            while not cache._requests["b"].async_waiters:
+            while not cache._core.requests["b"].wakeup.futures:
                 await asyncio.sleep(0.001)
             store.release_holds()
             return await task

@@ -9,19 +9,14 @@ touching it (quarantine it until ``fence``).
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from embcache.status import TransferOutcome
 
-class TransferOutcome(enum.Enum):
-    """How a transfer into or out of a pool range ended."""
-
-    OK = "OK"
-    FAILED = "FAILED"
-    UNKNOWN = "UNKNOWN"
+__all__ = ["GlobalStore", "TransferOutcome", "get_outcome", "put_outcome"]
 
 
 @runtime_checkable

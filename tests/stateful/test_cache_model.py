@@ -218,7 +218,7 @@ class CacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         self.cache.check_invariants()
-        real = {k: self.entry_view(e) for k, e in self.cache._entries.items()}
+        real = {k: self.entry_view(e) for k, e in self.cache._core.entries.items()}
         model = {
             k: (
                 e.state,
@@ -232,8 +232,8 @@ class CacheMachine(RuleBasedStateMachine):
             for k, e in self.model.entries.items()
         }
         assert real == model, (real, model)
-        assert list(self.cache._lru) == self.model.lru
-        assert self.cache._allocator.free_blocks() == self.model.alloc.free_blocks()
+        assert list(self.cache._core.lru) == self.model.lru
+        assert self.cache._core.allocator.free_blocks() == self.model.alloc.free_blocks()
         stats, counts = self.cache.stats(), self.model.counts
         assert (stats.hits, stats.evictions, stats.evicted_bytes, stats.inserts) == (
             counts["hits"],

@@ -58,7 +58,7 @@ from embcache import (
     Status,
     TransferOutcome,
 )
-from embcache.cache import RequestState
+from embcache.entries import RequestState
 from embcache.locks import assert_unlocked
 from embcache.request import Request
 from embcache.states import ABSENT, QUARANTINED, READY
@@ -431,7 +431,7 @@ class World:
         assert stats.open_requests == 0 and stats.pinned_entries == 0, stats
         assert set(stats.entries_by_state) <= {"READY"}, stats
         assert stats.allocated_bytes == sum(stats.bytes_by_state.values()), stats
-        for key in list(self.cache._entries):
+        for key in list(self.cache._core.entries):
             with self.cache.request(f"final-{key}") as request:
                 request.lookup([item(key)], prefetch=False)
                 view = request.embeddings()[0]
@@ -693,7 +693,7 @@ def async_wait_vs_wake_up(w: World, timeout: float) -> None:
             ok = task.result()
         finally:
             loop.close()
-        assert b._state.async_waiters == [], "a finished wait_async left its future behind"
+        assert b._state.wakeup.futures == [], "a finished wait_async left its future behind"
         if timeout:
             assert ok, "a long wait_async was not woken"
         w.read(b, "k")
@@ -774,15 +774,14 @@ def test_every_explored_schedule_keeps_the_invariants(
 
 # ---------------------------------------------------------------------------- self-test
 def stale_wake_up_signal(self: EmbeddingCache, requests: list[RequestState]) -> None:
-    """``_signal`` before 3dfca44: ``done`` was set after the lock was released."""
+    """``_signal`` before 3dfca44: the Event was set after the lock was released."""
     assert_unlocked("waking requests")
     for rs in requests:
         with self._lock:
-            if rs.pending():
+            if rs.pending() or rs.wakeup is None:
                 continue
-            rs.async_waiters = []
-        if rs.done is not None:
-            rs.done.set()
+            rs.wakeup.futures = []
+        rs.wakeup.event.set()
 
 
 def test_the_scheduler_finds_the_stale_wake_up_bug_of_3dfca44() -> None:

@@ -203,7 +203,7 @@ class Workload:
         with cache._lock:  # the entries themselves: nothing doomed or tainted is left behind
             leftovers = [
                 (e.key, e.state.name, e.doomed, e.tainted, e.publishing)
-                for e in cache._entries.values()
+                for e in cache._core.entries.values()
                 if e.doomed or e.tainted or e.publishing or e.state is not READY
             ]
         assert not leftovers, f"entries left busy: {leftovers}; {where}"

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache, Fault, InProcessStore, Item, TransferOutcome
+from embcache.core import CacheCore
 from embcache.states import ABSENT
 from embcache.trace import TraceLog
 
@@ -114,16 +115,16 @@ def test_evicting_a_pinned_entry_is_rejected_at_the_evict(
     traced: Callable[..., tuple[EmbeddingCache, TraceLog]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The bug: a new pin leaves the entry in the LRU, and eviction does not check pins.
-    def add_holder(self: EmbeddingCache, entry: Any, holder: Any) -> None:
+    def add_holder(self: CacheCore, entry: Any, holder: Any) -> None:
         entry.holders |= {holder}
 
-    def evict(self: EmbeddingCache, entry: Any) -> None:
+    def evict(self: CacheCore, entry: Any) -> None:
         entry.state = ABSENT
         self._free(entry)
         self._emit("Evict", None, entry.key, entry)
 
-    monkeypatch.setattr(EmbeddingCache, "_add_holder", add_holder)
-    monkeypatch.setattr(EmbeddingCache, "_evict", evict)
+    monkeypatch.setattr(CacheCore, "_add_holder", add_holder)
+    monkeypatch.setattr(CacheCore, "evict", evict)
     cache, log = traced(1)
     a, b = item("a"), item("b")
     with cache.request("r1") as r1:
@@ -143,10 +144,10 @@ def test_freeing_on_an_unknown_load_is_rejected_at_the_end_load(
     traced: Callable[..., tuple[EmbeddingCache, TraceLog]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The bug: EndLoad(UNKNOWN) frees the range as if FAILED (the write may still land).
-    original = EmbeddingCache._end_load
+    original = CacheCore.end_load
     unknown = TransferOutcome.UNKNOWN
 
-    def end_load(self: EmbeddingCache, entry: Any, outcome: Any, reason: Any) -> Any:
+    def end_load(self: CacheCore, entry: Any, outcome: Any, reason: Any) -> Any:
         if outcome is not unknown:
             return original(self, entry, outcome, reason)
         emit = self._emit
@@ -160,7 +161,7 @@ def test_freeing_on_an_unknown_load_is_rejected_at_the_end_load(
         finally:
             del self._emit
 
-    monkeypatch.setattr(EmbeddingCache, "_end_load", end_load)
+    monkeypatch.setattr(CacheCore, "end_load", end_load)
     store = InProcessStore(delay_seconds=0.0)
     x = item("x")
     store.put_object("x", bytes(x.nbytes))
@@ -183,17 +184,17 @@ def test_skipping_the_waiter_hand_off_is_rejected_at_the_end_load(
 ) -> None:
     # The bug: EndLoad(OK) makes the entry READY but does not pin its waiters (they are
     # dropped), so it is evictable before they read it.
-    original = EmbeddingCache._end_load
+    original = CacheCore.end_load
     ok = TransferOutcome.OK
 
-    def end_load(self: EmbeddingCache, entry: Any, outcome: Any, reason: Any) -> Any:
+    def end_load(self: CacheCore, entry: Any, outcome: Any, reason: Any) -> Any:
         if outcome is ok and not entry.doomed:
             for r in entry.waiters:
-                self._requests[r].waits.discard(entry.key)
+                self.requests[r].waits.discard(entry.key)
             entry.waiters = frozenset()
         return original(self, entry, outcome, reason)
 
-    monkeypatch.setattr(EmbeddingCache, "_end_load", end_load)
+    monkeypatch.setattr(CacheCore, "end_load", end_load)
     store = InProcessStore(delay_seconds=0.0)
     x = item("x")
     store.put_object("x", bytes(x.nbytes))
@@ -280,14 +281,14 @@ def test_a_miss_with_the_wrong_reason_is_rejected_at_the_lookup(
     traced: Callable[..., tuple[EmbeddingCache, TraceLog]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The bug: a lookup of a doomed (busy) entry reports it as not found.
-    emit = EmbeddingCache._emit
+    emit = CacheCore._emit
 
-    def misreport(self: EmbeddingCache, action: str, *args: Any, **fields: Any) -> None:
+    def misreport(self: CacheCore, action: str, *args: Any, **fields: Any) -> None:
         if action == "Lookup" and fields.get("reason") == "busy":
             fields["reason"] = "not_found"
         emit(self, action, *args, **fields)
 
-    monkeypatch.setattr(EmbeddingCache, "_emit", misreport)
+    monkeypatch.setattr(CacheCore, "_emit", misreport)
     cache, log = traced(2)
     a = item("a")
     with cache.request("r1") as r1:

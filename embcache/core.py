@@ -1,0 +1,398 @@
+"""The pure core of the cache: entries, pins, waits, the allocator and the eviction order.
+
+Theory of operation (after h11's ``Connection``). ``CacheCore`` holds every piece of state that
+DESIGN.md talks about and changes it only through the DESIGN actions, one method each, named as
+in the spec: ``open_request``, ``close_request``, ``lookup``, ``begin_load``, ``end_load``,
+``release``, ``evict``, ``remove``, ``publish``, ``end_publish``, ``fence``. Each checks the
+transition table of ``embcache.states`` before it changes anything, emits its trace event, and
+returns what the caller must now do: the entry whose range to fill or publish, the requests to
+wake. Ranges that became free are queued in ``freed`` when the caller asked for them (a debug
+driver poisons them).
+
+The core knows no threads, no clock, no torch and no store: it is not thread-safe, and the
+driver (``embcache.cache.EmbeddingCache``) calls it only while holding its lock, does every
+transfer and copy with no lock held, and reports each transfer's end back through
+``end_load``/``end_publish``. Items are duck-typed (``key``, ``shape``, ``dtype``, ``nbytes``), so
+this module never imports torch. The time a pin starts comes from the ``clock`` the driver
+passes in.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from embcache.allocator import Block, RangeAllocator
+from embcache.entries import (
+    HIT,
+    LOADING_STATUS,
+    MISSES,
+    NOBODY,
+    RESERVED_STATUS,
+    Entry,
+    Holder,
+    ItemLike,
+    RequestState,
+    TraceSink,
+)
+from embcache.errors import InvariantError
+from embcache.eviction import choose_victims
+from embcache.invariants import check_core
+from embcache.states import ABSENT, LOADING, QUARANTINED, READY, Step, transition
+from embcache.stats import CacheStats, snapshot
+from embcache.status import ItemStatus, Reason, TransferOutcome
+
+
+class CacheCore:
+    """All cache state and the DESIGN actions over it. Not thread-safe: the driver locks."""
+
+    def __init__(
+        self,
+        capacity: int,
+        alignment: int,
+        max_eviction_batch: int,
+        enable_eviction: bool,
+        *,
+        trace: TraceSink | None = None,
+        clock: Callable[[], float] = float,
+    ) -> None:
+        self.allocator = RangeAllocator(capacity, alignment)
+        self.max_batch = max_eviction_batch
+        self.enable_eviction = enable_eviction
+        self.trace = trace
+        self.clock = clock
+        self.seq = 0
+        self.entries: dict[str, Entry] = {}
+        self.by_offset: dict[int, Entry] = {}
+        self.lru: OrderedDict[str, Entry] = OrderedDict()  # the evictable entries, oldest first
+        self.evictable_bytes = 0
+        self.requests: dict[str, RequestState] = {}
+        self.counts: Counter[str] = Counter()
+        self.freed: list[tuple[int, int]] | None = None  # a list: every freed range is queued
+        self._emit(
+            "Init",
+            None,
+            capacity=capacity,
+            alignment=alignment,
+            max_eviction_batch=max_eviction_batch,
+            enable_eviction=enable_eviction,
+        )
+
+    @property
+    def capacity(self) -> int:
+        """Pool size in bytes."""
+        return self.allocator.capacity
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` naming the first broken DESIGN.md invariant. O(n log n)."""
+        check_core(
+            self.allocator,
+            self.entries,
+            self.by_offset,
+            self.requests,
+            self.lru,
+            self.evictable_bytes,
+        )
+
+    def stats(self, now: float) -> CacheStats:
+        """A snapshot of the state and counters at ``now`` (of this core's clock)."""
+        return snapshot(self.allocator, self.entries.values(), len(self.requests), self.counts, now)
+
+    # ------------------------------------------------------------------ the DESIGN actions
+    def open_request(self, request_id: str) -> RequestState:
+        """OpenRequest(r)."""
+        rs = RequestState(request_id)
+        self.requests[request_id] = rs
+        if self.trace is not None:
+            self._emit("OpenRequest", request_id)
+        return rs
+
+    def close_request(self, rs: RequestState) -> None:
+        """CloseRequest(r): the request holds, waits on and reserves nothing any more."""
+        assert not (rs.holds or rs.waits or rs.reserved), "close releases everything first"
+        del self.requests[rs.request_id]
+        if self.trace is not None:
+            self._emit("CloseRequest", rs.request_id)
+
+    def lookup(self, rs: RequestState, item: ItemLike) -> ItemStatus:
+        """Lookup(r, k): pin a READY entry, join a LOADING one, else a miss."""
+        r, entry = rs.request_id, self.entries.get(item.key)
+        if entry is None:
+            status = MISSES[Reason.NOT_FOUND]
+        elif entry.item.shape != item.shape or entry.item.dtype != item.dtype:
+            status = MISSES[Reason.MISMATCH]
+        elif entry.doomed or entry.state not in (READY, LOADING):
+            status = MISSES[Reason.BUSY]
+        elif entry.state is READY:
+            transition(entry.state, Step.LOOKUP_HIT)
+            if r not in entry.holders:
+                self._add_holder(entry, r)
+                rs.holds.add(item.key)
+            self.counts["hits"] += 1
+            status = HIT
+        else:
+            transition(entry.state, Step.LOOKUP_JOIN)
+            if r not in entry.waiters:
+                entry.waiters |= {r}
+                rs.waits.add(item.key)
+                self.counts["joins"] += 1
+            status = RESERVED_STATUS if entry.filler == r else LOADING_STATUS
+        if self.trace is not None:  # (the per-item actions skip building the event's fields)
+            reason = None if status.reason is None else status.reason.value
+            self._emit("Lookup", r, item.key, entry, outcome=status.status.name, reason=reason)
+        return status
+
+    def begin_load(
+        self, rs: RequestState, item: ItemLike, *, from_store: bool
+    ) -> tuple[Entry | None, Reason | None]:
+        """BeginLoad(r, k, n): allocate (evicting if the rule allows), LOADING, waiters = {r}.
+
+        Returns the entry whose range the caller must now fill (a store read when
+        ``from_store``, else the request's own insert), or None and the reason it failed.
+        """
+        existing = self.entries.get(item.key)
+        transition(ABSENT if existing is None else existing.state, Step.BEGIN_LOAD)
+        if item.nbytes > self.capacity:
+            return self._alloc_failed(rs, item, Reason.TOO_LARGE)
+        size = self.allocator.rounded(item.nbytes)
+        offset = self._allocate(size)
+        if offset is None:
+            return self._alloc_failed(rs, item, Reason.NO_SPACE)
+        entry = Entry(item, offset, size, from_store, waiters=frozenset({rs.request_id}))
+        entry.filler = None if from_store else rs.request_id
+        self.entries[item.key] = entry
+        self.by_offset[offset] = entry
+        rs.waits.add(item.key)
+        if not from_store:
+            rs.reserved.add(item.key)
+        self.counts["loads_started" if from_store else "reservations"] += 1
+        self._emit("BeginLoad", rs.request_id, item.key, entry, outcome="OK")
+        return entry, None
+
+    def end_load(
+        self, entry: Entry, outcome: TransferOutcome, failed_reason: Reason | None
+    ) -> list[RequestState]:
+        """EndLoad(k, outcome): READY with waiters pinned, or freed, or QUARANTINED.
+
+        Returns the waiters, which the caller must wake.
+        """
+        if self.entries.get(entry.key) is not entry:
+            raise InvariantError(f"EndLoad for {entry.key!r}, whose entry is gone")
+        if outcome is TransferOutcome.OK and not entry.doomed:
+            step = Step.END_LOAD_OK
+        elif outcome is TransferOutcome.UNKNOWN:
+            step = Step.END_LOAD_UNKNOWN
+        else:
+            step = Step.END_LOAD_DOOMED if entry.doomed else Step.END_LOAD_FAILED
+        new_state = transition(entry.state, step)
+        waiters = [self.requests[r] for r in sorted(entry.waiters)]
+        if entry.filler is not None:
+            self.requests[entry.filler].reserved.discard(entry.key)
+            entry.filler = None
+        if entry.from_store:
+            self.counts["loads_" + outcome.name.lower()] += 1
+        entry.state = new_state
+        for rs in waiters:
+            rs.waits.discard(entry.key)
+        entry.waiters = NOBODY
+        if step is Step.END_LOAD_OK:
+            for rs in waiters:
+                self._add_holder(entry, rs.request_id)
+                rs.holds.add(entry.key)
+            if not entry.holders:
+                self._make_evictable(entry)
+        else:
+            reason = {
+                Step.END_LOAD_DOOMED: Reason.REMOVED,
+                Step.END_LOAD_UNKNOWN: Reason.LOAD_UNKNOWN,
+            }.get(step, failed_reason or Reason.LOAD_FAILED)
+            for rs in waiters:
+                rs.fallbacks[entry.key] = reason
+                self.counts["fallback:" + reason.value] += 1
+            entry.doomed = False
+            if new_state is ABSENT:
+                self._free(entry)
+        self._emit("EndLoad", None, entry.key, entry, outcome=outcome.name)
+        return waiters
+
+    def release(self, rs: RequestState, key: str) -> None:
+        """Release(r, k): drop r's wait or pin; the last pin frees, quarantines or idles it."""
+        entry = self.entries[key]
+        if key in rs.waits:
+            transition(entry.state, Step.RELEASE_WAIT)
+            entry.waiters = (entry.waiters - {rs.request_id}) or NOBODY
+            rs.waits.discard(key)
+        else:
+            rs.holds.remove(key)
+            self._drop_pin(entry, rs.request_id, Step.RELEASE_PIN)
+        if self.trace is not None:
+            self._emit("Release", rs.request_id, key, entry)
+
+    def evict(self, entry: Entry) -> None:
+        """Evict(k): free an idle READY entry chosen by the eviction rule."""
+        if entry.pins or entry.doomed or entry.key not in self.lru:
+            raise InvariantError(f"eviction of {entry.key!r}, which is not evictable")
+        entry.state = transition(entry.state, Step.EVICT)
+        self._free(entry)
+        self.counts["evictions"] += 1
+        self.counts["evicted_bytes"] += entry.size
+        self._emit("Evict", None, entry.key, entry)
+
+    def remove(self, key: str) -> bool:
+        """Remove(k): free now if idle, else doom; QUARANTINED entries wait for a fence."""
+        entry = self.entries.get(key)
+        if entry is None or entry.doomed or entry.state is QUARANTINED:
+            return False
+        if entry.state is READY and not entry.pins:
+            entry.state = transition(entry.state, Step.REMOVE_IDLE)
+            self._free(entry)
+        else:
+            transition(entry.state, Step.REMOVE_BUSY)
+            entry.doomed = True
+        self._emit("Remove", None, key, entry)
+        return True
+
+    def publish(self, rs: RequestState, key: str) -> Entry | None:
+        """Publish(r, k): a write of k's range to the store starts under its own pin.
+
+        Returns the entry whose range the caller must now write, or None when ``rs`` does not
+        hold a READY entry for ``key`` or a publish of it is already running.
+        """
+        entry = self.entries.get(key)
+        if entry is None or key not in rs.holds or entry.publishing or entry.state is not READY:
+            return None
+        transition(entry.state, Step.PUBLISH)
+        entry.publishing = True
+        self._add_holder(entry, ("publish", rs.request_id))
+        self.counts["publishes_started"] += 1
+        self._emit("Publish", rs.request_id, key, entry)
+        return entry
+
+    def end_publish(self, request_id: str, entry: Entry, outcome: TransferOutcome) -> None:
+        """EndPublish(r, k, outcome): drop the publish pin; UNKNOWN taints the entry."""
+        entry.publishing = False
+        if outcome is TransferOutcome.UNKNOWN:
+            entry.tainted = True
+        self.counts["publishes_" + outcome.name.lower()] += 1
+        self._drop_pin(entry, ("publish", request_id), Step.END_PUBLISH)
+        self._emit("EndPublish", request_id, entry.key, entry, outcome=outcome.name)
+
+    def fence(self, quarantined: Sequence[Entry]) -> int:
+        """Fence(): free the ranges of ``quarantined`` (taken before the store fence began)."""
+        freed = []
+        for entry in quarantined:
+            if self.entries.get(entry.key) is entry:
+                entry.state = transition(entry.state, Step.FENCE)
+                self._free(entry)
+                freed.append(entry.key)
+        self.counts["fences"] += 1
+        self._emit("Fence", None, None, None, keys=freed)
+        return len(freed)
+
+    def quarantined(self) -> list[Entry]:
+        """The QUARANTINED entries now (a fence frees those taken before it began)."""
+        return [e for e in self.entries.values() if e.state is QUARANTINED]
+
+    # ------------------------------------------------------------------ helpers of the actions
+    def _alloc_failed(
+        self, rs: RequestState, item: ItemLike, reason: Reason
+    ) -> tuple[None, Reason]:
+        self.counts["alloc_fail:" + reason.value] += 1
+        self._emit(
+            "BeginLoad", rs.request_id, item.key, None, outcome=reason.name, size=item.nbytes
+        )
+        return None, reason
+
+    def _allocate(self, size: int) -> int | None:
+        offset = self.allocator.allocate(size)
+        if offset is not None or not self.enable_eviction:
+            return offset
+        if self.allocator.free_bytes + self.evictable_bytes < size:
+            return None
+        lru = (Block(e.offset, e.size, False) for e in self.lru.values())
+        window = choose_victims(
+            size, lru, self.max_batch, self.allocator.block_before, self.allocator.block_at
+        )
+        if window is None:
+            return None
+        for victim in window.victims:
+            self.evict(self.by_offset[victim])
+        offset = self.allocator.allocate(size)
+        if offset != window.offset:
+            raise InvariantError(f"eviction freed {window} but the allocator returned {offset}")
+        return offset
+
+    def _drop_pin(self, entry: Entry, holder: Holder, plain: Step) -> None:
+        if len(entry.holders) == 1:
+            if entry.tainted:
+                plain = Step.RELEASE_LAST_TAINTED
+            elif entry.doomed:
+                plain = Step.RELEASE_LAST_DOOMED
+        entry.state = transition(entry.state, plain)
+        entry.holders = (entry.holders - {holder}) or NOBODY
+        if entry.holders:
+            return
+        if plain is Step.RELEASE_LAST_DOOMED:
+            self._free(entry)
+        elif plain is Step.RELEASE_LAST_TAINTED:
+            entry.tainted = entry.doomed = False
+        else:
+            self._make_evictable(entry)
+
+    def _add_holder(self, entry: Entry, holder: Holder) -> None:
+        if entry.holders:
+            entry.holders |= {holder}
+            return
+        entry.holders = frozenset((holder,))
+        entry.pinned_since = self.clock()
+        if self.lru.pop(entry.key, None) is not None:
+            self.evictable_bytes -= entry.size
+
+    def _make_evictable(self, entry: Entry) -> None:
+        self.lru[entry.key] = entry
+        self.evictable_bytes += entry.size
+
+    def _free(self, entry: Entry) -> None:
+        self.allocator.free(entry.offset)
+        del self.entries[entry.key]
+        del self.by_offset[entry.offset]
+        if self.lru.pop(entry.key, None) is not None:
+            self.evictable_bytes -= entry.size
+        entry.state = ABSENT
+        if self.freed is not None:
+            self.freed.append((entry.offset, entry.size))
+
+    def _emit(
+        self,
+        action: str,
+        request: str | None,
+        key: str | None = None,
+        entry: Entry | None = None,
+        outcome: str | None = None,
+        **extra: Any,
+    ) -> None:
+        if self.trace is None:
+            return
+        self.seq += 1
+        event: dict[str, Any] = {
+            "seq": self.seq,
+            "action": action,
+            "request": request,
+            "key": key,
+            "outcome": outcome,
+        }
+        if entry is not None:
+            event.update(
+                size=entry.size,
+                offset=entry.offset,
+                state=entry.state.name,
+                holders=sorted(
+                    h if isinstance(h, str) else "publish:" + h[1] for h in entry.holders
+                ),
+                waiters=sorted(entry.waiters),
+                doomed=entry.doomed,
+                tainted=entry.tainted,
+            )
+        event.update(extra)
+        self.trace.append(event)

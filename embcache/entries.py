@@ -1,0 +1,83 @@
+"""What the core keeps per key and per request: ``Entry`` and ``RequestState``.
+
+Both are plain records, changed only by ``embcache.core.CacheCore`` under its driver's lock.
+Items are duck-typed (``ItemLike``), so nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from embcache.states import LOADING, EntryState
+from embcache.status import ItemStatus, Reason, Status
+
+HIT = ItemStatus(Status.HIT)  # statuses are immutable: the common ones are shared
+LOADING_STATUS = ItemStatus(Status.LOADING)
+RESERVED_STATUS = ItemStatus(Status.RESERVED)
+MISSES = {reason: ItemStatus(Status.MISS, reason) for reason in Reason}
+Holder = str | tuple[str, str]  # a request id, or ("publish", request id) for a publish pin
+NOBODY: frozenset[Any] = frozenset()  # shared: an idle entry carries no set of its own
+
+
+class ItemLike(Protocol):
+    """What the core needs of an item (``embcache.Item`` is one)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> Hashable: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+class TraceSink(Protocol):
+    """Where trace events go: a list, or anything with ``append``."""
+
+    def append(self, event: dict[str, Any], /) -> None: ...
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    """One key's entry."""
+
+    item: ItemLike
+    offset: int
+    size: int  # allocated bytes (rounded up to the alignment)
+    from_store: bool  # a store read is (or was) filling it; else a request fills it
+    state: EntryState = LOADING
+    holders: frozenset[Holder] = NOBODY  # immutable values; every empty one is NOBODY
+    waiters: frozenset[str] = NOBODY
+    filler: str | None = None  # the request that must fill a LOADING entry not from the store
+    doomed: bool = False
+    tainted: bool = False  # a publish ended UNKNOWN: quarantine when the last pin goes
+    publishing: bool = False
+    pinned_since: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return self.item.key
+
+    @property
+    def pins(self) -> int:
+        return len(self.holders)
+
+
+@dataclass(eq=False, slots=True)
+class RequestState:
+    """A request's holds, waits, reservations and fallbacks, as the core sees them."""
+
+    request_id: str
+    items: list[ItemLike] = field(default_factory=list)
+    holds: set[str] = field(default_factory=set)
+    waits: set[str] = field(default_factory=set)
+    reserved: set[str] = field(default_factory=set)
+    fallbacks: dict[str, Reason] = field(default_factory=dict)
+    wakeup: Any = None  # the driver's way to wake this request; the core never reads it
+
+    def pending(self) -> bool:
+        """Whether it waits on a load that someone else fills (a store read or another's insert)."""
+        return bool(self.waits) and not self.waits <= self.reserved

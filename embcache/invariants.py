@@ -1,0 +1,75 @@
+"""``check_core``: every DESIGN.md invariant of the core's state, checked from scratch.
+
+Pure and slow on purpose (O(n log n)): it rebuilds what the core maintains incrementally (pins
+from the requests' holds, the evictable set from the entries) and compares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from embcache.allocator import RangeAllocator
+from embcache.entries import Entry, Holder, RequestState
+from embcache.errors import InvariantError
+from embcache.states import LOADING, QUARANTINED, READY
+
+
+def _fail(what: str) -> None:
+    raise InvariantError(f"cache invariant broken: {what}")
+
+
+def check_core(
+    allocator: RangeAllocator,
+    entries: Mapping[str, Entry],
+    by_offset: Mapping[int, Entry],
+    requests: Mapping[str, RequestState],
+    evictable: Mapping[str, Entry],
+    evictable_bytes: int,
+) -> None:
+    """Raise ``InvariantError`` naming the first broken invariant of the core's state."""
+    allocator.check_invariants()
+    spans = sorted((e.offset, e.size) for e in entries.values())
+    if allocator.allocations() != spans:  # NoOverlap, Accounting
+        _fail(f"allocations {allocator.allocations()} != entry ranges {spans}")
+    if allocator.allocated_bytes != sum(s for _, s in spans):
+        _fail("allocated bytes differ from the sum of entry sizes")
+    if {e.offset: e for e in entries.values()} != by_offset:
+        _fail("offset index disagrees with the entries")
+    holders: dict[str, set[Holder]] = {k: set() for k in entries}
+    waiters: dict[str, set[str]] = {k: set() for k in entries}
+    for r, rs in requests.items():
+        if not rs.reserved <= rs.waits or rs.holds & rs.waits:
+            _fail(f"request {r!r} bookkeeping inconsistent")
+        for key in rs.holds:
+            holders.setdefault(key, set()).add(r)
+        for key in rs.waits:
+            waiters.setdefault(key, set()).add(r)
+    for key, entry in entries.items():
+        publish_pins = {h for h in entry.holders if not isinstance(h, str)}
+        if entry.holders - publish_pins != holders.get(key, set()):  # PinsExact
+            _fail(f"{key!r} holders {entry.holders} != requests holding it {holders.get(key)}")
+        if len(publish_pins) != int(entry.publishing):
+            _fail(f"{key!r} publish pins {publish_pins} but publishing={entry.publishing}")
+        if entry.waiters != waiters.get(key, set()):
+            _fail(f"{key!r} waiters {entry.waiters} != requests waiting {waiters.get(key)}")
+        if entry.state is LOADING and entry.holders:
+            _fail(f"LOADING {key!r} has pin holders")
+        if entry.state is not LOADING and (entry.waiters or entry.filler):
+            _fail(f"{entry.state.name} {key!r} has waiters or a filler")
+        if entry.state is QUARANTINED and (entry.holders or entry.doomed):
+            _fail(f"QUARANTINED {key!r} is pinned or doomed")
+        if entry.publishing and (entry.state is not READY or not entry.pins):
+            _fail(f"{key!r} is published from while not READY and pinned")  # NoUseAfterFree
+        if entry.doomed and not (entry.state is LOADING or entry.pins):  # DoomedIsBusy
+            _fail(f"doomed {key!r} is idle")
+        if entry.tainted and not entry.pins:
+            _fail(f"tainted {key!r} is not pinned (it should be QUARANTINED)")
+    idle = {
+        k
+        for k, e in entries.items()
+        if e.state is READY and not e.pins and not e.doomed and not e.tainted
+    }
+    if set(evictable) != idle:  # EvictableExact
+        _fail(f"eviction order {list(evictable)} != evictable {sorted(idle)}")
+    if evictable_bytes != sum(e.size for e in evictable.values()):
+        _fail("evictable byte count drifted")

@@ -1,0 +1,252 @@
+"""The pure core, driven step by step with no driver, no threads and no torch.
+
+Also the shape of the package: the core imports no I/O, and no module of ``embcache`` takes
+part in an import cycle (typing-only imports included).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from embcache.core import CacheCore
+from embcache.entries import RequestState
+from embcache.errors import InvalidArgumentError, InvariantError, TransitionError
+from embcache.states import ABSENT, LOADING, QUARANTINED, READY
+from embcache.status import Reason, Status, TransferOutcome
+from embcache.trace import TraceLog
+
+PACKAGE = Path(__file__).resolve().parents[1] / "embcache"
+CORE_MODULES = ["core", "entries", "invariants", "stats", "request_steps", "states", "status"]
+IO_MODULES = ("torch", "threading", "asyncio", "concurrent", "time", "embcache.store")
+ALIGN = 256
+OK, FAILED, UNKNOWN = TransferOutcome.OK, TransferOutcome.FAILED, TransferOutcome.UNKNOWN
+
+
+@dataclass(frozen=True)
+class Thing:
+    """An item as the core sees it: no torch needed."""
+
+    key: str
+    nbytes: int
+    shape: tuple[int, ...] = (1,)
+    dtype: str = "u8"
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, typing-only imports included."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("module", CORE_MODULES)
+def test_core_modules_import_no_io(module: str) -> None:
+    imported = imports_of(PACKAGE / f"{module}.py")
+    bad = sorted(n for n in imported if any(n == m or n.startswith(m + ".") for m in IO_MODULES))
+    assert not bad, f"embcache/{module}.py imports {bad}"
+
+
+def test_loading_the_core_loads_no_torch_asyncio_or_store() -> None:
+    # A bare package object, so that embcache/__init__.py (the driver, torch) does not run.
+    code = (
+        "import sys, types\n"
+        f"pkg = types.ModuleType('embcache'); pkg.__path__ = [{str(PACKAGE)!r}]\n"
+        "sys.modules['embcache'] = pkg\n"
+        "import embcache.core, embcache.request_steps\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'asyncio')\n"
+        "       or m.startswith('embcache.store')]\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_no_import_cycle_in_the_package() -> None:
+    modules = {
+        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in PACKAGE.rglob("*.py")
+    }
+    graph = {
+        name: {n for n in imports_of(path) if n in modules and n != name}
+        for name, path in modules.items()
+    }
+    done: set[str] = set()
+
+    def visit(name: str, stack: list[str]) -> None:
+        if name in stack:
+            cycle = [*stack[stack.index(name) :], name]
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+        if name in done:
+            return
+        for dep in sorted(graph[name]):
+            if dep != "embcache":  # the package itself re-exports; its modules never import it
+                visit(dep, [*stack, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
+def test_no_module_is_much_longer_than_500_lines() -> None:
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 520
+    }
+    assert not long, f"split these modules: {long}"
+
+
+# ------------------------------------------------------------------ the core, step by step
+def make_core(units: int = 4, *, max_batch: int = 4) -> tuple[CacheCore, TraceLog]:
+    trace = TraceLog()
+    return CacheCore(units * ALIGN, ALIGN, max_batch, True, trace=trace), trace
+
+
+def state_of(core: CacheCore) -> dict[str, tuple[str, int, list[str], list[str], bool]]:
+    return {
+        k: (e.state.name, e.offset, sorted(map(str, e.holders)), sorted(e.waiters), e.doomed)
+        for k, e in core.entries.items()
+    }
+
+
+def test_a_store_load_walks_loading_ready_and_hands_off_its_waiters() -> None:
+    core, trace = make_core()
+    r1, r2 = core.open_request("r1"), core.open_request("r2")
+    entry, reason = core.begin_load(r1, Thing("a", ALIGN), from_store=True)
+    assert entry is not None and reason is None
+    assert state_of(core) == {"a": ("LOADING", 0, [], ["r1"], False)}
+    assert core.lookup(r2, Thing("a", ALIGN)).status is Status.LOADING
+    assert state_of(core) == {"a": ("LOADING", 0, [], ["r1", "r2"], False)}
+    woken = core.end_load(entry, OK, None)
+    assert [rs.request_id for rs in woken] == ["r1", "r2"]
+    assert state_of(core) == {"a": ("READY", 0, ["r1", "r2"], [], False)}
+    assert list(core.lru) == []  # pinned entries are not evictable
+    core.release(r1, "a")
+    core.release(r2, "a")
+    assert list(core.lru) == ["a"] and core.evictable_bytes == ALIGN
+    core.check_invariants()
+    actions = [e["action"] for e in trace.events]
+    assert actions == ["Init", "OpenRequest", "OpenRequest", "BeginLoad", "Lookup", "EndLoad",
+                       "Release", "Release"]  # fmt: skip
+
+
+def test_an_illegal_action_raises_and_changes_nothing() -> None:
+    core, trace = make_core()
+    r1 = core.open_request("r1")
+    entry, _ = core.begin_load(r1, Thing("a", ALIGN), from_store=True)
+    assert entry is not None
+    before, events = state_of(core), len(trace.events)
+    with pytest.raises(TransitionError, match=r"BeginLoad .* not allowed in state LOADING"):
+        core.begin_load(r1, Thing("a", ALIGN), from_store=True)
+    assert state_of(core) == before and len(trace.events) == events
+    core.end_load(entry, UNKNOWN, None)
+    assert core.entries["a"].state is QUARANTINED
+    with pytest.raises(TransitionError, match=r"EndLoad .* not allowed in state QUARANTINED"):
+        core.end_load(entry, OK, None)  # a second EndLoad of the same load
+    assert core.entries["a"].state is QUARANTINED
+    core.fence(core.quarantined())
+    with pytest.raises(InvariantError, match="whose entry is gone"):
+        core.end_load(entry, OK, None)  # a load that ended long ago
+    assert core.entries == {} and core.allocator.allocated_bytes == 0
+    core.check_invariants()
+
+
+def test_begin_load_evicts_by_the_rule_or_fails_and_evicts_nothing() -> None:
+    core, _ = make_core(units=2, max_batch=1)
+    r1 = core.open_request("r1")
+    for key in ("a", "b"):
+        entry, _ = core.begin_load(r1, Thing(key, ALIGN), from_store=False)
+        assert entry is not None
+        core.end_load(entry, OK, None)
+    core.release(r1, "a")  # b stays pinned by r1
+    assert list(core.lru) == ["a"]
+    entry, reason = core.begin_load(r1, Thing("big", 2 * ALIGN), from_store=False)
+    assert entry is None and reason is Reason.NO_SPACE
+    assert set(core.entries) == {"a", "b"} and core.counts["evictions"] == 0
+    entry, reason = core.begin_load(r1, Thing("c", ALIGN), from_store=False)
+    assert entry is not None and entry.offset == 0  # a's range, a evicted
+    assert set(core.entries) == {"b", "c"} and core.counts["evictions"] == 1
+    core.check_invariants()
+
+
+def test_freed_ranges_are_queued_when_the_driver_asks() -> None:
+    core, _ = make_core()
+    core.freed = []
+    r1 = core.open_request("r1")
+    entry, _ = core.begin_load(r1, Thing("a", 100), from_store=True)
+    assert entry is not None
+    core.end_load(entry, FAILED, None)
+    assert core.freed == [(0, ALIGN)] and "a" not in core.entries
+
+
+def test_remove_dooms_a_busy_entry_and_the_last_release_frees_it() -> None:
+    core, _ = make_core()
+    r1 = core.open_request("r1")
+    entry, _ = core.begin_load(r1, Thing("a", ALIGN), from_store=False)
+    assert entry is not None
+    core.end_load(entry, OK, None)
+    assert core.remove("a") is True
+    assert core.entries["a"].doomed and core.entries["a"].state is READY
+    assert core.lookup(core.open_request("r2"), Thing("a", ALIGN)).reason is Reason.BUSY
+    core.release(r1, "a")
+    assert "a" not in core.entries and core.allocator.allocated_bytes == 0
+    core.check_invariants()
+
+
+def test_a_publish_pin_and_an_unknown_publish_quarantine_then_fence_frees() -> None:
+    core, _ = make_core()
+    r1 = core.open_request("r1")
+    entry, _ = core.begin_load(r1, Thing("a", ALIGN), from_store=False)
+    assert entry is not None
+    core.end_load(entry, OK, None)
+    assert core.publish(r1, "a") is entry and entry.pins == 2
+    assert core.publish(r1, "a") is None  # one publish at a time
+    core.end_publish("r1", entry, UNKNOWN)
+    core.release(r1, "a")
+    assert entry.state is QUARANTINED and core.quarantined() == [entry]
+    assert core.fence(core.quarantined()) == 1
+    assert entry.state is ABSENT and core.allocator.allocated_bytes == 0
+    core.check_invariants()
+
+
+def test_request_steps_plan_an_insert_and_reject_a_mismatched_reservation() -> None:
+    from embcache import request_steps as steps
+
+    core, _ = make_core()
+    r1 = core.open_request("r1")
+    statuses = steps.lookup_all(core, r1, [Thing("a", ALIGN)])
+    loads = steps.start_misses(
+        core, r1, [Thing("a", ALIGN)], statuses, {}, reserve=True, store_error=False
+    )
+    assert loads == [] and statuses[0].status is Status.RESERVED
+    assert core.entries["a"].state is LOADING
+    with pytest.raises(InvalidArgumentError, match="reserved as"):
+        steps.plan_insert(core, r1, [Thing("a", ALIGN, shape=(2,))])
+    assert core.entries["a"].state is LOADING and r1.reserved == {"a"}
+    filling = steps.plan_insert(core, r1, [Thing("a", ALIGN), Thing("a", ALIGN)])
+    assert [(i, e.key) for i, e in filling] == [(0, "a")]  # a duplicate key is filled once
+    results, _ = steps.finish_insert(core, filling, [OK], 2)
+    assert results == [True, False] and core.entries["a"].state is READY
+    assert steps.end_request(core, r1) == []
+    assert core.requests == {} and list(core.lru) == ["a"]
+    core.check_invariants()
+
+
+def test_request_state_pending_counts_only_loads_filled_by_others() -> None:
+    rs = RequestState("r")
+    rs.waits = {"a"}
+    rs.reserved = {"a"}
+    assert not rs.pending()  # its own reservation
+    rs.waits.add("b")
+    assert rs.pending()
