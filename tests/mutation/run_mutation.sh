@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Mutation testing of the allocator, the state machine and the controller (issue 8).
+# Mutation testing of the core, its request steps, the driver and the state machine (issues 8, 13).
 #
 # Usage, from the repository root:   tests/mutation/run_mutation.sh [MUTANT_NAME_OR_GLOB...]
 #
@@ -15,8 +15,8 @@
 # its mutants/ folder there.
 #
 # Two parts:
-#  1. mutmut over embcache/{allocator,states,cache,eviction}.py with the fast test layers
-#     (tests/test_allocator.py, test_cache.py, test_cache_failures.py, test_mutation_killers.py,
+#  1. mutmut over embcache/{core,request_steps,invariants,cache,states}.py with the fast test
+#     layers (tests/test_core.py, test_cache.py, test_cache_failures.py, test_mutation_killers.py,
 #     tests/stateful; HYPOTHESIS_PROFILE=dev, EMBCACHE_LOCK_CHECK=1; no tla/mooncake/stress/
 #     crosshair tests). mutmut only mutates code inside functions, so:
 #  2. the module-level transition table embcache.states.TRANSITIONS is mutated separately by
@@ -30,7 +30,7 @@
 # Exit status: 0 if the overall score is at least 90%, 1 if below, 2 on a setup error.
 set -euo pipefail
 
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-python3}
 JOBS=${MUTATION_JOBS:-2}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 
@@ -56,7 +56,7 @@ fi
 export HYPOTHESIS_PROFILE=dev EMBCACHE_LOCK_CHECK=1
 # Forked workers and shared cores: keep torch single-threaded.
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-TESTS=(tests/test_allocator.py tests/test_cache.py tests/test_cache_failures.py
+TESTS=(tests/test_core.py tests/test_cache.py tests/test_cache_failures.py
        tests/test_mutation_killers.py tests/stateful)
 MARKS="not tla and not mooncake and not stress and not crosshair"
 
@@ -103,7 +103,7 @@ from mutmut.stats import status_by_exit_code
 
 rows, survivors = [], []
 tot = {"killed": 0, "survived": 0, "timeout": 0, "other": 0}
-for mod in ("allocator", "states", "cache", "eviction"):
+for mod in ("core", "request_steps", "invariants", "cache", "states", "allocator", "eviction"):
     meta = Path(f"mutants/embcache/{mod}.py.meta")
     if not meta.exists():
         continue
