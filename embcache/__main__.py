@@ -15,11 +15,12 @@ import shutil
 import signal
 import sys
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
 from embcache import __version__
-from embcache.demo import DTYPES, DemoConfig, result_json, run_demo, write_plot
+from embcache.demo import DTYPES, DemoConfig, free_loopback_port, result_json, run_demo, write_plot
 
 _DEFAULTS = DemoConfig()
 
@@ -174,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         from embcache.store.mooncake import quiet_native_logging
 
         quiet_native_logging()
+    if config.metrics_port == 0:
+        config = replace(config, metrics_port=free_loopback_port())
+    if config.metrics_port is not None:
+        print(f"metrics: http://127.0.0.1:{config.metrics_port}/metrics", file=sys.stderr)
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         result = run_demo(config, progress=None if args.quiet else sys.stderr)

@@ -19,7 +19,8 @@ item may not fit (and entries are evicted) although enough bytes are free in tot
 
 A progress bar (tqdm) goes to the progress stream only when it is a terminal. With
 ``metrics_port`` set, the cache's metrics (``embcache.metrics``) are served on 127.0.0.1 for
-the length of the run; store reads are timed into ``embcache_load_seconds``.
+the length of the run (``python -m embcache demo --metrics-port 0`` picks a free port and
+prints it); store reads are timed into ``embcache_load_seconds``.
 
 With ``tp > 1``, ranks 1.. run in spawned processes on loopback gloo; each lane has its own
 group, so lanes stay independent and each group sees its calls in the same order on every
@@ -466,8 +467,7 @@ class _Progress:
 
 
 def run_demo(config: DemoConfig, progress: TextIO | None = None) -> DemoResult:
-    """Run the demo. ``progress`` gets the progress bar when it is a terminal, and the line
-    naming the metrics address when ``config.metrics_port`` is set (None: silent)."""
+    """Run the demo; the progress bar goes to ``progress`` when it is a terminal."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -475,7 +475,7 @@ def run_demo(config: DemoConfig, progress: TextIO | None = None) -> DemoResult:
             store = stack.enter_context(_global_store(config))
             flaky = FlakyStore(store, config.store_fault_rate, config.seed)
             metrics = None if config.metrics_port is None else _serve_metrics(
-                stack, config.metrics_port, progress
+                stack, config.metrics_port
             )  # fmt: skip
             timed: GlobalStore = flaky if metrics is None else _timed(flaky, metrics)
             pool = int(config.pool_mib * (1 << 20)) // 256 * 256
@@ -494,10 +494,8 @@ def _timed(store: GlobalStore, metrics: CacheMetrics) -> GlobalStore:
     return TimedStore(store, metrics, "demo")
 
 
-def _serve_metrics(
-    stack: contextlib.ExitStack, port: int, out: TextIO | None
-) -> CacheMetrics:
-    """Metrics served on 127.0.0.1:``port`` until ``stack`` closes; the address goes to ``out``."""
+def _serve_metrics(stack: contextlib.ExitStack, port: int) -> CacheMetrics:
+    """Metrics served on 127.0.0.1:``port`` until ``stack`` closes."""
     from prometheus_client import CollectorRegistry
 
     from embcache.metrics import CacheMetrics, serve
@@ -508,9 +506,6 @@ def _serve_metrics(
     server = serve(registry, port)
     stack.callback(server.server_close)
     stack.callback(server.shutdown)
-    if out is not None:
-        out.write(f"metrics: http://127.0.0.1:{server.server_port}/metrics\n")
-        out.flush()
     return metrics
 
 
@@ -689,7 +684,7 @@ def _tensor_parallel(config: DemoConfig) -> Iterator[list[Any]]:
     import torch.distributed as dist
     from torch.multiprocessing.spawn import start_processes
 
-    port = _free_port()
+    port = free_loopback_port()
     ranks = start_processes(  # type: ignore[no-untyped-call]
         _follower, args=(config, port), nprocs=config.tp - 1, join=False, start_method="spawn"
     )
@@ -759,7 +754,8 @@ def _follower(index: int, config: DemoConfig, port: int) -> None:
         raise RuntimeError(f"rank {index + 1}: {len(errors)} failed requests: {errors[0]}")
 
 
-def _free_port() -> int:
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]

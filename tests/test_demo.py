@@ -1,19 +1,24 @@
 """The main job in a small configuration: its own leak check, and numbers that add up.
 
 Runs with the in-process store, with a real ``mooncake_master`` (marked ``mooncake``), and
-with two tensor-parallel ranks; the command line's options, JSON, plot and exit codes; and that
-a ``mooncake_master`` the demo started is stopped when the demo is terminated.
+with two tensor-parallel ranks; the command line's options, JSON, plot, progress bar, metrics
+endpoint, one-line errors and exit codes; Mooncake's native log kept off stderr unless
+``--verbose``; and that a ``mooncake_master`` the demo started is stopped when the demo is
+terminated.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
 import sys
 import time
+import urllib.request
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -43,7 +48,7 @@ SMALL_ARGS = [
     "--concurrency", "2", "--pool-mib", "0.1", "--hidden", "64",
 ]  # fmt: skip
 REQUIRED_KEYS = {
-    "requests", "requests_per_s", "local_hit_ratio", "global_hit_ratio", "encoder_calls_saved",
+    "requests", "requests_per_s", "local_hit_ratio", "global_hit_ratio", "encodes_saved",
     "fallbacks", "evictions", "p50_ms", "p99_ms", "leaks",
 }  # fmt: skip
 
@@ -59,7 +64,7 @@ def assert_consistent(config: DemoConfig, out: dict[str, Any]) -> None:
     served = out["local_hits"] + out["waited"]
     assert served + out["misses"] + out["fallbacks"] == out["images"], "hits + misses = lookups"
     assert out["fallbacks"] == sum(out["fallbacks_by_reason"].values())
-    assert out["encoder_calls_saved"] == out["images"] - out["encoded"]
+    assert out["encodes_saved"] == out["images"] - out["encoded"]
     assert 0 < out["encoded"] <= out["misses"] + out["fallbacks"]
     assert out["encoded"] >= len({i for r in workload.requests for i in r}), "each once at least"
     loads = out["loads"]
@@ -79,7 +84,9 @@ def run(config: DemoConfig) -> dict[str, Any]:
     result = run_demo(config)
     out = result.to_json()
     json.dumps(out)
-    assert "leak check        OK" in result.summary()
+    summary = result.summary()
+    assert "leak check        OK" in summary
+    assert f"{out['encodes_saved']} encodes saved" in summary, "one name in JSON and summary"
     return out
 
 
@@ -119,23 +126,121 @@ def test_demo_tensor_parallel_two_ranks() -> None:
 
 # ---------------------------------------------------------------------------- command line
 def test_cli_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
     plot = tmp_path / "run.png"
     assert main([*SMALL_ARGS, "--json", "--quiet", "--plot", str(plot)]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert out.keys() >= REQUIRED_KEYS and out["leaks"] == 0 and out["requests"] == 30
+    assert "encoder_calls_saved" not in out
     assert captured.err == "", "--quiet: no progress bar"
-    width, height = png_size(plot.read_bytes())
-    assert (width, height) == (720, 460)
+    assert png_size(plot.read_bytes()) == (1200, 650)
 
 
-def test_cli_summary_with_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_summary_and_no_progress_bar_off_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert main(SMALL_ARGS) == 0
     captured = capsys.readouterr()
-    assert "30/30 requests" in captured.err and "[####" in captured.err
+    assert captured.err == "", "stderr is not a terminal here: no progress frames in logs"
     for line in ("throughput", "latency", "local hits", "global hits", "evictions", "pool"):
         assert line in captured.out
+    assert "encodes saved" in captured.out
     assert "leak check        OK" in captured.out
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal_only() -> None:
+    config = replace(SMALL, requests=20, verify=False)
+    terminal, log = Terminal(), io.StringIO()
+    run_demo(config, progress=terminal)
+    run_demo(config, progress=log)
+    assert "20/20" in terminal.getvalue() and "local hits" in terminal.getvalue()
+    assert log.getvalue() == ""
+
+
+def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "requests to send (default: 400)" in text
+    assert "--pool-mib POOL_MIB pool size in MiB (default: 8.0)" in text
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import embcache
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"embcache {embcache.__version__}"
+
+
+def test_an_unreachable_master_is_one_line_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("mooncake.store")
+    args = [*SMALL_ARGS, "--store", "mooncake", "--master", "127.0.0.1:1"]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert "127.0.0.1:1" in lines[0] and "refuses connections" in lines[0]
+    assert captured.out == ""
+    assert main([*args, "--verbose"]) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_metrics_endpoint_of_a_running_demo() -> None:
+    """``--metrics-port 0``: the address on stderr, Prometheus text that parses, live counts."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "embcache", *SMALL_ARGS, "--requests", "1000000",
+         "--metrics-port", "0"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert demo.stderr is not None
+        first = demo.stderr.readline()
+        match = re.fullmatch(r"metrics: (http://127\.0\.0\.1:\d+/metrics)\n", first)
+        assert match, first
+        loads = "embcache_load_seconds_count modality=image"
+        wanted = ("embcache_hits_total", "embcache_inserts_total", "embcache_evictions_total")
+        wanted += (loads,)
+        samples: dict[str, float] = {}
+        deadline = time.monotonic() + 60
+        while not all(samples.get(name) for name in wanted):
+            assert demo.poll() is None, "the demo ended early"
+            assert time.monotonic() < deadline, f"not all of {wanted} yet: {samples}"
+            time.sleep(0.2)
+            samples = _scrape(parser, match.group(1))
+        assert samples["embcache_capacity_bytes"] == 0.1 * (1 << 20) // 256 * 256
+        assert samples["embcache_loads_started_total"] >= samples[loads] > 0, "store reads timed"
+        assert samples["embcache_fragmentation_ratio"] < 1
+    finally:
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(timeout=30) == 128 + signal.SIGTERM
+
+
+def _scrape(parser: Any, url: str) -> dict[str, float]:
+    """``name [label=value ...]`` -> value of every sample of cache ``demo`` (no ``le``)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return {}  # not serving yet
+    samples = {}
+    for family in parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            if labels.pop("cache", None) == "demo" and "le" not in labels:
+                key = " ".join([sample.name, *(f"{k}={v}" for k, v in sorted(labels.items()))])
+                samples[key] = sample.value
+    return samples
 
 
 @pytest.mark.parametrize(
@@ -196,8 +301,8 @@ def test_a_started_master_is_stopped_when_the_demo_is_terminated() -> None:
             assert time.monotonic() < deadline, "no mooncake_master started"
             masters = _children(demo.pid, "mooncake_master")
             time.sleep(0.05)
-        while b"/1000000 requests" not in demo.stderr.read1(4096):
-            assert time.monotonic() < deadline, "no progress"
+        time.sleep(1.0)  # let requests flow
+        assert demo.poll() is None, demo.stderr.read1(4096)
         demo.send_signal(signal.SIGTERM)
         assert demo.wait(timeout=30) == 128 + signal.SIGTERM
         assert not any(_alive(pid) for pid in masters), "the master outlived the demo"
@@ -211,8 +316,36 @@ def test_a_started_master_is_stopped_when_the_demo_is_terminated() -> None:
 
 
 def test_write_plot_of_an_empty_timeline(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
     write_plot([], tmp_path / "empty.png")
-    assert png_size((tmp_path / "empty.png").read_bytes()) == (720, 460)
+    assert png_size((tmp_path / "empty.png").read_bytes()) == (1200, 650)
+
+
+@pytest.mark.mooncake
+def test_mooncake_native_log_only_with_verbose() -> None:
+    """Quiet by default: no glog line on stderr; ``--verbose`` shows them, all on loopback."""
+    if not _have_master():
+        pytest.skip("mooncake_master is not on PATH")
+    command = [sys.executable, "-m", "embcache", *SMALL_ARGS, "--store", "mooncake",
+               "--segment-mib", "64", "--quiet"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MC_", "GLOG_"))}
+    quiet = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90, check=False
+    )
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert quiet.stderr == ""
+    verbose = subprocess.run(
+        [*command, "--verbose"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90,
+        check=False,
+    )  # fmt: skip
+    assert verbose.returncode == 0, verbose.stderr[-2000:]
+    glog = [line for line in verbose.stderr.splitlines() if GLOG_LINE.match(line)]
+    assert len(glog) > 10, verbose.stderr[-2000:]
+    listening = [line for line in glog if "listening on" in line]
+    assert listening and all("listening on 127.0.0.1:" in line for line in listening)
+
+
+GLOG_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
 
 
 def test_summary_reports_a_leak() -> None:
