@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import hashlib
 import math
 import threading
 from collections import Counter
@@ -58,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from embcache.cache import EmbeddingCache
+from embcache.encode_plan import Plan, make_plan
 from embcache.errors import InvalidArgumentError, InvalidTypeError, TensorParallelError
 from embcache.item import Item
 from embcache.locks import assert_unlocked
@@ -106,32 +106,6 @@ class PipelineStats:
     fallbacks_by_reason: dict[str, int]
     encoded: int
     encoder_calls: int
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """A validated call: items, inputs, and what the result looks like."""
-
-    items: list[Item]
-    inputs: list[Any]
-    dtype: torch.dtype
-    tail: tuple[int, ...]  # shape after dim 0, common to every item
-    fingerprint: int
-
-    def fallbacks(self, mask: Sequence[bool]) -> tuple[list[Item], list[Any]]:
-        """The masked items and their inputs, each key once, in item order."""
-        seen: set[str] = set()
-        items: list[Item] = []
-        inputs: list[Any] = []
-        for item, value, masked in zip(self.items, self.inputs, mask, strict=True):
-            if masked and item.key not in seen:
-                seen.add(item.key)
-                items.append(item)
-                inputs.append(value)
-        return items, inputs
-
-    def hit_rows(self, mask: Sequence[bool]) -> int:
-        return sum(it.shape[0] for it, masked in zip(self.items, mask, strict=True) if not masked)
 
 
 @dataclass(frozen=True)
@@ -226,9 +200,7 @@ class EncodePipeline:
             encoder_calls=c["encoder_calls"],
         )
 
-    def encode(
-        self, request_id: str, items: Sequence[Item], inputs: Sequence[Any]
-    ) -> torch.Tensor:
+    def encode(self, request_id: str, items: Sequence[Item], inputs: Sequence[Any]) -> torch.Tensor:
         """The embeddings of ``items`` concatenated along dim 0, in order.
 
         ``inputs[i]`` is what the encoder needs to encode ``items[i]``. Every item must share
@@ -271,7 +243,7 @@ class EncodePipeline:
     ) -> torch.Tensor:
         with contextlib.ExitStack() as stack:
             try:
-                plan = _plan(items, inputs)
+                plan = make_plan(items, inputs)
                 request = stack.enter_context(cache.request(request_id))
                 statuses = request.lookup(plan.items, prefetch=True, reserve_misses=True)
                 if any(s.status is Status.LOADING for s in statuses):
@@ -291,7 +263,7 @@ class EncodePipeline:
     ) -> torch.Tensor:
         with contextlib.ExitStack() as stack:
             try:
-                plan = _plan(items, inputs)
+                plan = make_plan(items, inputs)
                 request = stack.enter_context(cache.request(request_id))
                 statuses = await _in_thread(
                     lambda: request.lookup(plan.items, prefetch=True, reserve_misses=True)
@@ -310,7 +282,7 @@ class EncodePipeline:
         self._count_call(plan, local, len(fresh))
         return await _in_thread(lambda: self._assemble(plan, local.mask, local.hits, fresh))
 
-    def _collect(self, request: Request, plan: _Plan, statuses: list[ItemStatus]) -> _Local:
+    def _collect(self, request: Request, plan: Plan, statuses: list[ItemStatus]) -> _Local:
         """One snapshot of what the request holds; the held rows copied to the device."""
         reasons = request.fallback_reasons()  # before the snapshot: served only grows
         views = request.embeddings()
@@ -330,7 +302,7 @@ class EncodePipeline:
     # ------------------------------------------------------------------ other ranks
     def _follow(self, items: Sequence[Item], inputs: Sequence[Any]) -> torch.Tensor:
         try:
-            plan = _plan(items, inputs)
+            plan = make_plan(items, inputs)
         except BaseException:
             self._share_failure()
             raise
@@ -341,7 +313,7 @@ class EncodePipeline:
         return self._assemble(plan, mask, hits, fresh)
 
     # ------------------------------------------------------------------ every rank
-    def _encode_fallbacks(self, plan: _Plan, mask: list[bool]) -> dict[str, torch.Tensor]:
+    def _encode_fallbacks(self, plan: Plan, mask: list[bool]) -> dict[str, torch.Tensor]:
         """Run the encoder on the masked items (each key once); every rank agrees it worked."""
         items, inputs = plan.fallbacks(mask)
         if not items:
@@ -384,7 +356,7 @@ class EncodePipeline:
 
     @staticmethod
     def _assemble(
-        plan: _Plan, mask: list[bool], hits: torch.Tensor, fresh: dict[str, torch.Tensor]
+        plan: Plan, mask: list[bool], hits: torch.Tensor, fresh: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         pieces: list[torch.Tensor] = []
         row = 0
@@ -404,7 +376,7 @@ class EncodePipeline:
         with contextlib.suppress(TensorParallelError):
             self._gather_header(None)
 
-    def _send(self, plan: _Plan, local: _Local) -> None:
+    def _send(self, plan: Plan, local: _Local) -> None:
         """Rank 0: agree on the items, then broadcast the mask and the hit rows."""
         if self._group is None:
             return
@@ -415,7 +387,7 @@ class EncodePipeline:
             payload = local.hits.reshape(-1).view(torch.uint8).to(self._comm_device)
             self._broadcast(payload, "cached rows")
 
-    def _receive(self, plan: _Plan) -> tuple[list[bool], torch.Tensor]:
+    def _receive(self, plan: Plan) -> tuple[list[bool], torch.Tensor]:
         """Other ranks: agree on the items, then receive the mask and the hit rows."""
         self._check_header(self._gather_header(plan))
         wire = torch.empty(len(plan.items), dtype=torch.uint8, device=self._comm_device)
@@ -429,7 +401,7 @@ class EncodePipeline:
         hits = payload.view(plan.dtype).view(rows, *plan.tail).to(self._device)
         return mask, hits
 
-    def _gather_header(self, plan: _Plan | None) -> list[list[int]]:
+    def _gather_header(self, plan: Plan | None) -> list[list[int]]:
         """All-gather (failed, item count, fingerprint) from every rank."""
         mine = torch.tensor(
             [1, 0, 0] if plan is None else [0, len(plan.items), plan.fingerprint],
@@ -437,9 +409,7 @@ class EncodePipeline:
             device=self._comm_device,
         )
         everyone = [torch.empty_like(mine) for _ in range(self._world)]
-        self._run(
-            "header all_gather", lambda: dist.all_gather(everyone, mine, self._group, True)
-        )
+        self._run("header all_gather", lambda: dist.all_gather(everyone, mine, self._group, True))
         return [t.tolist() for t in everyone]
 
     def _check_header(self, rows: list[list[int]]) -> None:
@@ -479,9 +449,7 @@ class EncodePipeline:
             )
 
     def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
-        self._run(
-            f"{what} broadcast", lambda: dist.broadcast(tensor, self._src, self._group, True)
-        )
+        self._run(f"{what} broadcast", lambda: dist.broadcast(tensor, self._src, self._group, True))
 
     def _run(self, what: str, start: Callable[[], Any]) -> None:
         """Start one collective and wait for it, bounded; failures are ``TensorParallelError``."""
@@ -503,7 +471,7 @@ class EncodePipeline:
         with self._stats_lock:
             self._counts.update(counts)
 
-    def _count_call(self, plan: _Plan, local: _Local, encoded: int) -> None:
+    def _count_call(self, plan: Plan, local: _Local, encoded: int) -> None:
         local_hits = waited = 0
         reasons: Counter[str] = Counter()
         for status, masked, reason in zip(local.statuses, local.mask, local.reasons, strict=True):
@@ -524,47 +492,6 @@ class EncodePipeline:
                 encoder_calls=int(encoded > 0),
             )
             self._counts.update(reasons)
-
-
-def _plan(items: Sequence[Item], inputs: Sequence[Any]) -> _Plan:
-    """Validate a call; raises ``InvalidTypeError``/``InvalidArgumentError`` naming the problem."""
-    if isinstance(items, Item) or not isinstance(items, Sequence):
-        raise InvalidTypeError(f"items must be a sequence of Item, got {type(items).__name__}")
-    if not isinstance(inputs, Sequence) or isinstance(inputs, str | bytes):
-        raise InvalidTypeError(f"inputs must be a sequence, got {type(inputs).__name__}")
-    if not items:
-        raise InvalidArgumentError("encode needs at least one item")
-    if len(items) != len(inputs):
-        raise InvalidArgumentError(
-            f"{len(items)} items but {len(inputs)} inputs: give one input per item"
-        )
-    first = items[0]
-    if not isinstance(first, Item):
-        raise InvalidTypeError(f"items must be Item, got {type(first).__name__}")
-    seen: dict[str, Item] = {}
-    digest = hashlib.blake2b(digest_size=7)
-    for item in items:
-        if not isinstance(item, Item):
-            raise InvalidTypeError(f"items must be Item, got {type(item).__name__}")
-        if item.dtype != first.dtype or item.shape[1:] != first.shape[1:]:
-            raise InvalidArgumentError(
-                f"{item.key!r} is {item.shape} {item.dtype} but {first.key!r} is "
-                f"{first.shape} {first.dtype}: items are concatenated along dim 0, so they must "
-                "share the dtype and every other dim"
-            )
-        if seen.setdefault(item.key, item) != item:
-            raise InvalidArgumentError(
-                f"{item.key!r} appears as {seen[item.key].shape} and as {item.shape}: one key "
-                "names one embedding"
-            )
-        digest.update(f"{item.key}|{item.shape}|{item.dtype};".encode())
-    return _Plan(
-        items=list(items),
-        inputs=list(inputs),
-        dtype=first.dtype,
-        tail=first.shape[1:],
-        fingerprint=int.from_bytes(digest.digest(), "big"),
-    )
 
 
 def _check_seconds(name: str, value: float) -> None:
