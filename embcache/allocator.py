@@ -38,6 +38,9 @@ class Block(NamedTuple):
     free: bool
 
 
+_new_block = tuple.__new__  # Block(...) without the namedtuple's Python-level __new__ (hot path)
+
+
 def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -209,18 +212,17 @@ class RangeAllocator:
         """The block that ends at ``offset`` (a block boundary), or None at 0. O(1)."""
         with self._lock:
             start = self._end.get(offset)
-            if start is None:
-                return None
-            return Block(start, offset - start, start in self._free)
+            free = start in self._free
+        return None if start is None else _new_block(Block, (start, offset - start, free))
 
     def block_at(self, offset: int) -> Block | None:
         """The block that starts at ``offset``, or None. O(1)."""
         with self._lock:
             end = self._free.get(offset)
-            if end is not None:
-                return Block(offset, end - offset, True)
-            end = self._allocated.get(offset)
-            return None if end is None else Block(offset, end - offset, False)
+            free = end is not None
+            if not free:
+                end = self._allocated.get(offset)
+        return None if end is None else _new_block(Block, (offset, end - offset, free))
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` naming the first broken invariant. O(n log n)."""

@@ -159,19 +159,20 @@ def choose_victims(
     run_end: dict[int, int] = {}  # start -> end of each run of free blocks and candidates
     run_start: dict[int, int] = {}  # end -> start
     for block in candidates:
-        offset, end = block.offset, block.offset + block.size
+        offset, size, _ = block
+        end = offset + size
         added.add(offset)
         start = run_start.pop(offset, None)
         merged = start is not None
         if start is None:
             before = block_before(offset)
-            start = before.offset if before is not None and before.free else offset
+            start = before[0] if before is not None and before[2] else offset
         else:
             del run_end[start]
         stop = run_end.pop(end, None)
         if stop is None:
             after = block_at(end)
-            stop = end + after.size if after is not None and after.free else end
+            stop = end + after[1] if after is not None and after[2] else end
         else:
             del run_start[stop]
             merged = True
@@ -180,7 +181,7 @@ def choose_victims(
         if stop - start < need:
             continue
         if not merged:  # one candidate between blocks that are neither free nor candidates
-            return Window((offset,), block.size, start, stop - start)
+            return Window((offset,), size, start, stop - start)
         pieces, must = neighbourhood(block, max_batch, block_before, block_at, added.__contains__)
         window = best_window(pieces, need, max_batch, must)
         if window is not None:
