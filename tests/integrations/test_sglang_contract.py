@@ -1,0 +1,24 @@
+"""MMEncoder's exact call sequence, on 2 gloo ranks, against embcache's SGLang controllers
+(scenarios in ``scenarios.py``, the replay in ``mmencoder.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integrations import scenarios
+from tests.integrations.tp import report, run_ranks
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, str]]:
+    outdir: Path = tmp_path_factory.mktemp("sglang-contract")
+    return run_ranks("tests.integrations.scenarios", outdir, {})
+
+
+@pytest.mark.parametrize("scenario", [s.__name__ for s in scenarios.SCENARIOS])
+def test_mmencoder_sequence(outcomes: dict[int, dict[str, str]], scenario: str) -> None:
+    report(outcomes, scenario)

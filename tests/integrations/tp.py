@@ -1,0 +1,130 @@
+"""Run a list of scenarios on a gloo group of spawned processes (loopback), once per list.
+
+Starting processes costs seconds and a scenario milliseconds, so one spawn runs every scenario
+of a module in order; each rank records "ok" or its traceback per scenario in a JSON file and
+one pytest test per scenario reports both ranks' outcomes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import json
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.spawn import ProcessContext, start_processes
+
+BARRIER_S = 20.0
+
+
+@dataclass
+class Rank:
+    """What a scenario gets: this process's rank, the world size and the test's arguments."""
+
+    rank: int
+    world: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def same_on_every_rank(self, value: object) -> None:
+        values: list[object] = [None] * self.world
+        dist.all_gather_object(values, value)
+        assert all(v == values[0] for v in values), f"ranks differ: {values}"
+
+
+Scenario = Callable[[Rank], None]
+
+
+def _worker(
+    rank: int, world: int, port: int, outdir: str, module: str, args: dict[str, Any]
+) -> None:
+    from embcache.locks import enable_lock_checking
+
+    enable_lock_checking()
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=BARRIER_S),
+    )
+    scenarios: list[Scenario] = importlib.import_module(module).SCENARIOS
+    results: dict[str, str] = {}
+    path = Path(outdir) / f"rank{rank}.json"
+    r = Rank(rank, world, args)
+    try:
+        for scenario in scenarios:
+            try:
+                scenario(r)
+                results[scenario.__name__] = "ok"
+            except BaseException:
+                results[scenario.__name__] = traceback.format_exc()
+            path.write_text(json.dumps(results))
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=BARRIER_S))
+    finally:
+        path.write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def run_ranks(
+    module: str, outdir: Path, args: dict[str, Any], world: int = 2, deadline_s: float = 120.0
+) -> dict[int, dict[str, str]]:
+    """Run ``module``'s SCENARIOS on ``world`` ranks; rank -> scenario name -> outcome."""
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
+            _worker,
+            args=(world, _free_port(), str(outdir), module, args),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + deadline_s
+        try:
+            # A rank that died raises here; its outcomes so far say where.
+            with contextlib.suppress(Exception):
+                while not context.join(timeout=0.5):
+                    if time.monotonic() > deadline:
+                        break  # the outcomes so far say which scenario hung
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+    finally:
+        if old is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    results = {}
+    for rank in range(world):
+        path = outdir / f"rank{rank}.json"
+        results[rank] = json.loads(path.read_text()) if path.exists() else {}
+    return results
+
+
+def report(outcomes: dict[int, dict[str, str]], scenario: str) -> None:
+    """Fail with every rank's traceback unless ``scenario`` passed on all of them."""
+    failures = {
+        rank: results.get(scenario, "did not run (an earlier scenario hung?)")
+        for rank, results in outcomes.items()
+        if results.get(scenario) != "ok"
+    }
+    assert not failures, "\n".join(f"rank {r}:\n{tb}" for r, tb in failures.items())
