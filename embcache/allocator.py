@@ -142,8 +142,8 @@ class RangeAllocator:
             if index == len(by_size):
                 return None
             key: int = by_size.pop(index)
-            offset = (key % units) << shift
-            end = self._free.pop(offset)
+            end = self._free.pop((key % units) << shift)
+            offset = self._end[end]  # the stored int: one object per boundary saves memory
             self._allocated[offset] = middle = offset + size
             if middle < end:
                 self._free[middle] = end
