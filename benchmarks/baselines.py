@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import threading
+from collections import OrderedDict
+
+import torch
 from sortedcontainers import SortedDict, SortedList
 
 
@@ -86,3 +91,97 @@ class MinimalBestFit:
         self.by_offset[start] = end - start
         self.by_size.add((end - start, start))
         return size
+
+
+class OriginalPRController:
+    """The controller of the original pull request, re-implemented with SGLang's method names:
+    first fit (``NaiveAllocator``), one recency ``OrderedDict`` of every entry (newest last),
+    reference counts, one lock around each call. An insert that finds no fitting block evicts
+    from the head of the recency list, skipping pinned entries, until enough bytes are free
+    (whether or not they are adjacent), then allocates once and may still fail.
+
+    No global store: ``prefetch`` and ``check_prefetch_progress`` only touch local entries."""
+
+    def __init__(self, capacity: int, alignment: int = 256) -> None:
+        self.pool = torch.empty(capacity, dtype=torch.uint8)
+        self.allocator = NaiveAllocator(capacity, alignment)
+        self.free_bytes = capacity
+        self.entries: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
+        self.refs: dict[str, int] = {}
+        self.recency: OrderedDict[str, None] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def batch_is_exist(self, keys: list[str]) -> list[bool]:
+        """Which keys are cached; touches the present ones."""
+        with self.lock:
+            found = [key in self.entries for key in keys]
+            for key, present in zip(keys, found, strict=True):
+                if present:
+                    self.recency.move_to_end(key)
+            return found
+
+    def prefetch(self, request_id: str, keys: list[str]) -> None:
+        """Touch the present keys (a real one would also start loads of the others)."""
+        with self.lock:
+            for key in keys:
+                if key in self.entries:
+                    self.recency.move_to_end(key)
+
+    def check_prefetch_progress(self, request_id: str) -> bool:
+        """Whether the request's loads ended: always, as none are started."""
+        with self.lock:
+            return True
+
+    def get_pool_views(self, keys: list[str]) -> list[torch.Tensor | None]:
+        """Pin each present key and view its bytes (None for the absent ones)."""
+        views: list[torch.Tensor | None] = []
+        with self.lock:
+            for key in keys:
+                entry = self.entries.get(key)
+                if entry is None:
+                    views.append(None)
+                    continue
+                offset, shape, dtype = entry
+                self.refs[key] += 1
+                self.recency.move_to_end(key)
+                nbytes = math.prod(shape) * dtype.itemsize
+                views.append(self.pool[offset : offset + nbytes].view(dtype).view(shape))
+        return views
+
+    def release_pool_views(self, keys: list[str]) -> None:
+        """Unpin each key."""
+        with self.lock:
+            for key in keys:
+                if key in self.refs:
+                    self.refs[key] -= 1
+
+    def insert(self, key: str, tensor: torch.Tensor) -> bool:
+        """Copy ``tensor`` in under ``key`` (idle once copied); False when no space was found."""
+        size = tensor.nbytes
+        with self.lock:
+            if key in self.entries:
+                return False
+            offset = self.allocator.allocate(size)
+            if offset is None:
+                rounded = -(-size // self.allocator.alignment) * self.allocator.alignment
+                victims, freed = [], self.free_bytes
+                for victim in self.recency:  # oldest first, past the pinned ones
+                    if freed >= rounded:
+                        break
+                    if not self.refs[victim]:
+                        victims.append(victim)
+                        freed += self.allocator.allocated[self.entries[victim][0]]
+                for victim in victims:
+                    del self.recency[victim], self.refs[victim]
+                    self.free_bytes += self.allocator.free(self.entries.pop(victim)[0])
+                offset = self.allocator.allocate(size)
+                if offset is None:
+                    return False
+            self.free_bytes -= self.allocator.allocated[offset]
+            self.entries[key] = (offset, tuple(tensor.shape), tensor.dtype)
+            self.refs[key] = 1  # held while the bytes are copied in
+            self.recency[key] = None
+        self.pool[offset : offset + size].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        with self.lock:
+            self.refs[key] -= 1
+        return True

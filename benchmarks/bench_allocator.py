@@ -170,12 +170,15 @@ def growth_row(
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     print(f"{'benchmark':44} {'ours':>12} {'baseline':>12} {'unit':>8} {'ratio':>9}  target")
+
+    def number(value: float | None, width: int, digits: int) -> str:
+        return " " * width if value is None else f"{value:{width}.{digits}f}"
+
     for r in rows:
-        base = "" if r["baseline"] is None else f"{r['baseline']:12.2f}"
         met = {True: "met", False: "MISSED", None: ""}[r["met"]]
         print(
-            f"{r['name']:44} {r['ours']:12.2f} {base:>12} {r['unit']:>8} "
-            f"{r['ratio']:9.1f}  {r['target']} {met}"
+            f"{r['name']:44} {number(r['ours'], 12, 2)} {number(r['baseline'], 12, 2)} "
+            f"{r['unit']:>8} {number(r['ratio'], 9, 2)}  {r['target']} {met}"
         )
 
 

@@ -14,7 +14,9 @@ half pinned, and the largest N again with none pinned), then timed in chunks tha
 over all of them, so that load drift on a shared machine hits them alike; medians. The target,
 a cost independent of the number of pinned entries, is judged twice: at the largest N, the
 cost with N/2 pinned over the cost with none pinned (<= 1.5x), and the cost at the largest N
-over the smallest (<= 3x, the allocator being O(log n)).
+over the smallest (<= 3x, the allocator being O(log n)). The same evicting insert also runs
+against SGLang 0.5.23's paged controller, from its wheel, with 256 B pages (one entry a page):
+``benchmarks.bench_peers.sglang_evicting_side``; target: ours at least as fast at every N.
 Run from the repository root: python -m benchmarks.bench_eviction [--quick]
 """
 
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import bench_peers
 from benchmarks.bench_allocator import growth_row, make_row, print_rows
 from embcache import EmbeddingCache, RangeAllocator, Request
 
@@ -171,12 +174,16 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     def base_ops(entries: int) -> int:  # it scans entries/2 pinned entries per op: bound it
         return max(2, min(ours_ops, (200_000 if quick else 1_000_000) // entries))
 
+    why = bench_peers.sglang_missing()
     with contextlib.ExitStack() as stack:
         ours = {n: ours_side(stack, n, True, tensor, ours_ops) for n in sizes}
         base = {n: baseline_side(n, True, tensor, base_ops(n)) for n in sizes}
         ours_free = ours_side(stack, largest, False, tensor, ours_ops)
         base_free = baseline_side(largest, False, tensor, base_ops(largest))
-        measure([*ours.values(), *base.values(), ours_free, base_free], chunks)
+        sglang = {}
+        if why is None:
+            sglang = {n: Side(bench_peers.sglang_evicting_side(n, tensor), ours_ops) for n in sizes}
+        measure([*ours.values(), *base.values(), ours_free, base_free, *sglang.values()], chunks)
     rows = []
     for n in sizes:
         ours_t, base_t = ours[n].median(), base[n].median()
@@ -190,6 +197,16 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 "",
                 None,
             )
+        )
+    for n in sizes:
+        name = f"evicting insert, {n} entries, half pinned, vs {bench_peers.SGLANG}"
+        if why is not None:
+            rows.append(bench_peers.skipped_row(name, why, ">= 1.0x"))
+            continue
+        ours_t, peer_t = ours[n].median(), sglang[n].median()
+        ok = peer_t >= ours_t
+        rows.append(
+            make_row(name, ours_t * 1e6, peer_t * 1e6, "us/op", peer_t / ours_t, ">= 1.0x", ok)
         )
     pinned_over_free = ours[largest].median() / ours_free.median()
     rows.append(

@@ -9,7 +9,10 @@ informational baseline also builds the same torch view (one ``as_strided`` of th
 as the item's dtype, as the cache does), the part of our path that is torch's and not ours.
 Every N's cache is built first; then chunks alternate over N and contenders (so load drift on a
 shared machine hits them alike); medians.
-Flat in N is judged as ours at the largest N over ours at the smallest.
+Flat in N is judged as ours at the largest N over ours at the smallest. The dict rows are
+context, without a target: a hit hands out a torch view, which alone costs several dict
+lookups. The targets of the hit path are against the peers' own code
+(``benchmarks.bench_peers.hit_rows``: SGLang's paged controller and the original PR's).
 Run from the repository root: python -m benchmarks.bench_hitpath [--quick]
 """
 
@@ -33,7 +36,6 @@ from embcache import EmbeddingCache, Item, Status
 ENTRY_BYTES = 256
 SHAPE = (ENTRY_BYTES // 2,)
 BATCH = 8  # items per request
-TARGET = 10.0  # ours / bare dict path
 FLAT_GROWTH = 1.5  # ours at the largest N over the smallest
 
 
@@ -109,8 +111,8 @@ def measure(sizes: list[int], requests: int, chunks: int) -> dict[int, tuple[flo
 
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
-    """Per N: us per item, ours vs bare dict+move (ratio = ours / bare, target < 10x) and vs
-    bare dict+move+view (informational); growth of ours over N (flat)."""
+    """Per N: us per item, ours vs bare dict+move (ratio = ours / bare) and vs bare
+    dict+move+view (both context, no target); growth of ours over N (flat)."""
     sizes = [1_000, 10_000] if quick else [1_000, 10_000, 100_000]
     requests, chunks = (200, 5) if quick else (1000, 7)
     rows, ours_at = [], {}
@@ -124,8 +126,8 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 bare_t * 1e6,
                 "us/item",
                 ratio,
-                f"< {TARGET:g}x",
-                ratio < TARGET,
+                "",
+                None,
             )
         )
         rows.append(

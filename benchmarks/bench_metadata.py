@@ -6,7 +6,8 @@ what remains is what the cache keeps per entry (Entry, Item, shape tuple, key, t
 blocks, the entry, offset and LRU indexes). The pool itself is torch memory, which tracemalloc
 does not see, and is not metadata. The baseline is the least a cache must keep: one
 OrderedDict (recency order) of key -> (offset, size, shape, dtype), built the same way.
-Target: under 1 KiB per entry at 100k entries.
+Target: at most 512 bytes per entry at 100k entries. ``benchmarks.bench_peers.metadata_rows``
+measures the peers (SGLang's paged controller, the original PR's) the same way.
 Run from the repository root: python -m benchmarks.bench_metadata [--quick]
 """
 
@@ -28,7 +29,7 @@ from embcache import EmbeddingCache
 
 ENTRY_BYTES = 256
 SHAPE = (1, ENTRY_BYTES // 2)  # bf16
-TARGET = 1024
+TARGET = 512
 
 
 def _keys(count: int) -> list[str]:
@@ -93,8 +94,8 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             "baseline": base,
             "unit": "B/entry",
             "ratio": ours / base,
-            "target": f"< {TARGET} B",
-            "met": ours < TARGET,
+            "target": f"<= {TARGET} B",
+            "met": ours <= TARGET,
         }
     ]
 

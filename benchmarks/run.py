@@ -6,21 +6,28 @@ Each benchmark measures ours and a baseline side by side in the same run and rep
 because these machines are noisy: no row compares against an absolute time. The items are
 those of the benchmark issue:
 
-1. allocator: allocate+free pair vs live blocks, against naive first fit
+1. allocator: allocate+free pair vs live blocks, against naive first fit and a minimal best fit
 2. eviction: an allocation that needs eviction, half the oldest entries pinned, against a
-   recency list scanned from the head
+   recency list scanned from the head and SGLang's paged controller
 3. hit path: lookup+pin+view+release per item, against a dict lookup + OrderedDict move
+   (context), and the serving sequence and get + release against both peers' controllers
 4. copy: reading 4 MB and 64 MB items out of the pool, against a raw torch copy
-5. fragmentation: the realistic mix against first fit with plain LRU and a paged pool
-6. metadata: bytes per entry at 100k entries (tracemalloc)
+5. fragmentation: the realistic mix against first fit with plain LRU and a paged pool; time
+   per request against SGLang's paged controller on a 4 MiB pool and a 1 GiB pool
+6. metadata: bytes per entry at 100k entries (tracemalloc), against both peers' controllers
 7. mooncake: loads through the cache against raw ``batch_get_into`` (needs ``mooncake_master``
    on PATH, else the row says skipped)
 8. concurrency: requests/s of the demo workload with 1, 2, 4 and 8 client threads
 
+The peers are SGLang 0.5.23's paged controller, run from its wheel at benchmark time
+(``benchmarks/sglang_wheel.py``; its rows say skipped when the wheel cannot be had), and the
+original PR's controller (``benchmarks/baselines.py``); see ``benchmarks/bench_peers.py``.
+
 A row is ``{name, ours, baseline, unit, ratio, target, met}``; ``met`` is None where there is no
 target (or the row was skipped). The ratio reads as its target does: a speedup (baseline /
-ours) for the allocator and eviction, a slowdown (ours / baseline) for the hit path, ours /
-baseline for bandwidths, bytes and counts. Progress goes to stderr. The exit status is 1 if a
+ours) for times against a baseline or a peer (below 1: ours is slower), a slowdown (ours /
+baseline) for the hit path against a bare dict, ours / baseline for bandwidths, bytes and
+counts. Progress goes to stderr. The exit status is 1 if a
 benchmark raised (its row says so), else 0, whatever the numbers: a missed target is a result.
 """
 
@@ -76,9 +83,9 @@ def _eviction(quick: bool) -> list[Row]:
 
 
 def _hitpath(quick: bool) -> list[Row]:
-    from benchmarks import bench_hitpath
+    from benchmarks import bench_hitpath, bench_peers
 
-    return bench_hitpath.run(quick)
+    return bench_hitpath.run(quick) + bench_peers.hit_rows(quick)
 
 
 def _copy(quick: bool) -> list[Row]:
@@ -88,20 +95,26 @@ def _copy(quick: bool) -> list[Row]:
 
 
 def _fragmentation(quick: bool) -> list[Row]:
-    from benchmarks import bench_fragmentation, bench_paged
+    from benchmarks import bench_fragmentation, bench_paged, bench_peers
 
     rows = bench_fragmentation.run(quick)
     for row in rows:  # the issue's target, where the benchmark states none
         if row["name"].startswith("hit ratio, ") and not row["target"]:
             row["target"] = ">= baseline"
             row["met"] = row["ours"] >= row["baseline"]
-    return rows + bench_paged.run(quick, rows)
+    return (
+        rows
+        + bench_paged.run(quick, rows)
+        + bench_peers.replay_rows(quick, real=False)
+        + bench_peers.replay_rows(quick, real=True)
+    )
 
 
 def _metadata(quick: bool) -> list[Row]:
-    from benchmarks import bench_metadata
+    from benchmarks import bench_metadata, bench_peers
 
-    return bench_metadata.run(quick)
+    rows = bench_metadata.run(quick)
+    return rows + bench_peers.metadata_rows(quick, rows[0]["ours"])
 
 
 def _mooncake(quick: bool) -> list[Row]:
@@ -230,8 +243,9 @@ def markdown(
         + " --markdown benchmarks/RESULTS.md`; do not edit by hand. Every row measures ours and "
         "a baseline side by side in the same run (this machine is shared and noisy, so only the "
         "ratios mean anything). The ratio reads as its target does: a speedup (baseline / ours) "
-        "for the allocator and eviction, a slowdown (ours / baseline) for the hit path, ours / "
-        "baseline for bandwidths, bytes, counts and percentages. What each benchmark does and "
+        "for times against a baseline or a peer (below 1: ours is slower), a slowdown (ours / "
+        "baseline) for the hit path against a bare dict, ours / baseline for bandwidths, bytes, "
+        "counts and percentages. What each benchmark does and "
         "why is in the docstring of its `benchmarks/bench_*.py`.",
         "",
         "## Machine",
