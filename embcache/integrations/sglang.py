@@ -227,12 +227,18 @@ class _Controller:
         return ready
 
     async def batch_is_exist(self, mm_hashes: list[str]) -> list[bool]:
-        """Per hash: READY in the pool, or stored in the global store."""
+        """Per hash: READY in the pool, or stored in the global store. A store that cannot
+        answer (a dead master) makes its hashes misses; the local hits stay hits (SGLang's
+        controller raises, and MMEncoder then encodes every item)."""
         found = [self.cache.entry_state(h) is EntryState.READY for h in mm_hashes]
         missing = [i for i, hit in enumerate(found) if not hit]
         if missing:
             keys = [mm_hashes[i] for i in missing]
-            stored = await asyncio.to_thread(self.cache.store.exists, keys)
+            try:
+                stored = await asyncio.to_thread(self.cache.store.exists, keys)
+            except Exception:
+                logger.warning("batch_is_exist: the global store failed; %d misses", len(keys))
+                return found
             for i, exists in zip(missing, stored, strict=True):
                 found[i] = bool(exists)
         return found

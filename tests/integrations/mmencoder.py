@@ -88,9 +88,11 @@ def serve(
     *,
     gpu_output: bool = False,
     prefetch_timeout_s: float = 60.0,
+    after_lookup: Callable[[], None] | None = None,
     fail_between: Callable[[], None] | None = None,
 ) -> Served:
-    """One MMEncoder request; ``fail_between`` (rank 0) raises after the fallback mask, as an
+    """One MMEncoder request. On rank 0, ``after_lookup`` runs after the first broadcast (a
+    test kills the master there) and ``fail_between`` raises after the fallback mask, as an
     encoder or assembly failure would."""
     n = len(keys)
     modality = Modality.IMAGE
@@ -105,6 +107,8 @@ def serve(
     _broadcast(controller, world, mask)
     hits = [i for i in range(n) if mask[i].item() == 1]
     misses = [i for i in range(n) if mask[i].item() != 1]
+    if rank == 0 and after_lookup is not None:
+        after_lookup()
 
     hit_keys: list[str] = []
     prefetch_failed = False

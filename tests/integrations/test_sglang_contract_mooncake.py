@@ -1,0 +1,34 @@
+"""MMEncoder's call sequence on 2 gloo ranks with a real ``mooncake_master`` (loopback TCP):
+two controllers sharing it, and a master that dies (``scenarios_mooncake.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.conftest import MooncakeMaster
+from tests.integrations import scenarios_mooncake
+from tests.integrations.tp import report, run_ranks
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def outcomes(
+    mooncake_master: MooncakeMaster, tmp_path_factory: pytest.TempPathFactory
+) -> dict[int, dict[str, str]]:
+    args = {
+        "store": mooncake_master.store_kwargs(),
+        "prefix": f"sglang-{tmp_path_factory.mktemp('p').name}/",
+        "binary": mooncake_master.binary,
+    }
+    return run_ranks(
+        "tests.integrations.scenarios_mooncake",
+        tmp_path_factory.mktemp("sglang-mooncake"),
+        args,
+        deadline_s=200.0,
+    )
+
+
+@pytest.mark.parametrize("scenario", [s.__name__ for s in scenarios_mooncake.SCENARIOS])
+def test_mmencoder_sequence_on_mooncake(outcomes: dict[int, dict[str, str]], scenario: str) -> None:
+    report(outcomes, scenario)
