@@ -35,6 +35,7 @@ chosen by contiguity it kept too little of the filter's refusals (+4 points on s
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -216,7 +217,8 @@ class TinyLfuPolicy:
     def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
         """True iff ``key`` was looked up more often than each of ``victims``. O(victims)."""
         counts = self._counts
-        return counts.get(key, 0) > max((counts.get(v, 0) for v in victims), default=0)
+        count = counts.get(key, 0)
+        return all(count > counts.get(victim, 0) for victim in victims)
 
     def forget(self, key: str) -> None:
         """``key`` is no longer resident."""
@@ -263,9 +265,10 @@ def make_policy(name: str = "lru", **knobs: Any) -> Policy:
         raise InvalidArgumentError(
             f"unknown policy {name!r}: use one of {', '.join(sorted(POLICIES))}"
         )
-    try:
-        return factory(**knobs)
-    except TypeError as exc:
+    unknown = sorted(set(knobs) - set(inspect.signature(factory).parameters))
+    if unknown:
         raise InvalidArgumentError(
-            f"policy {name!r} does not take the knobs {sorted(knobs)}: {exc}"
-        ) from exc
+            f"policy {name!r} has no knobs {unknown}: its knobs are "
+            f"{sorted(inspect.signature(factory).parameters) or 'none'}"
+        )
+    return factory(**knobs)

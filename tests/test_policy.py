@@ -1,0 +1,269 @@
+"""Eviction orders and admission policies: each against its reference model, LRU against the
+seed's OrderedDict, the TinyLFU filter's aging on a drifting mix, bad knobs, and the benchmark's
+simulation against the real cache."""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from embcache.errors import InvalidArgumentError, InvalidTypeError
+from embcache.policy import LruPolicy, Policy, TinyLfuPolicy, make_policy
+from models.policy import MODELS
+
+KEYS = st.sampled_from("abcdefg")
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("record"), KEYS),
+        st.tuples(st.just("add"), KEYS),
+        st.tuples(st.just("discard"), KEYS),
+        st.tuples(st.just("forget"), KEYS),
+        st.tuples(st.just("admit"), KEYS, st.integers(1, 4)),
+    ),
+    max_size=200,
+)
+SMALL_KNOBS = st.fixed_dictionaries(
+    {
+        "sample_factor": st.integers(1, 8),
+        "min_entries": st.integers(1, 4),
+        "max_count": st.integers(1, 5),
+        "shift_block": st.integers(1, 4),
+        "shift_drop": st.sampled_from([0.0, 0.5, 0.6, 0.9]),
+    }
+)
+
+
+def drive(name: str, knobs: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
+    """Run ``ops`` on the policy and on its model; orders, answers and counts must agree."""
+    policy: Any = make_policy(name, **knobs)
+    model: Any = MODELS[name](**knobs)
+    order, model_order = policy.order(), model.order()
+    for op in ops:
+        kind, key = op[0], op[1]
+        if kind == "record":
+            policy.record(key)
+            model.record(key)
+        elif kind in ("add", "discard"):
+            getattr(order, kind)(key)
+            getattr(model_order, kind)(key)
+        elif kind == "forget":  # the core frees: out of the order, then forgotten
+            order.discard(key)
+            policy.forget(key)
+            model_order.discard(key)
+            model.forget(key)
+        else:
+            victims = list(model_order)[: op[2]]
+            assert policy.admit(key, 1 << 20, victims) == model.admit(key, 1 << 20, victims), op
+        assert list(order) == list(model_order), op
+        assert len(order) == len(model_order)
+        assert all((k in order) == (k in model_order) for k in "abcdefg")
+        if name == "tinylfu":
+            assert {k: policy.estimate(k) for k in "abcdefg"} == {
+                k: model.estimate(k) for k in "abcdefg"
+            }, op
+
+
+@given(OPS)
+def test_lru_matches_its_model(ops: list[tuple[Any, ...]]) -> None:
+    drive("lru", {}, ops)
+
+
+@given(SMALL_KNOBS, OPS)
+def test_tinylfu_matches_its_model(knobs: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
+    drive("tinylfu", knobs, ops)
+
+
+@given(st.lists(st.tuples(st.booleans(), KEYS), max_size=100))
+def test_lru_order_is_the_seeds_ordered_dict(ops: list[tuple[bool, str]]) -> None:
+    """add = the seed's ``_make_evictable`` (a key enters at the tail), discard = its pop."""
+    order = LruPolicy().order()
+    seed: OrderedDict[str, None] = OrderedDict()
+    for add, key in ops:
+        if add:
+            order.add(key)
+            seed.pop(key, None)
+            seed[key] = None
+        else:
+            order.discard(key)
+            seed.pop(key, None)
+        assert list(order) == list(seed)
+
+
+def test_lru_admits_everything() -> None:
+    policy = make_policy("lru")
+    for key in "abc":
+        policy.record(key)
+    assert policy.admit("new", 1 << 30, ["a", "b", "c"])
+    assert policy.name == "lru" and isinstance(policy, LruPolicy)
+
+
+def test_tinylfu_admits_only_a_key_looked_up_more_than_every_victim() -> None:
+    policy = TinyLfuPolicy(shift_drop=0)
+    for key, times in (("hot", 3), ("warm", 2), ("cold", 1)):
+        for _ in range(times):
+            policy.record(key)
+    assert policy.admit("hot", 1, ["warm", "cold"])
+    assert not policy.admit("warm", 1, ["warm"])  # a tie refuses
+    assert not policy.admit("warm", 1, ["cold", "hot"])  # one victim worth more refuses
+    assert not policy.admit("never", 1, ["cold"])
+    assert policy.admit("cold", 1, ["never"])
+
+
+def test_tinylfu_counts_saturate_and_halve_every_sample() -> None:
+    policy = TinyLfuPolicy(sample_factor=2, min_entries=10, max_count=4, shift_drop=0)
+    for _ in range(6):
+        policy.record("a")
+    assert policy.estimate("a") == 4 and policy.halvings == 0
+    for _ in range(13):
+        policy.record("b")
+    assert policy.halvings == 0  # 19 lookups; the sample is 2 x 10
+    policy.record("b")
+    assert policy.halvings == 1
+    assert (policy.estimate("a"), policy.estimate("b")) == (2, 2)
+
+
+def test_tinylfu_sample_grows_with_the_resident_entries() -> None:
+    policy = TinyLfuPolicy(sample_factor=1, min_entries=1, shift_drop=0)
+    order = policy.order()
+    for key in "abcdefgh":
+        order.add(key)
+    policy.record("x")  # the first sample (1 x 1) ends; the next is 1 x 8
+    assert policy.halvings == 1
+    for _ in range(7):
+        policy.record("x")
+    assert policy.halvings == 1
+    policy.record("x")
+    assert policy.halvings == 2
+    for key in "abcdefgh":
+        order.discard(key)
+        policy.forget(key)
+    for _ in range(7):  # the running sample keeps its size (8) ...
+        policy.record("x")
+    assert policy.halvings == 2
+    policy.record("x")
+    assert policy.halvings == 3
+    policy.record("x")  # ... and the next one is 1 x max(0 resident, 1)
+    assert policy.halvings == 4
+
+
+def test_tinylfu_shift_compares_with_the_running_mean_of_earlier_blocks() -> None:
+    """Blocks of 2 lookups with means 0.5, 2.5, ..., 14.5 (rising counts), then a block of
+    mean 8.5: below 0.6 x the last block (14.5) but not below 0.6 x the running mean, which
+    lags behind the rise. No shift; a block of unknown keys then is one."""
+    policy = TinyLfuPolicy(min_entries=10**6, max_count=100, shift_block=2, shift_drop=0.6)
+    for key in ["a", "b"] * 8 + ["a"] * 8 + ["b", "b"]:
+        policy.record(key)
+    assert policy.shifts == 0
+    policy.record("new1")
+    policy.record("new2")
+    assert policy.shifts == 1 and policy.estimate("a") == 0
+
+
+def run_drift(policy: Policy, switch_at: int, lookups: int, hot: int = 40) -> dict[str, int]:
+    """A cache of ``hot`` entries under a stream that looks up ``a0..`` round robin, then from
+    lookup ``switch_at`` on ``b0..`` instead; every miss asks admission against the oldest
+    entry. Returns, for each ``b`` key, the lookup (counted from the switch) that admitted it."""
+    order = policy.order()
+    resident: list[str] = []
+    admitted: dict[str, int] = {}
+    for n in range(lookups):
+        key = f"{'a' if n < switch_at else 'b'}{n % hot}"
+        policy.record(key)
+        if key in resident:
+            order.discard(key)  # pinned by its request, released at once
+            order.add(key)
+            continue
+        if len(resident) < hot:
+            resident.append(key)
+            order.add(key)
+            continue
+        victim = next(iter(order))
+        if policy.admit(key, 1 << 20, [victim]):
+            order.discard(victim)
+            policy.forget(victim)
+            resident.remove(victim)
+            resident.append(key)
+            order.add(key)
+            if key.startswith("b"):
+                admitted.setdefault(key, n - switch_at)
+    return admitted
+
+
+def test_tinylfu_follows_a_shift_within_a_few_blocks() -> None:
+    """The old favourites' counts are saturated (15); the shift detector clears them, so every
+    new favourite is admitted within a few blocks of 50 lookups after the switch."""
+    policy = make_policy("tinylfu")
+    admitted = run_drift(policy, switch_at=4000, lookups=4400)
+    assert len(admitted) == 40
+    assert max(admitted.values()) < 150
+    assert policy.shifts == 1  # type: ignore[attr-defined]
+
+
+def test_tinylfu_without_shift_detection_follows_by_halving() -> None:
+    """With the detector off, the periodic halving alone ages the old counts out (a sample is
+    10 x 40 lookups here; a saturated count needs up to four halvings): later, but bounded."""
+    admitted = run_drift(make_policy("tinylfu", shift_drop=0), switch_at=4000, lookups=6000)
+    assert len(admitted) == 40
+    assert 150 <= max(admitted.values()) < 4 * 400
+
+
+def test_tinylfu_without_aging_keeps_the_old_favourites() -> None:
+    """The negative control: no halving within the run and no detector, so nothing new gets in
+    (what the two tests above would see if aging did not work)."""
+    policy = make_policy("tinylfu", sample_factor=1000, shift_drop=0)
+    assert run_drift(policy, switch_at=4000, lookups=6000) == {}
+
+
+def test_tinylfu_detector_stays_quiet_on_a_steady_mix() -> None:
+    policy = TinyLfuPolicy()
+    order = policy.order()
+    for key in range(100):
+        order.add(f"k{key}")
+    stream = [f"k{(n * 7919) % 97 % (1 + n % 13)}" for n in range(20000)]  # skewed, stationary
+    for key in stream:
+        policy.record(key)
+    assert policy.shifts == 0 and policy.halvings > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "knobs", "error", "named"),
+    [
+        ("lfu", {}, InvalidArgumentError, "'lfu'"),
+        (3, {}, InvalidTypeError, "3"),
+        ("lru", {"sample_factor": 2}, InvalidArgumentError, "sample_factor"),
+        ("tinylfu", {"sample_factor": 0}, InvalidArgumentError, "sample_factor must be >= 1, got 0"),
+        ("tinylfu", {"max_count": 1.5}, InvalidTypeError, "max_count must be an int, got float"),
+        ("tinylfu", {"shift_drop": 1.0}, InvalidArgumentError, "got 1.0"),
+        ("tinylfu", {"shift_drop": "0.5"}, InvalidTypeError, "'0.5'"),
+        ("tinylfu", {"min_entries": True}, InvalidTypeError, "True"),
+        ("tinylfu", {"window": 3}, InvalidArgumentError, "window"),
+    ],
+)
+def test_bad_policy_or_knob_is_named(
+    name: Any, knobs: dict[str, Any], error: type, named: str
+) -> None:
+    with pytest.raises(error, match=re.escape(named)):
+        make_policy(name, **knobs)
+
+
+def test_simulation_replays_the_real_cache_exactly() -> None:
+    """The policy benchmark's ``simulate`` with LRU makes the same hits and evictions as a real
+    EmbeddingCache on the fragmentation mix (so its other policies run in a faithful model)."""
+    from benchmarks import bench_fragmentation as frag
+    from benchmarks import bench_policy
+
+    workload = frag.make_workload(quick=True)
+    workload.requests[:] = workload.requests[:150]
+    real = frag.run_ours(workload)
+    simulated = bench_policy.simulate(workload, make_policy("lru"))
+    assert (simulated.hits, simulated.hit_tokens, simulated.failed) == (
+        real.hits,
+        real.hit_tokens,
+        real.failures,
+    )
+    assert simulated.evictions == real.evictions and real.evictions > 0
