@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import subprocess
 import sys
 from collections import Counter
@@ -19,6 +20,7 @@ from benchmarks import run as bench_run
 from benchmarks.bench_eviction import ENTRY_BYTES, ScanLRUCache
 from benchmarks.bench_fragmentation import drift_every, make_workload, run_baseline, run_ours
 from benchmarks.bench_paged import run_paged
+from embcache import RangeAllocator
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -258,3 +260,67 @@ def test_sglang_unavailable_says_why_and_how(
     assert f"sglang=={sglang_wheel.VERSION}" in message and "failed" in message
     assert f"pip download sglang=={sglang_wheel.VERSION} --no-deps -d {tmp_path}" in message
     assert sglang_wheel.CACHE_ENV in message
+
+
+def test_sglang_peer_insert_copies_into_pages_and_evicts_the_oldest_idle(
+    sglang_module: Any,
+) -> None:
+    from benchmarks.bench_peers import SGLangPeer
+
+    peer = SGLangPeer(8 * 1024, 64, torch.bfloat16, 1024)  # 8 pages of 8 tokens
+    assert (peer.pool.num_pages, peer.pool.page_size) == (8, 8)
+    tensors = {
+        key: torch.full((24, 64), float(n), dtype=torch.bfloat16) for n, key in enumerate("abcd")
+    }
+    for key in "abc":  # 3 pages each: a, b fit; c evicts a (b is pinned)
+        assert peer.insert(key, tensors[key])
+        if key == "b":
+            (views,) = peer.get(["b"])
+    assert sorted(peer.controller.entries) == ["b", "c"]
+    assert torch.equal(torch.cat(views), tensors["b"])
+    (views,) = peer.get(["c"])
+    assert torch.equal(torch.cat(views), tensors["c"])
+    assert not peer.insert("d", tensors["d"])  # 2 free pages, b and c pinned: skipped
+    peer.release(["b", "c"])
+    assert peer.exists(["b", "c"]) == [True, True]
+    assert peer.insert("d", tensors["d"])  # evicts b, the least recently used
+    assert sorted(peer.controller.entries) == ["c", "d"]
+
+
+def test_original_pr_controller_evicts_to_bytes_past_pinned_entries() -> None:
+    from benchmarks.baselines import OriginalPRController
+
+    pr = OriginalPRController(4 * 256, 256)
+    one = torch.ones(128, dtype=torch.bfloat16)
+    for key in "abcd":
+        assert pr.insert(key, one)
+    pr.get_pool_views(["a", "c"])  # pinned: a, c; idle: b, d
+    # 512 bytes: b and d are evicted, but they are not adjacent, so the insert fails anyway
+    assert not pr.insert("e", torch.ones(256, dtype=torch.bfloat16))
+    assert sorted(pr.entries) == ["a", "c"] and pr.free_bytes == 2 * 256
+    assert pr.insert("f", one)  # first fit: the lowest hole
+    assert pr.entries["f"][0] == 256 and pr.allocator.free_list == [[768, 256]]
+    (view,) = pr.get_pool_views(["f"])
+    assert view is not None and view.shape == (128,) and bool((view == 1).all())
+    assert pr.batch_is_exist(["c", "f", "b"]) == [True, True, False]
+
+
+def test_minimal_best_fit_gives_the_offsets_of_the_range_allocator() -> None:
+    from benchmarks.baselines import MinimalBestFit
+    from benchmarks.bench_allocator import half_freed, pair_cost
+
+    ours, base = half_freed(RangeAllocator, 500, seed=3), half_freed(MinimalBestFit, 500, seed=3)
+    assert ours.free_blocks() == [(o, s) for o, s in base.by_offset.items()]  # type: ignore[attr-defined]
+    rng = random.Random(5)
+    live: list[tuple[int, int]] = []
+    for _ in range(2000):
+        if live and rng.random() < 0.5:
+            a, b = live.pop(rng.randrange(len(live)))
+            assert ours.free(a) == base.free(b)
+        else:
+            size = 256 * rng.randint(1, 8)
+            a, b = ours.allocate(size), base.allocate(size)
+            assert a == b
+            if a is not None:
+                live.append((a, b))  # type: ignore[arg-type]
+    assert pair_cost(base, 10, seed=1) > 0
