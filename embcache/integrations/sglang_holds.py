@@ -14,6 +14,10 @@ module maps the one onto the other:
   up. A release that finds no reader consumes a ticket (MMEncoder releases in a ``finally``,
   also when its read failed).
 - A prefetch that gave up every hash it served is closed: its embcache pins are released.
+  They are released together (a ``Request`` releases its pins when it closes): a hash given up
+  early stays pinned until the prefetch's last one is. MMEncoder gives up every hash of a
+  request in one call (``release_pool_views``, ``wait_load_to_device``), so it sees no
+  difference from SGLang's per-hash counts.
 - A *staged store* (``store_to_pool_async``) holds its reservations until it is claimed by
   ``wait_store_to_pool``.
 - A prefetch or staged store still open ``hold_timeout_s`` after it started is expired by the

@@ -1,0 +1,235 @@
+"""The SGLang controller call by call on one rank: SGLang's per-hash pin counts over embcache
+requests (``sglang_holds``), single flight, skipped stores, expiry, dtypes, bad arguments."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from embcache import EntryState, InProcessStore
+from embcache.errors import InvalidArgumentError
+from embcache.integrations.sglang import EmbeddingCacheController
+from tests.helpers import raw, wait_until
+from tests.integrations.mmencoder import DIM, DTYPE, Modality, embedding
+
+IMAGE = Modality.IMAGE
+
+
+@pytest.fixture
+def store() -> Iterator[InProcessStore]:
+    s = InProcessStore(delay_seconds=0.005)
+    yield s
+    s.release_holds()
+
+
+@pytest.fixture
+def ctl(store: InProcessStore) -> Iterator[EmbeddingCacheController]:
+    controller = EmbeddingCacheController(
+        store, max_pool_size_gb=(64 << 10) / (1 << 30), hidden_dims={IMAGE: DIM}, dtype=DTYPE
+    )
+    yield controller
+    controller.close()
+
+
+def stats(ctl: EmbeddingCacheController) -> tuple[int, int]:
+    """(pinned entries, open requests)."""
+    s = ctl.cache.stats()
+    return s.pinned_entries, s.open_requests
+
+
+def insert(ctl: EmbeddingCacheController, keys: list[str], tokens: list[int]) -> None:
+    tensors = [embedding(k, n) for k, n in zip(keys, tokens, strict=True)]
+    handles = ctl.store_to_pool_async(keys, tensors, IMAGE)
+    ctl.wait_store_to_pool(handles)
+    ctl.insert_batch(keys, IMAGE)
+    wait_until(lambda: ctl.cache.stats().publishes_started == ctl.cache.stats().publishes_ok)
+
+
+def prefetch(
+    ctl: EmbeddingCacheController, req_id: str, keys: list[str], tokens: list[int]
+) -> None:
+    ctl.prefetch(req_id, keys, tokens, IMAGE)
+    wait_until(lambda: ctl.check_prefetch_progress(req_id), "the prefetch")
+
+
+def idle(ctl: EmbeddingCacheController) -> None:
+    ctl.cache.check_invariants()
+    assert stats(ctl) == (0, 0)
+
+
+def test_reads_count_like_sglang_and_the_last_release_frees_the_pins(
+    ctl: EmbeddingCacheController,
+) -> None:
+    insert(ctl, ["a"], [3])
+    prefetch(ctl, "r", ["a"], [3])
+    assert ctl.has_local_embedding("a")
+    first, second = ctl.get_pool_views(["a"]), ctl.get_pool_views(["a"])
+    assert first[0] is not None and second[0] is not None
+    assert first[0][0] is not second[0][0]  # new view objects per call
+    assert raw(first[0][0]) == raw(embedding("a", 3))
+    ctl.release_pool_views(["a"])
+    assert stats(ctl) == (1, 1)  # the second read still holds it
+    ctl.release_pool_views(["a"])
+    idle(ctl)
+    assert not ctl.has_local_embedding("a")
+    ctl.release_pool_views(["a"])  # an extra release changes nothing
+    idle(ctl)
+
+
+def test_two_requests_for_one_hash_interleaved(ctl: EmbeddingCacheController) -> None:
+    insert(ctl, ["a", "b"], [3, 2])
+    prefetch(ctl, "r1", ["a", "b"], [3, 2])
+    prefetch(ctl, "r2", ["a"], [3])
+    views1 = ctl.get_pool_views(["a", "b"])
+    views2 = ctl.get_pool_views(["a"])
+    ctl.release_pool_views(["a", "b"])  # r1 done: r2's read of "a" keeps it pinned
+    # A prefetch's pins end together (one request): r1's "b" waits for "a"'s last reader.
+    assert stats(ctl) == (2, 2)
+    assert views2[0] is not None and raw(views2[0][0]) == raw(embedding("a", 3))
+    assert views1[1] is not None
+    ctl.release_pool_views(["a"])
+    idle(ctl)
+
+
+def test_a_release_without_a_read_ends_the_prefetch_pin(ctl: EmbeddingCacheController) -> None:
+    insert(ctl, ["a", "b"], [3, 2])
+    prefetch(ctl, "r", ["a", "b"], [3, 2])
+    assert stats(ctl) == (2, 1)
+    ctl.release_pool_views(["a"])  # MMEncoder's finally, after a failed read
+    assert stats(ctl) == (2, 1)  # a prefetch's pins end together, with its last hash
+    assert not ctl.has_local_embedding("a") and ctl.has_local_embedding("b")
+    ctl.release_pool_views(["b"])
+    idle(ctl)
+
+
+def test_unheld_hashes_get_nothing(ctl: EmbeddingCacheController) -> None:
+    insert(ctl, ["a"], [3])  # READY but never prefetched
+    assert not ctl.has_local_embedding("a")
+    assert ctl.get_pool_views(["a", "zz"]) == [None, None]
+    assert ctl.load_to_device_async("a", torch.empty(3, DIM, dtype=DTYPE), 0) is None
+    assert asyncio.run(ctl.batch_is_exist(["a", "zz"])) == [True, False]
+    idle(ctl)
+
+
+def test_a_device_copy_lands_at_its_offset_and_its_wait_frees_the_pin(
+    ctl: EmbeddingCacheController,
+) -> None:
+    insert(ctl, ["a"], [3])
+    prefetch(ctl, "r", ["a"], [3])
+    out = torch.zeros(5, DIM, dtype=DTYPE)
+    handle = ctl.load_to_device_async("a", out, 2)
+    assert handle is not None and handle.is_complete()
+    assert stats(ctl) == (1, 1)
+    ctl.wait_load_to_device([handle])
+    assert raw(out[2:]) == raw(embedding("a", 3)) and not out[:2].any()
+    idle(ctl)
+
+
+def test_a_failed_device_copy_gives_its_pin_back(ctl: EmbeddingCacheController) -> None:
+    insert(ctl, ["a"], [3])
+    prefetch(ctl, "r", ["a"], [3])
+    with pytest.raises(RuntimeError):
+        ctl.load_to_device_async("a", torch.empty(3, DIM + 1, dtype=DTYPE), 0)
+    idle(ctl)
+
+
+def test_a_prefetch_joins_a_staged_insert_instead_of_encoding_again(
+    ctl: EmbeddingCacheController,
+) -> None:
+    handles = ctl.store_to_pool_async(["a"], [embedding("a", 3)], IMAGE)
+    assert len(handles) == 1 and ctl.cache.entry_state("a") is EntryState.LOADING
+    ctl.prefetch("r", ["a"], [3], IMAGE)
+    assert not ctl.check_prefetch_progress("r")  # it waits for the insert
+    assert ctl.store_to_pool_async(["a"], [embedding("a", 3)], IMAGE) == []  # being filled
+    ctl.wait_store_to_pool(handles)
+    wait_until(lambda: ctl.check_prefetch_progress("r"), "the joined prefetch")
+    assert ctl.has_local_embedding("a")
+    views = ctl.get_pool_views(["a"])
+    assert views[0] is not None and raw(views[0][0]) == raw(embedding("a", 3))
+    ctl.release_pool_views(["a"])
+    wait_until(lambda: ctl.cache.stats().publishes_ok == 1, "the publish")
+    idle(ctl)
+
+
+def test_store_skips_what_sglang_skips_and_takes_cpu_tensors_of_any_dtype(
+    ctl: EmbeddingCacheController, store: InProcessStore
+) -> None:
+    insert(ctl, ["present"], [2])
+    fresh = embedding("fresh", 4).float().unsqueeze(0)  # (1, tokens, dim), float32, on the CPU
+    wide = torch.zeros(2, DIM + 1, dtype=DTYPE)
+    keys = ["present", "wide", "fresh"]
+    handles = ctl.store_to_pool_async(keys, [embedding("present", 2), wide, fresh], IMAGE)
+    assert [h.key for h in handles] == ["fresh"]
+    assert stats(ctl) == (1, 1)  # one request: "fresh" reserved, "present" pinned until the wait
+    ctl.wait_store_to_pool(handles)
+    assert ctl.cache.entry_state("wide") is EntryState.ABSENT
+    wait_until(lambda: store.object("fresh") is not None, "the publish")
+    assert store.object("fresh") == raw(embedding("fresh", 4).float().to(DTYPE))
+    assert ctl.store_to_pool_async(["x"], [embedding("x", 2)], Modality.MULTI_IMAGES) == []
+    idle(ctl)
+
+
+def test_abandoned_holds_expire_but_a_reader_keeps_its_pin(ctl: EmbeddingCacheController) -> None:
+    insert(ctl, ["a", "b"], [3, 2])
+    ctl.hold_timeout_s = 0.05
+    prefetch(ctl, "r", ["a", "b"], [3, 2])
+    views = ctl.get_pool_views(["a"])  # a reader of "a"; "b" is never read
+    staged = ctl.store_to_pool_async(["c"], [embedding("c", 2)], IMAGE)
+    time.sleep(0.1)
+    ctl.store_to_pool_async([], [], IMAGE)  # any later call expires what is due
+    # "a" for its reader, and "b" with it (a prefetch's pins end together); "c" is gone
+    assert stats(ctl) == (2, 1) and not ctl.has_local_embedding("b")
+    assert ctl.cache.entry_state("c") is EntryState.ABSENT
+    ctl.wait_store_to_pool(staged)  # expired: nothing is inserted, nothing raised
+    assert ctl.cache.entry_state("c") is EntryState.ABSENT
+    assert views[0] is not None and raw(views[0][0]) == raw(embedding("a", 3))
+    ctl.release_pool_views(["a"])
+    idle(ctl)
+
+
+def test_a_second_prefetch_of_one_req_id_replaces_the_first(
+    ctl: EmbeddingCacheController, store: InProcessStore
+) -> None:
+    store.put_object("held", raw(embedding("held", 2)))
+    from embcache import Fault
+
+    store.inject("held", Fault.HOLD)
+    ctl.prefetch("r", ["held"], [2], IMAGE)
+    ctl.prefetch("r", ["held"], [2], IMAGE)
+    assert stats(ctl) == (0, 1)  # the first one was closed
+    store.release_holds()
+    wait_until(lambda: ctl.check_prefetch_progress("r"), "the prefetch")
+    ctl.release_pool_views(["held"])
+    idle(ctl)
+
+
+def test_bad_arguments_raise_and_change_nothing(ctl: EmbeddingCacheController) -> None:
+    with pytest.raises(InvalidArgumentError, match="2 mm_hashes but 1 expected_tokens"):
+        ctl.prefetch("r", ["a", "b"], [3], IMAGE)
+    with pytest.raises(InvalidArgumentError, match="2 mm_hashes but 1 tensors"):
+        ctl.store_to_pool_async(["a", "b"], [embedding("a", 3)], IMAGE)
+    with pytest.raises(InvalidArgumentError, match="no embedding dim for modality"):
+        ctl.get_embedding_dim(Modality.MULTI_IMAGES)
+    ctl.prefetch("r", ["a"], [3], Modality.MULTI_IMAGES)  # SGLang: no pool, nothing happens
+    assert ctl.check_prefetch_progress("r") and not ctl.has_local_embedding("a")
+    with pytest.raises(InvalidArgumentError, match="gives no pool"):
+        EmbeddingCacheController(InProcessStore(), max_pool_size_gb=0.0, hidden_dims={IMAGE: 8})
+    idle(ctl)
+
+
+def test_dims_per_modality_follow_sglang(store: InProcessStore) -> None:
+    ctl = EmbeddingCacheController(
+        store, max_pool_size_gb=1 / 1024, hidden_dims={Modality.VIDEO: 12}, dtype=DTYPE
+    )
+    try:
+        assert ctl.get_embedding_dim(IMAGE) == 12  # vision: IMAGE, else VIDEO
+        assert ctl.get_embedding_dim(Modality.AUDIO) == 12  # audio falls back to vision
+        stats_dict = ctl.get_stats()
+        assert stats_dict["num_cached"] == 0 and stats_dict["total_mb"] == 1.0
+        assert stats_dict["embcache"]["capacity_bytes"] == 1 << 20
+    finally:
+        ctl.close()
