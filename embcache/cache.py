@@ -25,6 +25,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -39,10 +40,13 @@ from embcache.errors import (
     ClosedError,
     InvalidArgumentError,
     InvalidTypeError,
+    LockOrderError,
     RequestError,
 )
+from embcache.fencing import FencePolicy, Fencer
 from embcache.item import Item, check_key
 from embcache.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
+from embcache.poison import PoisoningLock, poison_requested
 from embcache.request import Request
 from embcache.states import ABSENT, EntryState
 from embcache.stats import CacheStats
@@ -50,7 +54,8 @@ from embcache.status import ItemStatus, Reason, TransferOutcome
 from embcache.store.base import GlobalStore, get_outcome, put_outcome
 from embcache.store.inprocess import InProcessStore
 
-__all__ = ["CacheStats", "EmbeddingCache", "TraceSink"]
+__all__ = ["CacheStats", "EmbeddingCache", "FencePolicy", "TraceSink"]
+log = logging.getLogger(__name__)
 
 Future = tuple[asyncio.AbstractEventLoop, "asyncio.Future[bool]"]
 
@@ -70,7 +75,10 @@ class EmbeddingCache:
     ``capacity_bytes`` is the pool size (a multiple of ``alignment``). ``store=None`` uses an
     ``InProcessStore``. The pool is a uint8 tensor, pinned when CUDA is available unless
     ``pin_memory=False``, registered with the store once. ``trace``, when given, receives one
-    event dict per action, in lock order.
+    event dict per action, in lock order. ``auto_fence`` says when the cache fences by itself
+    (``embcache.fencing``; None: only ``fence()`` does). ``poison_freed`` (default: the
+    ``EMBCACHE_POISON`` environment variable) is a debug mode that overwrites every freed range
+    (``embcache.poison``).
     """
 
     _new_event = threading.Event  # how a waiting request's Event is made (tests schedule it)
@@ -86,6 +94,8 @@ class EmbeddingCache:
         pin_memory: bool | None = None,
         io_workers: int = 4,
         trace: TraceSink | None = None,
+        auto_fence: FencePolicy | None = FencePolicy(),  # noqa: B008 (frozen: shared is fine)
+        poison_freed: bool | None = None,
     ) -> None:
         for name, value in (("max_eviction_batch", max_eviction_batch), ("io_workers", io_workers)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -98,6 +108,8 @@ class EmbeddingCache:
             )
         if store is not None and not isinstance(store, GlobalStore):
             raise InvalidTypeError(f"store must implement GlobalStore, got {type(store).__name__}")
+        if auto_fence is not None and not isinstance(auto_fence, FencePolicy):
+            raise InvalidTypeError(f"auto_fence must be a FencePolicy or None, got {auto_fence!r}")
         self._core = CacheCore(
             capacity_bytes,
             alignment,
@@ -106,15 +118,21 @@ class EmbeddingCache:
             trace=trace,
             clock=time.monotonic,
         )
-        self._lock = HierarchyLock(CACHE_LEVEL, "cache lock")
         self._closed = False
         self._owns_store = store is None
         self._store: GlobalStore = InProcessStore() if store is None else store
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._pool = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin)
         self._typed_pools: dict[torch.dtype, torch.Tensor] = {}  # the pool viewed as each dtype
+        lock = HierarchyLock(CACHE_LEVEL, "cache lock")
+        poison = poison_requested() if poison_freed is None else poison_freed
+        self._lock = PoisoningLock(lock, self._core, self._pool) if poison else lock
         self._store.register_buffer(self._pool)
         self._io = concurrent.futures.ThreadPoolExecutor(io_workers, "embcache-io")
+        self._fence_policy = auto_fence
+        self._fencer = (
+            None if auto_fence is None else Fencer(auto_fence, self._fence_due, self.fence)
+        )
 
     # ------------------------------------------------------------------ public API
     @property
@@ -175,6 +193,8 @@ class EmbeddingCache:
                 return
             self._closed = True
         assert_unlocked("waiting for I/O workers")
+        if self._fencer is not None:
+            self._fencer.stop()
         self._io.shutdown(wait=True)
         if self._owns_store:
             self._store.close()
@@ -264,6 +284,15 @@ class EmbeddingCache:
             ranges = steps.served(self._core, rs)
         return [None if r is None else self._view(*r) for r in ranges]
 
+    def publish(self, rs: RequestState, keys: Sequence[str]) -> list[bool]:
+        """``Request.publish``: start a write to the store of each key ``rs`` holds READY."""
+        if isinstance(keys, str):
+            raise InvalidTypeError("publish takes a list of keys, got a str")
+        keys = [check_key(k) for k in keys]
+        with self._lock:
+            self._check_request(rs)
+        return self._start_publishes(rs, keys)
+
     def fallback(self, rs: RequestState) -> tuple[list[int], list[Reason | None]]:
         """``Request.fallback_mask`` and ``fallback_reasons``."""
         with self._lock:
@@ -320,47 +349,62 @@ class EmbeddingCache:
                 outcomes[i] = TransferOutcome.OK
         return outcomes, None
 
-    def _start_publishes(self, rs: RequestState, keys: list[str]) -> None:
+    def _start_publishes(self, rs: RequestState, keys: list[str]) -> list[bool]:
         with self._lock:
-            started = [e for k in keys if (e := self._core.publish(rs, k)) is not None]
+            entries = [self._core.publish(rs, k) for k in keys]
+        started = [e for e in entries if e is not None]
         if started:
             self._io.submit(self._run_publishes, rs.request_id, started)
+        return [e is not None for e in entries]
 
     def _run_loads(self, entries: list[Entry]) -> None:
-        """Worker: read every entry from the store, then end each load. Never raises."""
-        keys = [e.key for e in entries]
+        """Worker: read every entry from the store, then end each load and wake its waiters,
+        whatever is raised on the way (an error leaves each outcome UNKNOWN, then re-raises
+        unless it is the store's own)."""
         sizes = [e.item.nbytes for e in entries]
-        assert_unlocked("store get_into")
+        outcomes = [TransferOutcome.UNKNOWN] * len(entries)  # until the store says otherwise
         try:
-            codes = self._store.get_into(keys, [e.offset for e in entries], sizes)
+            assert_unlocked("store get_into")
+            codes = self._store.get_into(
+                [e.key for e in entries], [e.offset for e in entries], sizes
+            )
             outcomes = [get_outcome(self._store, c, n) for c, n in zip(codes, sizes, strict=True)]
+        except LockOrderError:
+            log.error("store read on an I/O thread broke the lock order", exc_info=True)
+            raise
         except Exception:
-            outcomes = [TransferOutcome.UNKNOWN] * len(entries)
-        with self._lock:
-            notify = [
-                r
-                for e, o in zip(entries, outcomes, strict=True)
-                for r in self._core.end_load(e, o, None)
-            ]
-        self._signal(notify)
+            pass  # the store failed: the reads may still land, so UNKNOWN
+        finally:
+            notify: list[RequestState] = []
+            try:
+                with self._lock:
+                    for e, o in zip(entries, outcomes, strict=True):
+                        notify += self._core.end_load(e, o, None)
+            finally:
+                self._signal(notify)
 
     def _run_publishes(self, request_id: str, entries: list[Entry]) -> None:
-        """Worker: write every entry to the store, then end each publish. Never raises."""
-        assert_unlocked("store put_from")
+        """Worker: write every entry to the store, then end each publish, whatever is raised on
+        the way (as ``_run_loads``)."""
+        outcomes = [TransferOutcome.UNKNOWN] * len(entries)
         try:
+            assert_unlocked("store put_from")
             codes = self._store.put_from(
                 [e.key for e in entries],
                 [e.offset for e in entries],
                 [e.item.nbytes for e in entries],
             )
-            outcomes = [put_outcome(self._store, c) for c in codes]
-            if len(outcomes) != len(entries):
-                outcomes = [TransferOutcome.UNKNOWN] * len(entries)
+            if len(codes) == len(entries):
+                outcomes = [put_outcome(self._store, c) for c in codes]
+        except LockOrderError:
+            log.error("store write on an I/O thread broke the lock order", exc_info=True)
+            raise
         except Exception:
-            outcomes = [TransferOutcome.UNKNOWN] * len(entries)
-        with self._lock:
-            for e, o in zip(entries, outcomes, strict=True):
-                self._core.end_publish(request_id, e, o)
+            pass  # the store failed: the writes may still read the ranges, so UNKNOWN
+        finally:
+            with self._lock:
+                for e, o in zip(entries, outcomes, strict=True):
+                    self._core.end_publish(request_id, e, o)
 
     def _signal(self, requests: list[RequestState]) -> None:
         """Wake requests with nothing pending. Called with no lock held."""
@@ -376,6 +420,13 @@ class EmbeddingCache:
         for loop, future in wake:
             with contextlib.suppress(RuntimeError):  # a closed loop has nobody waiting
                 loop.call_soon_threadsafe(_resolve, future)
+
+    def _fence_due(self, now: float) -> bool:
+        """Whether the automatic fence should run now (the fencer's question)."""
+        assert self._fence_policy is not None
+        max_bytes = int(self._fence_policy.max_fraction * self.capacity)
+        with self._lock:
+            return self._core.fence_due(now, max_bytes, self._fence_policy.max_age_s)
 
     # ------------------------------------------------------------------ helpers (lock held)
     def _note_pending(self, rs: RequestState) -> None:

@@ -69,6 +69,7 @@ class CacheCore:
         self.evictable_bytes = 0
         self.requests: dict[str, RequestState] = {}
         self.counts: Counter[str] = Counter()
+        self.quarantine: dict[str, float] = {}  # QUARANTINED keys -> when (core clock)
         self.freed: list[tuple[int, int]] | None = None  # a list: every freed range is queued
         self._emit(
             "Init",
@@ -93,6 +94,7 @@ class CacheCore:
             self.requests,
             self.lru,
             self.evictable_bytes,
+            self.quarantine,
         )
 
     def stats(self, now: float) -> CacheStats:
@@ -128,7 +130,7 @@ class CacheCore:
             transition(entry.state, Step.LOOKUP_HIT)
             if r not in entry.holders:
                 self._add_holder(entry, r)
-                rs.holds.add(item.key)
+                rs.holds[item.key] = None
             self.counts["hits"] += 1
             status = HIT
         else:
@@ -199,7 +201,7 @@ class CacheCore:
         if step is Step.END_LOAD_OK:
             for rs in waiters:
                 self._add_holder(entry, rs.request_id)
-                rs.holds.add(entry.key)
+                rs.holds[entry.key] = None
             if not entry.holders:
                 self._make_evictable(entry)
         else:
@@ -213,6 +215,8 @@ class CacheCore:
             entry.doomed = False
             if new_state is ABSENT:
                 self._free(entry)
+            else:
+                self.quarantine[entry.key] = self.clock()
         self._emit("EndLoad", None, entry.key, entry, outcome=outcome.name)
         return waiters
 
@@ -224,7 +228,7 @@ class CacheCore:
             entry.waiters = (entry.waiters - {rs.request_id}) or NOBODY
             rs.waits.discard(key)
         else:
-            rs.holds.remove(key)
+            del rs.holds[key]
             self._drop_pin(entry, rs.request_id, Step.RELEASE_PIN)
         if self.trace is not None:
             self._emit("Release", rs.request_id, key, entry)
@@ -291,8 +295,16 @@ class CacheCore:
         return len(freed)
 
     def quarantined(self) -> list[Entry]:
-        """The QUARANTINED entries now (a fence frees those taken before it began)."""
-        return [e for e in self.entries.values() if e.state is QUARANTINED]
+        """The QUARANTINED entries now (a fence frees those taken before it began). O(q)."""
+        return [self.entries[key] for key in self.quarantine]
+
+    def fence_due(self, now: float, max_bytes: int, max_age: float) -> bool:
+        """Whether the automatic fence should run: more than ``max_bytes`` quarantined, or a
+        range quarantined for ``max_age`` or longer (``now`` on the core's clock). O(q)."""
+        if not self.quarantine:
+            return False
+        quarantined = sum(self.entries[key].size for key in self.quarantine)
+        return quarantined > max_bytes or now - min(self.quarantine.values()) >= max_age
 
     # ------------------------------------------------------------------ helpers of the actions
     def _alloc_failed(
@@ -337,6 +349,7 @@ class CacheCore:
             self._free(entry)
         elif plain is Step.RELEASE_LAST_TAINTED:
             entry.tainted = entry.doomed = False
+            self.quarantine[entry.key] = self.clock()
         else:
             self._make_evictable(entry)
 
@@ -359,6 +372,8 @@ class CacheCore:
         del self.by_offset[entry.offset]
         if self.lru.pop(entry.key, None) is not None:
             self.evictable_bytes -= entry.size
+        elif self.quarantine:
+            self.quarantine.pop(entry.key, None)
         entry.state = ABSENT
         if self.freed is not None:
             self.freed.append((entry.offset, entry.size))

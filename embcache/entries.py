@@ -72,7 +72,7 @@ class RequestState:
 
     request_id: str
     items: list[ItemLike] = field(default_factory=list)
-    holds: set[str] = field(default_factory=set)
+    holds: dict[str, None] = field(default_factory=dict)  # the keys it pins, in pin order
     waits: set[str] = field(default_factory=set)
     reserved: set[str] = field(default_factory=set)
     fallbacks: dict[str, Reason] = field(default_factory=dict)

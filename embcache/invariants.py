@@ -25,6 +25,7 @@ def check_core(
     requests: Mapping[str, RequestState],
     evictable: Mapping[str, Entry],
     evictable_bytes: int,
+    quarantine: Mapping[str, float],
 ) -> None:
     """Raise ``InvariantError`` naming the first broken invariant of the core's state."""
     allocator.check_invariants()
@@ -38,7 +39,7 @@ def check_core(
     holders: dict[str, set[Holder]] = {k: set() for k in entries}
     waiters: dict[str, set[str]] = {k: set() for k in entries}
     for r, rs in requests.items():
-        if not rs.reserved <= rs.waits or rs.holds & rs.waits:
+        if not rs.reserved <= rs.waits or rs.holds.keys() & rs.waits:
             _fail(f"request {r!r} bookkeeping inconsistent")
         for key in rs.holds:
             holders.setdefault(key, set()).add(r)
@@ -71,5 +72,8 @@ def check_core(
     }
     if set(evictable) != idle:  # EvictableExact
         _fail(f"eviction order {list(evictable)} != evictable {sorted(idle)}")
+    quarantined = {k for k, e in entries.items() if e.state is QUARANTINED}
+    if set(quarantine) != quarantined:
+        _fail(f"quarantine list {sorted(quarantine)} != QUARANTINED entries {sorted(quarantined)}")
     if evictable_bytes != sum(e.size for e in evictable.values()):
         _fail("evictable byte count drifted")

@@ -36,6 +36,7 @@ class RequestDriver(Protocol):
     def insert(
         self, rs: RequestState, keys: Sequence[str], tensors: Sequence[torch.Tensor], publish: bool
     ) -> list[bool]: ...
+    def publish(self, rs: RequestState, keys: Sequence[str]) -> list[bool]: ...
     def close_request(self, rs: RequestState) -> None: ...
 
 
@@ -100,6 +101,13 @@ class Request:
         entries are pinned by this request, and published to the global store when asked.
         """
         return self._cache.insert(self._state, keys, tensors, publish)
+
+    def publish(self, keys: Sequence[str]) -> list[bool]:
+        """(Re)publish entries this request holds to the global store, for example ones the
+        store lost; True where a write started (False: not held READY by this request, or a
+        publish of it is already running). The write runs on the I/O pool under its own pin;
+        ``stats().publishes_ok`` / ``publishes_failed`` count how it ended."""
+        return self._cache.publish(self._state, keys)
 
     def close(self) -> None:
         """End reservations, release every pin and wait. Idempotent."""

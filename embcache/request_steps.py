@@ -139,10 +139,17 @@ def end_request(core: CacheCore, rs: RequestState) -> list[RequestState]:
         notify += core.end_load(core.entries[key], TransferOutcome.FAILED, Reason.ABANDONED)
     for key in sorted(rs.waits):
         core.release(rs, key)
-    for key in sorted(rs.holds):
+    for key in release_order(rs):
         core.release(rs, key)
     core.close_request(rs)
     return notify
+
+
+def release_order(rs: RequestState) -> list[str]:
+    """The keys ``rs`` pins, in the order it looked them up, then the others (its own inserts)
+    in the order it pinned them: released in this order, the last looked up ends newest."""
+    looked = dict.fromkeys(item.key for item in rs.items if item.key in rs.holds)
+    return [*looked, *(key for key in rs.holds if key not in looked)]
 
 
 def served(core: CacheCore, rs: RequestState) -> list[tuple[int, ItemLike] | None]:

@@ -41,7 +41,7 @@ class MEntry:
 @dataclass
 class MRequest:
     items: list[tuple[str, tuple[int, ...], object, int]] = field(default_factory=list)
-    holds: set[str] = field(default_factory=set)
+    holds: list[str] = field(default_factory=list)  # in pin order
     waits: set[str] = field(default_factory=set)
     reserved: set[str] = field(default_factory=set)
     fallbacks: dict[str, str] = field(default_factory=dict)
@@ -78,7 +78,9 @@ class ModelCache:
             self.end_load(k, FAILED, "abandoned")
         for k in sorted(rq.waits):
             self.release(r, k)
-        for k in sorted(rq.holds):
+        looked = [k for k, _, _, _ in rq.items if k in rq.holds]  # lookup order, first time
+        order = [k for i, k in enumerate(looked) if k not in looked[:i]]
+        for k in order + [k for k in rq.holds if k not in order]:
             self.release(r, k)
         del self.requests[r]
 
@@ -94,7 +96,7 @@ class ModelCache:
         if e.state == "READY":
             if r not in e.holders:
                 self.pin(e, r)
-                rq.holds.add(key)
+                rq.holds.append(key)
             self.counts["hits"] += 1
             return ("HIT", None)
         if r not in e.waiters:
@@ -224,7 +226,7 @@ class ModelCache:
             e.state = "READY"
             for r in waiters:
                 self.pin(e, r)
-                self.requests[r].holds.add(key)
+                self.requests[r].holds.append(key)
             if not e.holders:
                 self.lru.append(key)
             return

@@ -57,3 +57,11 @@ def make_cache(store: InProcessStore) -> Iterator[Callable[..., EmbeddingCache]]
         if release is not None:
             release()
         cache.close()
+
+
+@pytest.fixture(params=["plain", "poison"])
+def poison_modes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test twice: as is, and with every cache poisoning the ranges it frees
+    (``EMBCACHE_POISON=1``), so a read after release shows as NaN or wrong bytes."""
+    monkeypatch.setenv("EMBCACHE_POISON", "1" if request.param == "poison" else "0")
+    return str(request.param)

@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: seeded payloads, stored bytes, bounded polling."""
+"""Helpers shared by the tests: seeded payloads, stored bytes, bounded polling, the evict-after-
+close harness."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from embcache import Item
+from embcache import EmbeddingCache, Item
+from embcache.entries import RequestState
 
 
 def payload(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -40,3 +42,18 @@ def wait_until(
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.002)
+
+
+def evict_idle_after_close(cache: EmbeddingCache) -> None:
+    """Test harness: right after each of ``cache``'s requests closes, remove every idle entry,
+    so (with ``poison_freed``) a view read after its request ended reads poison."""
+    close = cache.close_request
+
+    def close_then_evict(rs: RequestState) -> None:
+        close(rs)
+        with cache._lock:
+            idle = list(cache._core.lru)
+        for key in idle:
+            cache.remove(key)
+
+    cache.close_request = close_then_evict  # type: ignore[method-assign]

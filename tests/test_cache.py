@@ -41,7 +41,7 @@ from embcache.states import ABSENT, LOADING, QUARANTINED, READY
 from embcache.store.inprocess import NOT_FOUND, TIMED_OUT
 from tests.helpers import aligned, item_of, payload, raw, wait_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("poison_modes")]
 
 ALIGN = 256
 UNIT = 1024  # one slot: 256 float32

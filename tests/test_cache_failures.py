@@ -21,7 +21,7 @@ from embcache import EmbeddingCache, Fault, InProcessStore, Item, Reason, Status
 from embcache.states import ABSENT, LOADING, QUARANTINED, READY
 from tests.helpers import aligned, item_of, payload, raw, wait_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("poison_modes")]
 
 ALIGN = 256
 WAIT_S = 10.0

@@ -635,7 +635,7 @@ def corrupt_and_check(corrupt: str) -> str:
             e["loading"].waiters |= {"s"}
         elif corrupt == "loading_pinned":
             e["loading"].holders |= {"s"}
-            rs["s"].holds.add("loading")
+            rs["s"].holds["loading"] = None
         elif corrupt == "filler":
             e["idle"].filler = "r"
         elif corrupt == "quarantined_doomed":

@@ -30,7 +30,7 @@ from embcache.locks import assert_unlocked
 from embcache.states import ABSENT, LOADING, QUARANTINED, READY
 from tests.helpers import raw, wait_until
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("poison_modes")]
 
 HIDDEN = 8
 DTYPE = torch.bfloat16

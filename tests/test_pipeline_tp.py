@@ -363,7 +363,8 @@ def outcomes(
     """Run every scenario on a group of ``param`` processes; rank -> scenario -> outcome."""
     world: int = request.param
     outdir = tmp_path_factory.mktemp(f"tp{world}")
-    env = {"OMP_NUM_THREADS": "1"}
+    # Every scenario runs once with poisoned frees (EMBCACHE_POISON): the TP3 group's caches.
+    env = {"OMP_NUM_THREADS": "1", "EMBCACHE_POISON": "1" if world == 3 else "0"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

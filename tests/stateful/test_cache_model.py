@@ -149,6 +149,18 @@ class CacheMachine(RuleBasedStateMachine):
         model = self.model.lookup(r, [self.model_item(it) for it in items], prefetch, reserve)
         assert real == model, (real, model)
 
+    @rule(r=st.sampled_from(REQUESTS), key=st.sampled_from(KEYS))
+    def lookup_other_shape(self, r: str, key: str) -> None:
+        """A present key looked up with another shape and dtype: a miss that pins nothing and
+        leaves the eviction order alone (compared after the step)."""
+        if key in self.model.entries:
+            self.lookup(r, [(key, 5)], prefetch=False, reserve=False)
+
+    @rule(r=st.sampled_from(REQUESTS), key=st.sampled_from(KEYS), other=st.sampled_from(KEYS))
+    def lookup_repeated(self, r: str, key: str, other: str) -> None:
+        """A key repeated in one lookup: one pin, the status of its first occurrence."""
+        self.lookup(r, [(key, 0), (other, 0), (key, 0)], prefetch=True, reserve=False)
+
     @rule(r=st.sampled_from(REQUESTS), data=st.data(), publish=st.booleans())
     def insert(self, r: str, data: st.DataObject, publish: bool) -> None:
         if r not in self.handles:
