@@ -206,6 +206,12 @@ def _concurrency(plt: Any, rows: list[Row], out: Path) -> Path | None:
     return path
 
 
+def _policy(plt: Any, rows: list[Row], out: Path) -> Path | None:
+    from benchmarks import bench_policy
+
+    return bench_policy.plot(plt, rows, out)
+
+
 PLOTS: dict[int, Callable[[Any, list[Row], Path], Path | None]] = {
     1: _allocator,
     2: _eviction,
@@ -228,6 +234,7 @@ PLOTS: dict[int, Callable[[Any, list[Row], Path], Path | None]] = {
         ("through the cache", "raw batch_get_into"),
     ),
     8: _concurrency,
+    9: _policy,
 }
 
 

@@ -18,6 +18,7 @@ those of the benchmark issue:
 7. mooncake: loads through the cache against raw ``batch_get_into`` (needs ``mooncake_master``
    on PATH, else the row says skipped)
 8. concurrency: requests/s of the demo workload with 1, 2, 4 and 8 client threads
+9. eviction policy: encoder tokens saved per policy and request mix, against every baseline
 
 The peers are SGLang 0.5.23's paged controller, run from its wheel at benchmark time
 (``benchmarks/sglang_wheel.py``; its rows say skipped when the wheel cannot be had), and the
@@ -137,6 +138,12 @@ def _concurrency(quick: bool) -> list[Row]:
     return bench_concurrency.run(quick)
 
 
+def _policy(quick: bool) -> list[Row]:
+    from benchmarks import bench_policy
+
+    return bench_policy.run(quick)
+
+
 ITEMS: list[tuple[int, str, Callable[[bool], list[Row]]]] = [
     (1, "allocator", _allocator),
     (2, "eviction", _eviction),
@@ -146,6 +153,7 @@ ITEMS: list[tuple[int, str, Callable[[bool], list[Row]]]] = [
     (6, "metadata", _metadata),
     (7, "mooncake", _mooncake),
     (8, "concurrency", _concurrency),
+    (9, "eviction policy", _policy),
 ]
 
 
@@ -390,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         metavar="N",
         choices=range(1, len(ITEMS) + 1),
-        help="run only these items (1-8)",
+        help=f"run only these items (1-{len(ITEMS)})",
     )
     args = parser.parse_args(argv)
     if args.plots is not None:
