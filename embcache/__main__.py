@@ -25,6 +25,15 @@ from embcache.demo import DTYPES, DemoConfig, free_loopback_port, result_json, r
 _DEFAULTS = DemoConfig()
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds each option's default to its help, except for flags and defaults of None."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m embcache",
@@ -39,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Drive concurrent requests of synthetic images through EncodePipeline "
         "(TinyViT encoder, a small pool, a global store), then print a summary and a leak "
         "check. A progress bar goes to stderr when it is a terminal.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsFormatter,
     )
     d = _DEFAULTS
     demo.add_argument("--requests", type=int, default=d.requests, help="requests to send")
@@ -61,7 +70,11 @@ def _parser() -> argparse.ArgumentParser:
         "--master", default=None,
         help="mooncake_master host:port (default: start one on loopback for this run)",
     )
-    demo.add_argument("--metadata-server", default=None, help="Mooncake metadata server URL")
+    demo.add_argument(
+        "--metadata-server", default=None,
+        help="Mooncake metadata server URL (default: the started master's; with --master: "
+        "P2PHANDSHAKE)",
+    )  # fmt: skip
     demo.add_argument(
         "--segment-mib", type=int, default=d.segment_mib,
         help="memory this worker lends to the Mooncake store",

@@ -172,6 +172,7 @@ def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     text = " ".join(capsys.readouterr().out.split())
     assert "requests to send (default: 400)" in text
     assert "--pool-mib POOL_MIB pool size in MiB (default: 8.0)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
