@@ -17,7 +17,9 @@ from collections.abc import Callable
 import pytest
 
 from embcache import EmbeddingCache, Fault, InProcessStore
-from tests.stress.workload import Workload, raw
+from embcache.fencing import FencePolicy
+from tests.helpers import wait_until
+from tests.stress.workload import Mix, Workload, raw
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(120)]
 
@@ -89,4 +91,33 @@ def test_random_requests_with_store_faults_keep_every_invariant(
         assert stats.loads_failed + stats.loads_unknown, f"no fault landed: {stats}"
     finally:
         store.release_holds()
+        cache.close()
+
+
+def test_a_flaky_store_and_no_manual_fence_end_with_the_quarantine_drained(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Nobody calls fence(): the cache's own fencer frees every quarantined range."""
+    seed = stress_seed()
+    print(f"EMBCACHE_STRESS_SEED={seed}")
+    store = InProcessStore(delay_seconds=0.003)
+    policy = FencePolicy(max_fraction=0.1, max_age_s=0.5, min_interval_s=0.1)
+    cache = EmbeddingCache(
+        40 * UNIT, store=store, pin_memory=False, io_workers=4, auto_fence=policy
+    )
+    try:
+        workload = Workload(cache, seed=seed, unit=UNIT, mix=Mix(fence=0.0))
+        for key in workload.keys[::2]:
+            store.put_object(key, raw(workload.payloads[workload.canonical[key]]))
+        report = workload.run(STRESS_SECONDS, in_process_chaos(store, workload.keys))
+        workload.assert_no_errors()
+        workload.drain()
+        wait_until(
+            lambda: "QUARANTINED" not in cache.stats().entries_by_state, "the automatic fences"
+        )
+        workload.check_end_state()
+        assert report.stats.fences > 0 or cache.stats().fences > 0, "no automatic fence ran"
+        with capsys.disabled():
+            print("\n" + report.line("stress, automatic fences only"))
+    finally:
         cache.close()

@@ -183,15 +183,23 @@ class Workload:
 
     def finish(self) -> None:
         """After the run: drain transfers, fence, and check the end state (module docstring)."""
-        cache = self.cache
+        self.drain()
+        self.cache.fence()
+        self.check_end_state()
+
+    def drain(self) -> None:
+        """Wait until no transfer is in flight and nothing is pinned."""
         deadline = time.monotonic() + WAIT_S
         while True:
-            stats = cache.stats()
+            stats = self.cache.stats()
             if not stats.entries_by_state.get("LOADING") and not stats.pinned_entries:
-                break
+                return
             assert time.monotonic() < deadline, f"transfers never ended: {stats}; {self.where()}"
             time.sleep(0.005)
-        cache.fence()
+
+    def check_end_state(self) -> None:
+        """Nothing open, pinned, loading, quarantined, doomed or leaked (module docstring)."""
+        cache = self.cache
         cache.check_invariants()
         stats = cache.stats()
         where = self.where()
