@@ -249,6 +249,9 @@ def corrupted(corrupt: str) -> str:
         a._allocated[0] = 240
         a._end = {240: 0, 512: 256, 2048: 512}
         a._allocated_bytes -= 16
+    elif corrupt == "short":
+        del a._free[512], a._end[2048]
+        a._free_by_size.clear()
     elif corrupt == "allocated_bytes":
         a._allocated_bytes += 256
     with pytest.raises(InvariantError) as info:
@@ -265,6 +268,7 @@ def corrupted(corrupt: str) -> str:
         ("not_coalesced", r"free block at 1024 touches the previous free block \(not coalesced\)"),
         ("gap", r"block at 256 does not start where the previous ends \(0\)"),
         ("unaligned", r"block \(0, 240\) is empty or not aligned"),
+        ("short", "blocks end at 512, not at the capacity"),
         ("allocated_bytes", "allocated_bytes differs from the sum of allocated blocks"),
     ],
 )
