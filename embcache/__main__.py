@@ -11,7 +11,6 @@ import argparse
 import importlib.util
 import logging
 import math
-import shutil
 import signal
 import sys
 import traceback
@@ -132,7 +131,9 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoCo
     if args.store == "mooncake":
         if importlib.util.find_spec("mooncake") is None:
             parser.error("--store mooncake needs the extra: pip install 'embcache[mooncake]'")
-        if args.master is None and shutil.which("mooncake_master") is None:
+        from embcache.store.mooncake_master import master_binary
+
+        if args.master is None and master_binary() is None:
             parser.error(
                 "--store mooncake without --master starts mooncake_master, which is not on "
                 "PATH: pip install 'embcache[mooncake]' or give --master HOST:PORT"

@@ -379,9 +379,9 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 
 def _have_master() -> bool:
-    from shutil import which
+    from embcache.store.mooncake_master import master_binary
 
-    return which("mooncake_master") is not None
+    return master_binary() is not None
 
 
 def _children(parent: int, name: str) -> list[int]:

@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sysconfig
 import tempfile
 import time
 import urllib.error
@@ -28,15 +29,23 @@ from typing import ClassVar
 
 from embcache.errors import StoreUnavailableError
 
-__all__ = ["MooncakeMaster", "find_master_binary"]
+__all__ = ["MooncakeMaster", "find_master_binary", "master_binary"]
 
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 5.0
 
 
+def master_binary() -> str | None:
+    """The path of ``mooncake_master``: on ``PATH``, else next to this interpreter's scripts
+    (a virtual environment used without activating it); None when neither has it."""
+    return shutil.which("mooncake_master") or shutil.which(
+        "mooncake_master", path=sysconfig.get_path("scripts")
+    )
+
+
 def find_master_binary() -> str:
     """The path of ``mooncake_master``; ``StoreUnavailableError`` saying how to install it."""
-    binary = shutil.which("mooncake_master")
+    binary = master_binary()
     if binary is None:
         raise StoreUnavailableError(
             "mooncake_master is not on PATH: pip install 'embcache[mooncake]' "
