@@ -47,6 +47,7 @@ from embcache.fencing import FencePolicy, Fencer
 from embcache.item import Item, check_key
 from embcache.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
 from embcache.poison import PoisoningLock, poison_requested
+from embcache.policy import Policy, make_policy
 from embcache.request import Request
 from embcache.states import ABSENT, EntryState
 from embcache.stats import CacheStats
@@ -75,7 +76,9 @@ class EmbeddingCache:
     ``capacity_bytes`` is the pool size (a multiple of ``alignment``). ``store=None`` uses an
     ``InProcessStore``. The pool is a uint8 tensor, pinned when CUDA is available unless
     ``pin_memory=False``, registered with the store once. ``trace``, when given, receives one
-    event dict per action, in lock order. ``auto_fence`` says when the cache fences by itself
+    event dict per action, in lock order. ``policy`` shapes the eviction order and may refuse
+    inserts that would evict (``embcache.policy``: "lru", the default, or "tinylfu", or a
+    ``Policy`` object). ``auto_fence`` says when the cache fences by itself
     (``embcache.fencing``; None: only ``fence()`` does). ``poison_freed`` (default: the
     ``EMBCACHE_POISON`` environment variable) is a debug mode that overwrites every freed range
     (``embcache.poison``).
@@ -94,6 +97,7 @@ class EmbeddingCache:
         pin_memory: bool | None = None,
         io_workers: int = 4,
         trace: TraceSink | None = None,
+        policy: str | Policy = "lru",
         auto_fence: FencePolicy | None = FencePolicy(),  # noqa: B008 (frozen: shared is fine)
         poison_freed: bool | None = None,
     ) -> None:
@@ -108,6 +112,10 @@ class EmbeddingCache:
             )
         if store is not None and not isinstance(store, GlobalStore):
             raise InvalidTypeError(f"store must implement GlobalStore, got {type(store).__name__}")
+        if not isinstance(policy, str) and not all(
+            callable(getattr(policy, m, None)) for m in ("order", "record", "admit", "forget")
+        ):
+            raise InvalidTypeError(f"policy must be a name or a Policy object, got {policy!r}")
         if auto_fence is not None and not isinstance(auto_fence, FencePolicy):
             raise InvalidTypeError(f"auto_fence must be a FencePolicy or None, got {auto_fence!r}")
         self._core = CacheCore(
@@ -117,6 +125,7 @@ class EmbeddingCache:
             enable_eviction,
             trace=trace,
             clock=time.monotonic,
+            policy=make_policy(policy) if isinstance(policy, str) else policy,
         )
         self._closed = False
         self._owns_store = store is None

@@ -19,7 +19,7 @@ passes in.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,6 +39,7 @@ from embcache.entries import (
 from embcache.errors import InvariantError
 from embcache.eviction import choose_victims
 from embcache.invariants import check_core
+from embcache.policy import LruPolicy, Policy
 from embcache.states import ABSENT, LOADING, QUARANTINED, READY, Step, transition
 from embcache.stats import CacheStats, snapshot
 from embcache.status import ItemStatus, Reason, TransferOutcome
@@ -56,6 +57,7 @@ class CacheCore:
         *,
         trace: TraceSink | None = None,
         clock: Callable[[], float] = float,
+        policy: Policy | None = None,
     ) -> None:
         self.allocator = RangeAllocator(capacity, alignment)
         self.max_batch = max_eviction_batch
@@ -65,7 +67,8 @@ class CacheCore:
         self.seq = 0
         self.entries: dict[str, Entry] = {}
         self.by_offset: dict[int, Entry] = {}
-        self.lru: OrderedDict[str, Entry] = OrderedDict()  # the evictable entries, oldest first
+        self.policy: Policy = LruPolicy() if policy is None else policy
+        self.order = self.policy.order()  # the evictable keys, first victim first
         self.evictable_bytes = 0
         self.requests: dict[str, RequestState] = {}
         self.counts: Counter[str] = Counter()
@@ -92,7 +95,7 @@ class CacheCore:
             self.entries,
             self.by_offset,
             self.requests,
-            self.lru,
+            self.order,
             self.evictable_bytes,
             self.quarantine,
         )
@@ -158,9 +161,9 @@ class CacheCore:
         if item.nbytes > self.capacity:
             return self._alloc_failed(rs, item, Reason.TOO_LARGE)
         size = self.allocator.rounded(item.nbytes)
-        offset = self._allocate(size)
-        if offset is None:
-            return self._alloc_failed(rs, item, Reason.NO_SPACE)
+        offset = self._allocate(item.key, size)
+        if isinstance(offset, Reason):
+            return self._alloc_failed(rs, item, offset)
         entry = Entry(item, offset, size, from_store, waiters=frozenset({rs.request_id}))
         entry.filler = None if from_store else rs.request_id
         self.entries[item.key] = entry
@@ -235,7 +238,7 @@ class CacheCore:
 
     def evict(self, entry: Entry) -> None:
         """Evict(k): free an idle READY entry chosen by the eviction rule."""
-        if entry.pins or entry.doomed or entry.key not in self.lru:
+        if entry.pins or entry.doomed or entry.key not in self.order:
             raise InvariantError(f"eviction of {entry.key!r}, which is not evictable")
         entry.state = transition(entry.state, Step.EVICT)
         self._free(entry)
@@ -316,24 +319,30 @@ class CacheCore:
         )
         return None, reason
 
-    def _allocate(self, size: int) -> int | None:
+    def _allocate(self, key: str, size: int) -> int | Reason:
+        """A range of ``size`` bytes for ``key``, evicting the victims the rule chooses if
+        the policy admits ``key`` at their cost; else why not (nothing evicted)."""
         offset = self.allocator.allocate(size)
-        if offset is not None or not self.enable_eviction:
+        if offset is not None:
             return offset
-        if self.allocator.free_bytes + self.evictable_bytes < size:
-            return None
-        lru = (Block(e.offset, e.size, False) for e in self.lru.values())
+        if not self.enable_eviction or self.allocator.free_bytes + self.evictable_bytes < size:
+            return Reason.NO_SPACE
+        entries = self.entries
+        candidates = (Block(e.offset, e.size, False) for e in map(entries.__getitem__, self.order))
         window = choose_victims(
-            size, lru, self.max_batch, self.allocator.block_before, self.allocator.block_at
+            size, candidates, self.max_batch, self.allocator.block_before, self.allocator.block_at
         )
         if window is None:
-            return None
+            return Reason.NO_SPACE
+        victims = [self.by_offset[v].key for v in window.victims]
+        if not self.policy.admit(key, size, victims):
+            return Reason.NOT_ADMITTED
         for victim in window.victims:
             self.evict(self.by_offset[victim])
         offset = self.allocator.allocate(size)
         if offset != window.offset:
             raise InvariantError(f"eviction freed {window} but the allocator returned {offset}")
-        return offset
+        return window.offset
 
     def _drop_pin(self, entry: Entry, holder: Holder, plain: Step) -> None:
         if len(entry.holders) == 1:
@@ -359,21 +368,24 @@ class CacheCore:
             return
         entry.holders = frozenset((holder,))
         entry.pinned_since = self.clock()
-        if self.lru.pop(entry.key, None) is not None:
+        if entry.key in self.order:
+            self.order.discard(entry.key)
             self.evictable_bytes -= entry.size
 
     def _make_evictable(self, entry: Entry) -> None:
-        self.lru[entry.key] = entry
+        self.order.add(entry.key)
         self.evictable_bytes += entry.size
 
     def _free(self, entry: Entry) -> None:
         self.allocator.free(entry.offset)
         del self.entries[entry.key]
         del self.by_offset[entry.offset]
-        if self.lru.pop(entry.key, None) is not None:
+        if entry.key in self.order:
+            self.order.discard(entry.key)
             self.evictable_bytes -= entry.size
         elif self.quarantine:
             self.quarantine.pop(entry.key, None)
+        self.policy.forget(entry.key)
         entry.state = ABSENT
         if self.freed is not None:
             self.freed.append((entry.offset, entry.size))

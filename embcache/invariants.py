@@ -6,7 +6,7 @@ from the requests' holds, the evictable set from the entries) and compares.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from embcache.allocator import RangeAllocator
 from embcache.entries import Entry, Holder, RequestState
@@ -23,7 +23,7 @@ def check_core(
     entries: Mapping[str, Entry],
     by_offset: Mapping[int, Entry],
     requests: Mapping[str, RequestState],
-    evictable: Mapping[str, Entry],
+    order: Collection[str],
     evictable_bytes: int,
     quarantine: Mapping[str, float],
 ) -> None:
@@ -70,10 +70,10 @@ def check_core(
         for k, e in entries.items()
         if e.state is READY and not e.pins and not e.doomed and not e.tainted
     }
-    if set(evictable) != idle:  # EvictableExact
-        _fail(f"eviction order {list(evictable)} != evictable {sorted(idle)}")
+    if len(order) != len(set(order)) or set(order) != idle:  # EvictableExact
+        _fail(f"eviction order {list(order)} != evictable {sorted(idle)}")
     quarantined = {k for k, e in entries.items() if e.state is QUARANTINED}
     if set(quarantine) != quarantined:
         _fail(f"quarantine list {sorted(quarantine)} != QUARANTINED entries {sorted(quarantined)}")
-    if evictable_bytes != sum(e.size for e in evictable.values()):
+    if evictable_bytes != sum(entries[k].size for k in order):
         _fail("evictable byte count drifted")

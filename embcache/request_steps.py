@@ -27,7 +27,9 @@ from embcache.status import ItemStatus, Reason, TransferOutcome
 def lookup_all(core: CacheCore, rs: RequestState, items: Sequence[ItemLike]) -> list[ItemStatus]:
     """``lookup`` each item; a miss larger than the pool is TOO_LARGE. O(len(items))."""
     statuses = []
+    record = core.policy.record
     for item in items:
+        record(item.key)
         status = core.lookup(rs, item)
         if status.reason is Reason.NOT_FOUND and item.nbytes > core.capacity:
             status = MISSES[Reason.TOO_LARGE]

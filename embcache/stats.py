@@ -40,6 +40,7 @@ class CacheStats:
     evictions: int
     evicted_bytes: int
     allocation_failures_by_reason: dict[str, int]
+    admissions_refused: int  # BeginLoads the policy refused (reason not_admitted)
     single_flight_joins: int
     fences: int
 
@@ -92,6 +93,7 @@ def snapshot(
         evictions=c["evictions"],
         evicted_bytes=c["evicted_bytes"],
         allocation_failures_by_reason=_by_prefix(c, "alloc_fail:"),
+        admissions_refused=c["alloc_fail:not_admitted"],
         single_flight_joins=c["joins"],
         fences=c["fences"],
     )

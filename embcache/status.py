@@ -22,6 +22,7 @@ class Reason(enum.Enum):
     NOT_FOUND = "not_found"  # neither in the pool nor in the global store
     TOO_LARGE = "too_large"  # larger than the whole pool
     NO_SPACE = "no_space"  # no range could be freed without touching pinned or busy entries
+    NOT_ADMITTED = "not_admitted"  # the policy kept the entries it would have evicted
     MISMATCH = "mismatch"  # cached under this key with another shape or dtype
     BUSY = "busy"  # the entry is being removed or is quarantined
     STORE_ERROR = "store_error"  # the store's exists() failed

@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from models.allocator import ModelAllocator
+from models.policy import MODELS
 
 OK, FAILED, UNKNOWN = "OK", "FAILED", "UNKNOWN"
 
@@ -55,13 +56,16 @@ class Task:
 
 
 class ModelCache:
-    def __init__(self, capacity: int, alignment: int, max_batch: int, eviction: bool) -> None:
+    def __init__(
+        self, capacity: int, alignment: int, max_batch: int, eviction: bool, policy: str = "lru"
+    ) -> None:
         self.alloc = ModelAllocator(capacity, alignment)
+        self.policy = MODELS[policy]()
         self.capacity = capacity
         self.max_batch = max_batch
         self.eviction = eviction
         self.entries: dict[str, MEntry] = {}
-        self.lru: list[str] = []
+        self.order = self.policy.order()  # the evictable keys, first victim first
         self.requests: dict[str, MRequest] = {}
         self.store: dict[str, int] = {}  # key -> object size in bytes
         self.faults: dict[str, str] = {}  # key -> fail / unknown / short / raise
@@ -109,6 +113,7 @@ class ModelCache:
         rq = self.requests[r]
         statuses = []
         for key, shape, dtype, nbytes in items:
+            self.policy.record(key)
             s = self.lookup_one(r, key, shape, dtype)
             if s == ("MISS", "not_found") and nbytes > self.capacity:
                 s = ("MISS", "too_large")
@@ -150,6 +155,9 @@ class ModelCache:
         offset = self.alloc.allocate(size)
         if offset is None and self.eviction:
             victims = self.choose_victims(size)
+            if victims is not None and not self.policy.admit(key, size, victims):
+                self.counts["alloc_fail:not_admitted"] += 1
+                return "not_admitted"
             if victims is not None:
                 for k in victims:
                     self.evict(k)
@@ -228,7 +236,7 @@ class ModelCache:
                 self.pin(e, r)
                 self.requests[r].holds.append(key)
             if not e.holders:
-                self.lru.append(key)
+                self.order.add(key)
             return
         if outcome == UNKNOWN:
             reason = "load_unknown"
@@ -280,8 +288,8 @@ class ModelCache:
 
     # -- pins --
     def pin(self, e: MEntry, holder: object) -> None:
-        if not e.holders and e.key in self.lru:
-            self.lru.remove(e.key)
+        if not e.holders and e.key in self.order:
+            self.order.discard(e.key)
         e.holders.add(holder)
 
     def release(self, r: str, key: str) -> None:
@@ -302,7 +310,7 @@ class ModelCache:
         elif e.doomed:
             self.free(e)
         else:
-            self.lru.append(e.key)
+            self.order.add(e.key)
 
     # -- insert and publish --
     def insert(self, r: str, items: list, publish: bool) -> list[bool]:
@@ -357,8 +365,13 @@ class ModelCache:
     def free(self, e: MEntry) -> None:
         self.alloc.free(e.offset)
         del self.entries[e.key]
-        if e.key in self.lru:
-            self.lru.remove(e.key)
+        self.order.discard(e.key)
+        self.policy.forget(e.key)
+
+    @property
+    def lru(self) -> list[str]:
+        """The eviction order as a list, first victim first."""
+        return list(self.order)
 
     # -- what the caller sees --
     def serves(self, r: str, key: str, shape: tuple[int, ...], dtype: object) -> bool:

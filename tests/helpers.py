@@ -52,7 +52,7 @@ def evict_idle_after_close(cache: EmbeddingCache) -> None:
     def close_then_evict(rs: RequestState) -> None:
         close(rs)
         with cache._lock:
-            idle = list(cache._core.lru)
+            idle = list(cache._core.order)
         for key in idle:
             cache.remove(key)
 

@@ -131,10 +131,10 @@ def test_a_store_load_walks_loading_ready_and_hands_off_its_waiters() -> None:
     woken = core.end_load(entry, OK, None)
     assert [rs.request_id for rs in woken] == ["r1", "r2"]
     assert state_of(core) == {"a": ("READY", 0, ["r1", "r2"], [], False)}
-    assert list(core.lru) == []  # pinned entries are not evictable
+    assert list(core.order) == []  # pinned entries are not evictable
     core.release(r1, "a")
     core.release(r2, "a")
-    assert list(core.lru) == ["a"] and core.evictable_bytes == ALIGN
+    assert list(core.order) == ["a"] and core.evictable_bytes == ALIGN
     core.check_invariants()
     actions = [e["action"] for e in trace.events]
     assert actions == ["Init", "OpenRequest", "OpenRequest", "BeginLoad", "Lookup", "EndLoad",
@@ -170,7 +170,7 @@ def test_begin_load_evicts_by_the_rule_or_fails_and_evicts_nothing() -> None:
         assert entry is not None
         core.end_load(entry, OK, None)
     core.release(r1, "a")  # b stays pinned by r1
-    assert list(core.lru) == ["a"]
+    assert list(core.order) == ["a"]
     entry, reason = core.begin_load(r1, Thing("big", 2 * ALIGN), from_store=False)
     assert entry is None and reason is Reason.NO_SPACE
     assert set(core.entries) == {"a", "b"} and core.counts["evictions"] == 0
@@ -239,7 +239,7 @@ def test_request_steps_plan_an_insert_and_reject_a_mismatched_reservation() -> N
     results, _ = steps.finish_insert(core, filling, [OK], 2)
     assert results == [True, False] and core.entries["a"].state is READY
     assert steps.end_request(core, r1) == []
-    assert core.requests == {} and list(core.lru) == ["a"]
+    assert core.requests == {} and list(core.order) == ["a"]
     core.check_invariants()
 
 

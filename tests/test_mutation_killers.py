@@ -645,7 +645,7 @@ def corrupt_and_check(corrupt: str) -> str:
         elif corrupt == "tainted_idle":
             e["idle"].tainted = True
         elif corrupt == "lru":
-            cache._core.lru.pop("idle")
+            cache._core.order.discard("idle")
         elif corrupt == "evictable_bytes":
             cache._core.evictable_bytes += 1
         del s

@@ -108,7 +108,7 @@ def fill(cache: EmbeddingCache, keys: list[str]) -> dict[str, Item]:
 
 def order(cache: EmbeddingCache) -> list[str]:
     with cache._lock:
-        return list(cache._core.lru)
+        return list(cache._core.order)
 
 
 def test_a_lookup_that_pins_nothing_leaves_the_order_alone(

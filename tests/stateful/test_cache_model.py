@@ -18,8 +18,10 @@ import torch
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from embcache import EmbeddingCache, Fault, InProcessStore, Item
+from embcache.policy import make_policy
 from embcache.trace import TraceLog
 from models.cache import ModelCache
+from models.policy import MODELS
 
 ALIGN = 256
 KEYS = ["k0", "k1", "k2", "k3", "k4"]
@@ -32,6 +34,8 @@ CANONICAL = {
 }
 ALTERNATE = ((8,), torch.float16)
 REQUESTS = ["r0", "r1", "r2"]
+# Small tinylfu knobs, so halvings and shift resets happen within a run.
+KNOBS: dict[str, dict[str, Any]] = {"lru": {}, "tinylfu": {"min_entries": 1, "shift_block": 4}}
 FAULTS = {"fail": Fault.FAIL, "unknown": Fault.UNKNOWN, "short": Fault.SHORT, "raise": Fault.RAISE}
 
 
@@ -80,8 +84,9 @@ class CacheMachine(RuleBasedStateMachine):
         units=st.integers(3, 12),
         max_batch=st.integers(1, 4),
         eviction=st.booleans(),
+        policy=st.sampled_from(["lru", "tinylfu"]),
     )
-    def setup(self, units: int, max_batch: int, eviction: bool) -> None:
+    def setup(self, units: int, max_batch: int, eviction: bool, policy: str) -> None:
         self.store = InProcessStore()
         self.trace = TraceLog()
         self.cache = EmbeddingCache(
@@ -92,11 +97,15 @@ class CacheMachine(RuleBasedStateMachine):
             enable_eviction=eviction,
             pin_memory=False,
             trace=self.trace,
+            policy=make_policy(policy, **KNOBS[policy]),
+            auto_fence=None,  # fences are a rule here
         )
         self.io = ManualExecutor()
         self.cache._io.shutdown()
         self.cache._io = self.io  # type: ignore[assignment]
-        self.model = ModelCache(units * ALIGN, ALIGN, max_batch, eviction)
+        self.model = ModelCache(units * ALIGN, ALIGN, max_batch, eviction, policy)
+        self.model.policy = MODELS[policy](**KNOBS[policy])
+        self.model.order = self.model.policy.order()
         self.handles: dict[str, Any] = {}
 
     def teardown(self) -> None:
@@ -244,7 +253,7 @@ class CacheMachine(RuleBasedStateMachine):
             for k, e in self.model.entries.items()
         }
         assert real == model, (real, model)
-        assert list(self.cache._core.lru) == self.model.lru
+        assert list(self.cache._core.order) == self.model.lru
         assert self.cache._core.allocator.free_blocks() == self.model.alloc.free_blocks()
         stats, counts = self.cache.stats(), self.model.counts
         assert (stats.hits, stats.evictions, stats.evicted_bytes, stats.inserts) == (
