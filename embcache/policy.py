@@ -181,6 +181,7 @@ class TinyLfuPolicy:
         self._shift_block = _int_knob("shift_block", shift_block)
         self._shift_drop = _fraction_knob("shift_drop", shift_drop)
         self._resident: set[str] = set()
+        self._has_order = False
         self._counts: dict[str, int] = {}
         self._samples = 0
         self._sample = self._sample_size()
@@ -191,7 +192,16 @@ class TinyLfuPolicy:
         self.shifts = 0
 
     def order(self) -> RecencyOrder:
-        """A new recency order; the keys that enter it count as resident."""
+        """The recency order of this policy's cache; the keys that enter it are resident.
+
+        raises: InvalidArgumentError on a second call (a policy's counts serve one cache)
+        """
+        if self._has_order:
+            raise InvalidArgumentError(
+                "this TinyLfuPolicy already serves a cache: give each cache its own "
+                "(make_policy('tinylfu'))"
+            )
+        self._has_order = True
         return _ResidentOrder(self._resident)
 
     def estimate(self, key: str) -> int:

@@ -230,6 +230,15 @@ def test_tinylfu_detector_stays_quiet_on_a_steady_mix() -> None:
     assert policy.shifts == 0 and policy.halvings > 0
 
 
+def test_a_tinylfu_policy_serves_one_cache() -> None:
+    policy = make_policy("tinylfu")
+    policy.order()
+    with pytest.raises(InvalidArgumentError, match="already serves a cache"):
+        policy.order()
+    lru = make_policy("lru")
+    assert list(lru.order()) == list(lru.order()) == []  # stateless: may serve several
+
+
 @pytest.mark.parametrize(
     ("name", "knobs", "error", "named"),
     [
