@@ -33,7 +33,8 @@ from embcache.errors import (
     RequestError,
     StoreConfigError,
 )
-from embcache.store.mooncake import _ENV, MooncakeStore
+from embcache.store.mooncake import MooncakeStore
+from embcache.store.mooncake_config import _ENV
 
 pytestmark = pytest.mark.timeout(60)
 

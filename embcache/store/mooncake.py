@@ -14,7 +14,8 @@ destroys its transfer engine, so a transfer it abandoned (Mooncake gives up wait
 60 s and reports ``TRANSFER_FAIL`` while the bytes may still move) can no longer land.
 
 Failures are values, not exceptions: every transfer method returns one code per item and
-``classify`` maps a code to the outcome the cache acts on (the table ``CODES``, below). Only a
+``classify`` maps a code to the outcome the cache acts on (the table ``CODES``, in
+``mooncake_native``). Only a
 malformed call (sequences of different lengths, a bad pool) raises.
 
 Mooncake's client blocks a long time when the master is gone: ``setup`` about 90 s, each
@@ -38,410 +39,46 @@ may block checks (``assert_unlocked``) that its caller holds no cache or allocat
 
 from __future__ import annotations
 
-import ctypes
-import importlib
 import logging
-import math
-import os
-import re
-import socket
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import NamedTuple, Protocol
 
 import torch
 
 from embcache.errors import (
     InvalidArgumentError,
     InvalidTypeError,
-    StoreConfigError,
     StoreUnavailableError,
 )
 from embcache.locks import assert_unlocked
 from embcache.store.base import TransferOutcome
+from embcache.store.mooncake_config import MooncakeConfig, _reachable
+from embcache.store.mooncake_native import (
+    _NO_AVAILABLE_HANDLE,
+    _RPC_FAIL,
+    CODES,
+    UNKNOWN,
+    StoreCode,
+    _Client,
+    _get_into,
+    _in_pool,
+    _load_binding,
+    _put_missing,
+    quiet_native_logging,
+)
 
 __all__ = [
     "CODES",
     "MooncakeConfig",
     "MooncakeStore",
     "StoreCode",
+    "quiet_native_logging",
 ]
 
 logger = logging.getLogger(__name__)
-
-OK = TransferOutcome.OK
-FAILED = TransferOutcome.FAILED
-UNKNOWN = TransferOutcome.UNKNOWN
-
-
-class StoreCode:
-    """Codes this module returns itself. None of them comes from a transfer that was started."""
-
-    NOT_CONNECTED = -20001
-    STORE_CLOSED = -20002
-    NO_BUFFER = -20003
-    BAD_ITEM = -20004
-    MASTER_UNREACHABLE = -20005
-    BINDING_ERROR = -20006
-
-
-class CodeInfo(NamedTuple):
-    """One row of the code table: the name, the outcome for the range, and why."""
-
-    name: str
-    outcome: TransferOutcome
-    why: str
-
-
-_BEFORE_TRANSFER = "answered before any transfer is submitted"
-_MASTER_REFUSED = "the master refused the request; nothing was submitted"
-
-#: Mooncake's ``ErrorCode`` (mooncake-store ``types.h``) and this module's own codes. FAILED
-#: means no transfer into or out of the range is or will be in flight; anything not listed,
-#: and anything listed UNKNOWN, may still be moving bytes and must be quarantined until fence.
-CODES: dict[int, CodeInfo] = {
-    0: CodeInfo("OK", OK, "the transfer completed"),
-    -1: CodeInfo("INTERNAL_ERROR", UNKNOWN, "raised anywhere, also after a submit"),
-    -10: CodeInfo("BUFFER_OVERFLOW", FAILED, "size arithmetic checked " + _BEFORE_TRANSFER),
-    -100: CodeInfo("SHARD_INDEX_OUT_OF_RANGE", FAILED, _MASTER_REFUSED),
-    -101: CodeInfo("SEGMENT_NOT_FOUND", FAILED, _MASTER_REFUSED),
-    -102: CodeInfo("SEGMENT_ALREADY_EXISTS", FAILED, _MASTER_REFUSED),
-    -103: CodeInfo("CLIENT_NOT_FOUND", FAILED, _MASTER_REFUSED),
-    -200: CodeInfo("NO_AVAILABLE_HANDLE", FAILED, "no space in the store; put never started"),
-    -300: CodeInfo("INVALID_VERSION", FAILED, _MASTER_REFUSED),
-    -400: CodeInfo("INVALID_KEY", FAILED, _MASTER_REFUSED),
-    -500: CodeInfo("WRITE_FAIL", UNKNOWN, "an engine write failed part-way"),
-    -600: CodeInfo("INVALID_PARAMS", FAILED, "e.g. buffer too small: " + _BEFORE_TRANSFER),
-    -601: CodeInfo("ILLEGAL_CLIENT", FAILED, _MASTER_REFUSED),
-    -700: CodeInfo("INVALID_WRITE", UNKNOWN, "an engine operation failed; may be mid-way"),
-    -701: CodeInfo("INVALID_READ", UNKNOWN, "an engine operation failed; may be mid-way"),
-    -702: CodeInfo("INVALID_REPLICA", UNKNOWN, "an engine operation failed; may be mid-way"),
-    -703: CodeInfo("REPLICA_IS_NOT_READY", FAILED, _BEFORE_TRANSFER),
-    -704: CodeInfo("OBJECT_NOT_FOUND", FAILED, _BEFORE_TRANSFER),
-    -705: CodeInfo("OBJECT_ALREADY_EXISTS", FAILED, _BEFORE_TRANSFER),
-    -706: CodeInfo("OBJECT_HAS_LEASE", FAILED, _MASTER_REFUSED),
-    -707: CodeInfo("LEASE_EXPIRED", FAILED, "checked after the transfer completed"),
-    -708: CodeInfo("OBJECT_HAS_REPLICATION_TASK", FAILED, _MASTER_REFUSED),
-    -709: CodeInfo("OBJECT_NO_REPLICATION_TASK", FAILED, _MASTER_REFUSED),
-    -710: CodeInfo("REPLICA_NOT_FOUND", FAILED, _BEFORE_TRANSFER),
-    -711: CodeInfo("REPLICA_ALREADY_EXISTS", FAILED, _MASTER_REFUSED),
-    -712: CodeInfo("REPLICA_IS_GONE", FAILED, _BEFORE_TRANSFER),
-    -800: CodeInfo("TRANSFER_FAIL", UNKNOWN, "includes the 60 s wait timeout: bytes may move"),
-    -900: CodeInfo(
-        "RPC_FAIL",
-        FAILED,
-        "master RPCs run before a transfer is submitted or after every transfer is joined",
-    ),
-    -1010: CodeInfo("UNAVAILABLE_IN_CURRENT_STATUS", FAILED, _MASTER_REFUSED),
-    -1011: CodeInfo("UNAVAILABLE_IN_CURRENT_MODE", FAILED, _MASTER_REFUSED),
-    StoreCode.NOT_CONNECTED: CodeInfo("NOT_CONNECTED", FAILED, "no client; nothing was called"),
-    StoreCode.STORE_CLOSED: CodeInfo("STORE_CLOSED", FAILED, "store closed; nothing was called"),
-    StoreCode.NO_BUFFER: CodeInfo("NO_BUFFER", FAILED, "no pool registered; nothing was called"),
-    StoreCode.BAD_ITEM: CodeInfo(
-        "BAD_ITEM", FAILED, "empty key or range outside the pool; nothing was called"
-    ),
-    StoreCode.MASTER_UNREACHABLE: CodeInfo(
-        "MASTER_UNREACHABLE", FAILED, "master known down; nothing was called"
-    ),
-    StoreCode.BINDING_ERROR: CodeInfo(
-        "BINDING_ERROR", UNKNOWN, "the Mooncake call raised or answered malformed"
-    ),
-}
-
-_RPC_FAIL = -900
-_OBJECT_ALREADY_EXISTS = -705
-_NO_AVAILABLE_HANDLE = -200
-
-_INSTALL_HINT = (
-    "install the extra: pip install 'embcache[mooncake]' (CPU hosts, package "
-    "mooncake-transfer-engine-non-cuda), or on GPU hosts pip install mooncake-transfer-engine "
-    "(the CUDA build); it also needs the system libraries libibverbs1 librdmacm1 libnuma1"
-)
-
-
-class _Client(Protocol):
-    """The part of ``mooncake.store.MooncakeDistributedStore`` this module uses."""
-
-    def setup(
-        self,
-        local_hostname: str,
-        metadata_server: str,
-        global_segment_size: int,
-        local_buffer_size: int,
-        protocol: str,
-        rdma_devices: str,
-        master_server_addr: str,
-    ) -> int: ...
-
-    def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
-
-    def batch_is_exist(self, keys: list[str]) -> list[int]: ...
-
-    def batch_get_into(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
-    ) -> list[int]: ...
-
-    def batch_put_from(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
-    ) -> list[int]: ...
-
-    def batch_remove(self, keys: list[str], force: bool) -> list[int]: ...
-
-    def close(self) -> int: ...
-
-
-def _load_binding() -> Callable[[], _Client]:
-    """The Mooncake client class; the only place an untyped Mooncake object enters."""
-    try:
-        module = importlib.import_module("mooncake.store")
-    except ImportError as exc:
-        raise StoreUnavailableError(
-            f"MooncakeStore cannot import mooncake.store ({exc}): {_INSTALL_HINT}"
-        ) from exc
-    factory: Callable[[], _Client] = module.MooncakeDistributedStore
-    return factory
-
-
-# ---------------------------------------------------------------------------------------------
-# Mooncake's native log
-
-_GLOG_FATAL = 3
-_GLOG_MINLOGLEVEL = "_ZN3fLI17FLAGS_minloglevelE"  # glog's int32 FLAGS_minloglevel
-
-
-def quiet_native_logging() -> None:
-    """Keep Mooncake's C++ log (glog) off stderr in this process; call before the first store.
-
-    Sets Mooncake's own knob ``MC_LOG_LEVEL=ERROR`` (read when its library loads), loads the
-    library, then raises glog's ``minloglevel`` to FATAL, which also drops the errors Mooncake
-    logs for normal events (``http=404 metadata not found`` while a client registers). Store
-    failures still reach the cache as codes (``CODES``) and show in ``stats()``. Does nothing
-    when ``MC_LOG_LEVEL`` is already set (the caller chose) or Mooncake is not installed;
-    without this call Mooncake logs at INFO on stderr. Idempotent.
-    """
-    if "MC_LOG_LEVEL" in os.environ:
-        return
-    os.environ["MC_LOG_LEVEL"] = "ERROR"
-    try:
-        importlib.import_module("mooncake.store")
-    except ImportError:
-        return
-    for path in _loaded_libraries("libglog"):
-        try:
-            flag = ctypes.c_int32.in_dll(ctypes.CDLL(path), _GLOG_MINLOGLEVEL)
-        except (OSError, ValueError):
-            continue
-        flag.value = max(flag.value, _GLOG_FATAL)
-
-
-def _loaded_libraries(name: str) -> list[str]:
-    """Paths of the shared libraries of this process whose file name starts with ``name``."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/" in line}
-    except OSError:
-        return []
-    return sorted(p for p in paths if os.path.basename(p).startswith(name))
-
-
-# ---------------------------------------------------------------------------------------------
-# Configuration
-
-
-_ENV = {
-    "master_address": "MOONCAKE_MASTER",
-    "metadata_server": "MOONCAKE_TE_META_DATA_SERVER",
-    "protocol": "MOONCAKE_PROTOCOL",
-    "device_name": "MOONCAKE_DEVICE",
-    "local_hostname": "MOONCAKE_LOCAL_HOSTNAME",
-    "global_segment_size": "MOONCAKE_GLOBAL_SEGMENT_SIZE",
-    "local_buffer_size": "MOONCAKE_LOCAL_BUFFER_SIZE",
-}
-_PROTOCOLS = ("tcp", "rdma")
-_METADATA_SCHEMES = ("http", "etcd", "redis")
-_P2P = "P2PHANDSHAKE"
-_MIN_SEGMENT = 1 << 10
-_MAX_SIZE = 1 << 40
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_DEVICE_RE = re.compile(r"^[A-Za-z0-9_.,:\-]+$")
-
-
-def _setting(name: str, value: object, default: object) -> object:
-    """``value`` if given, else the environment variable for ``name`` if set and non-empty."""
-    if value is not None:
-        return value
-    return os.environ.get(_ENV[name]) or default
-
-
-def _where(name: str, given: object) -> str:
-    return f"{name}=" if given is not None else f"${_ENV[name]}="
-
-
-def _parse_address(name: str, value: str) -> tuple[str, int]:
-    host, sep, port_text = value.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise StoreConfigError(
-            f"{name}{value!r} is not host:port with a port in 1..65535; e.g. '10.0.0.5:50051'"
-        )
-    return host, int(port_text)
-
-
-def _parse_size(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise StoreConfigError(f"{name}{value!r} is not a size: give bytes as an int or '512MB'")
-    if isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        if match is None:
-            raise StoreConfigError(f"{name}{value!r} is not a size: give bytes or e.g. '512MB'")
-        value = int(match.group(1)) * _UNITS.get((match.group(2) or "").lower(), 1)
-    if value != 0 and not minimum <= value <= _MAX_SIZE:
-        raise StoreConfigError(
-            f"{name}{value} is out of range: give 0 or {minimum}..{_MAX_SIZE} bytes"
-        )
-    return value
-
-
-def _parse_seconds(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise StoreConfigError(f"{name}={value!r} must be a finite number of seconds")
-    if value <= 0:
-        raise StoreConfigError(f"{name}={value!r} must be > 0 seconds")
-    return float(value)
-
-
-def _parse_metadata(name: str, value: str) -> tuple[str, int] | None:
-    """The host and port to probe for ``value``; None for P2P handshake (nothing to probe)."""
-    if value == _P2P:
-        return None
-    parts = urllib.parse.urlsplit(value)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme not in _METADATA_SCHEMES or not parts.hostname or port is None:
-        raise StoreConfigError(
-            f"{name}{value!r} is not a metadata server: give {_P2P!r} or a URL with a port, "
-            "e.g. 'http://10.0.0.5:8080/metadata' (also etcd://host:port, redis://host:port)"
-        )
-    return parts.hostname, port
-
-
-@dataclass(frozen=True)
-class MooncakeConfig:
-    """A validated Mooncake client configuration (see ``MooncakeStore`` for each field)."""
-
-    master_address: str
-    master_host: str
-    master_port: int
-    metadata_server: str
-    metadata_probe: tuple[str, int] | None
-    protocol: str
-    device_name: str
-    local_hostname: str
-    global_segment_size: int
-    local_buffer_size: int
-    key_prefix: str
-    connect_timeout_s: float
-    reconnect_interval_s: float
-
-    @classmethod
-    def resolve(
-        cls,
-        master_address: str | None = None,
-        *,
-        metadata_server: str | None = None,
-        protocol: str | None = None,
-        device_name: str | None = None,
-        local_hostname: str | None = None,
-        global_segment_size: int | str | None = None,
-        local_buffer_size: int | str | None = None,
-        key_prefix: str = "embcache/",
-        connect_timeout_s: float = 1.0,
-        reconnect_interval_s: float = 1.0,
-    ) -> MooncakeConfig:
-        """Arguments, else environment, else defaults; raises ``StoreConfigError``. No I/O."""
-        master = _setting("master_address", master_address, None)
-        where = _where("master_address", master_address)
-        if not isinstance(master, str) or not master.strip():
-            raise StoreConfigError(
-                "no Mooncake master address: pass master_address='host:port' or set "
-                "MOONCAKE_MASTER=host:port"
-            )
-        master = master.strip()
-        master_host, master_port = _parse_address(where, master)
-
-        metadata = _setting("metadata_server", metadata_server, _P2P)
-        if not isinstance(metadata, str):
-            raise StoreConfigError(f"metadata_server={metadata!r} must be a str")
-        probe = _parse_metadata(_where("metadata_server", metadata_server), metadata)
-
-        proto = _setting("protocol", protocol, "tcp")
-        if not isinstance(proto, str) or proto.lower() not in _PROTOCOLS:
-            raise StoreConfigError(
-                f"{_where('protocol', protocol)}{proto!r} is not supported: use 'tcp' or 'rdma'"
-            )
-        proto = proto.lower()
-
-        device = _setting("device_name", device_name, "")
-        if not isinstance(device, str):
-            raise StoreConfigError(f"device_name={device!r} must be a str")
-        if proto == "rdma" and not _DEVICE_RE.match(device):
-            raise StoreConfigError(
-                f"protocol 'rdma' needs an RDMA device, got {_where('device_name', device_name)}"
-                f"{device!r}: give e.g. 'mlx5_0', a comma-separated list, or 'auto-discovery'"
-            )
-
-        hostname = _setting("local_hostname", local_hostname, None)
-        if hostname is None:
-            hostname = socket.gethostname()
-        if not isinstance(hostname, str) or not hostname or any(c.isspace() for c in hostname):
-            raise StoreConfigError(
-                f"{_where('local_hostname', local_hostname)}{hostname!r} is not a host name: "
-                "give the address other workers reach this one at, e.g. '10.0.0.7'"
-            )
-
-        segment = _parse_size(
-            _where("global_segment_size", global_segment_size),
-            _setting("global_segment_size", global_segment_size, 0),
-            _MIN_SEGMENT,
-        )
-        local_buffer = _parse_size(
-            _where("local_buffer_size", local_buffer_size),
-            _setting("local_buffer_size", local_buffer_size, 16 << 20),
-            0,
-        )
-        if not isinstance(key_prefix, str):
-            raise StoreConfigError(f"key_prefix={key_prefix!r} must be a str")
-        return cls(
-            master_address=master,
-            master_host=master_host,
-            master_port=master_port,
-            metadata_server=metadata,
-            metadata_probe=probe,
-            protocol=proto,
-            device_name=device if proto == "rdma" else "",
-            local_hostname=hostname,
-            global_segment_size=segment,
-            local_buffer_size=local_buffer,
-            key_prefix=key_prefix,
-            connect_timeout_s=_parse_seconds("connect_timeout_s", connect_timeout_s),
-            reconnect_interval_s=_parse_seconds("reconnect_interval_s", reconnect_interval_s),
-        )
-
-
-def _reachable(address: tuple[str, int], timeout_s: float) -> bool:
-    """Whether a TCP connection to ``address`` can be opened within ``timeout_s``."""
-    try:
-        socket.create_connection(address, timeout=timeout_s).close()
-    except OSError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -914,36 +551,3 @@ class MooncakeStore:
             client.close()
         except Exception:
             logger.warning("closing a Mooncake client raised", exc_info=True)
-
-
-def _in_pool(offset: object, size: object, capacity: int) -> bool:
-    return (
-        isinstance(offset, int)
-        and isinstance(size, int)
-        and not isinstance(offset, bool)
-        and not isinstance(size, bool)
-        and offset >= 0
-        and size > 0
-        and offset + size <= capacity
-    )
-
-
-def _get_into(client: _Client, names: list[str], ptrs: list[int], lens: list[int]) -> list[int]:
-    return client.batch_get_into(names, ptrs, lens)
-
-
-def _put_missing(client: _Client, names: list[str], ptrs: list[int], lens: list[int]) -> list[int]:
-    """Put the objects not yet stored; a stored one (before or during the put) counts as 0.
-
-    A key whose existence check failed (a code < 0: the master did not answer) is not put.
-    """
-    stored = client.batch_is_exist(names)
-    codes = [0 if flag >= 0 else flag for flag in stored]
-    todo = [i for i, flag in enumerate(stored) if flag == 0]
-    if todo:
-        put = client.batch_put_from(
-            [names[i] for i in todo], [ptrs[i] for i in todo], [lens[i] for i in todo]
-        )
-        for i, code in zip(todo, put, strict=True):
-            codes[i] = 0 if code == _OBJECT_ALREADY_EXISTS else code
-    return codes
