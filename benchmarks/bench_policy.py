@@ -9,13 +9,16 @@ images, the last ``inflight`` requests held open):
 - ``1GiB``: the mix of ``bench_fragmentation`` itself (2000 requests, as issue 3 reported).
 (``--quick``: the first three over the quick catalogue of 600 images, 1500 requests.)
 
-Each policy runs over the real allocator (``RangeAllocator``) and the real victim rule
-(``eviction.choose_victims``, its candidates the first entries of the policy's eviction order),
-driven by ``simulate``, which takes the cache's actions in the cache's order: Lookup of every
-item (``record``; a hit pins), a reserving BeginLoad per miss (``admit`` when it must evict; a
-refusal evicts nothing), EndLoad OK, and the request's pins released when it closes
-(``tests/test_policy.py`` checks that with LRU it makes exactly the real cache's hits and
-evictions). The baselines replay the same requests with plain LRU: LRU-to-fit and LRU-to-bytes
+``lru`` and ``tinylfu`` run through the real ``EmbeddingCache(policy=...)`` (real copies of
+real-sized tensors), as ``bench_fragmentation.run_ours`` drives it. Every contender also runs
+in ``simulate``: the real allocator (``RangeAllocator``) and victim rule
+(``eviction.choose_victims``, its candidates the first entries of the policy's eviction order)
+under the cache's actions in the cache's order (Lookup of every item: ``record``, a hit pins; a
+reserving BeginLoad per miss: ``admit`` when it must evict, a refusal evicts nothing; EndLoad
+OK; the request's pins released in lookup order when it closes). For ``lru`` and ``tinylfu``
+the simulation must make exactly the real cache's hits, refusals and evictions (else the
+benchmark fails), which is what lets the candidates run only simulated.
+The baselines replay the same requests with plain LRU: LRU-to-fit and LRU-to-bytes
 over first fit (``bench_fragmentation``) and the paged pool (``bench_paged``).
 Contenders: ``lru`` (ours today), ``tinylfu`` (the policy chosen, ``embcache.policy``), and the
 candidates it was chosen against: ``tinylfu`` with its shift detector off, ``s3fifo`` (a small
@@ -44,11 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from sortedcontainers import SortedList
 
 from benchmarks import bench_fragmentation as frag
 from benchmarks import bench_hitpath, bench_paged
 from benchmarks.bench_allocator import make_row, print_rows
+from embcache import EmbeddingCache, Request, Status
 from embcache.allocator import Block, RangeAllocator
 from embcache.eviction import choose_victims
 from embcache.policy import Policy, make_policy
@@ -57,6 +62,7 @@ MIXES = ("steady", "drift", "scan", "1GiB")
 CHOSEN = "tinylfu"
 DRIFT_EVERY = 500
 SCAN_EVERY = 3
+REAL = ("lru", CHOSEN)  # run through the real EmbeddingCache (and checked against simulate)
 LRU_MARGIN = 3.0  # points of tokens saved over our LRU on the steady and scan mixes
 
 
@@ -336,18 +342,20 @@ def simulate(
     workload: frag.Workload, policy: Policy, calls: list[tuple[Any, ...]] | None = None
 ) -> Result:
     """Replay ``workload`` as ``bench_fragmentation.run_ours`` drives the cache, with ``policy``
-    (the pins of a request go, in key order as the cache releases them, when it closes)."""
+    (the pins of a request go when it closes, in the order it looked the keys up, as the cache
+    releases them)."""
     result = Result()
     cache = Simulated(frag.POOL_BYTES, policy, calls)
     open_requests: deque[list[str]] = deque()
     started = time.perf_counter()
     for indices in workload.requests:
-        held, misses = [], []
-        for spec in (workload.specs[i] for i in indices):
+        specs = [workload.specs[i] for i in indices]
+        held, misses = set(), []
+        for spec in specs:
             result.lookups += 1
             result.lookup_tokens += spec.tokens
             if cache.lookup(spec.key):
-                held.append(spec.key)
+                held.add(spec.key)
                 result.hits += 1
                 result.hit_tokens += spec.tokens
             else:
@@ -356,12 +364,12 @@ def simulate(
             result.inserts += 1
             reason = cache.begin_load(spec.key, spec.nbytes)
             if reason is None:
-                held.append(spec.key)
+                held.add(spec.key)
             elif reason == "no_space":
                 result.failed += 1
             else:
                 result.refused += 1
-        open_requests.append(sorted(held))
+        open_requests.append([spec.key for spec in specs if spec.key in held])
         if len(open_requests) > workload.inflight:
             for key in open_requests.popleft():
                 cache.release(key)
@@ -373,6 +381,75 @@ def simulate(
     result.evictions = cache.evictions
     result.seconds = time.perf_counter() - started
     return result
+
+
+def run_real(workload: frag.Workload, policy: str) -> Result:
+    """Drive a real ``EmbeddingCache(policy=policy)`` as ``bench_fragmentation.run_ours`` does:
+    each request looks its items up reserving the misses, inserts what it reserved (real
+    copies of real-sized tensors) and stays open while the next ``inflight`` requests run."""
+    result = Result()
+    sources = {
+        dtype: torch.empty(frag.MAX_TOKENS * frag.HIDDEN, dtype=dtype)
+        for dtype in (torch.bfloat16, torch.float32)
+    }
+    started = time.perf_counter()
+    with EmbeddingCache(
+        frag.POOL_BYTES,
+        alignment=frag.ALIGN,
+        max_eviction_batch=frag.MAX_BATCH,
+        pin_memory=False,
+        io_workers=1,
+        policy=policy,
+        auto_fence=None,
+    ) as cache:
+        open_requests: deque[Request] = deque()
+        for n, indices in enumerate(workload.requests):
+            specs = [workload.specs[i] for i in indices]
+            request = cache.request(f"r{n}")
+            statuses = request.lookup([s.item for s in specs], prefetch=False, reserve_misses=True)
+            reserved = []
+            for spec, status in zip(specs, statuses, strict=True):
+                result.lookups += 1
+                result.lookup_tokens += spec.tokens
+                if status.status is Status.HIT:
+                    result.hits += 1
+                    result.hit_tokens += spec.tokens
+                elif status.status is Status.RESERVED:
+                    reserved.append(spec)
+            if reserved:
+                tensors = [
+                    sources[s.dtype][: s.tokens * frag.HIDDEN].view(s.tokens, frag.HIDDEN)
+                    for s in reserved
+                ]
+                assert all(request.insert([s.key for s in reserved], tensors, publish=False))
+            open_requests.append(request)
+            if len(open_requests) > workload.inflight:
+                open_requests.popleft().close()
+        while open_requests:
+            open_requests.popleft().close()
+        cache.check_invariants()
+        stats = cache.stats()
+        assert stats.hits == result.hits and stats.pinned_entries == 0
+        result.refused = stats.admissions_refused
+        result.failed = sum(stats.allocation_failures_by_reason.values()) - result.refused
+        result.inserts = stats.inserts + result.failed + result.refused
+        result.evictions = stats.evictions
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def checked_real(workload: frag.Workload, policy: str) -> Result:
+    """``run_real``, and the simulation of the same policy, which must agree with it exactly
+    (hits, tokens saved, refusals, failures, evictions): the candidates run only simulated."""
+    real = run_real(workload, policy)
+    simulated = simulate(workload, make_policy(policy))
+    fields = ("hits", "hit_tokens", "refused", "failed", "evictions")
+    if any(getattr(real, f) != getattr(simulated, f) for f in fields):
+        raise AssertionError(
+            f"the simulation of {policy!r} departs from the real cache: "
+            + ", ".join(f"{f} {getattr(real, f)} vs {getattr(simulated, f)}" for f in fields)
+        )
+    return real
 
 
 def from_tally(tally: frag.Tally) -> Result:
@@ -397,7 +474,10 @@ def measure(quick: bool) -> dict[str, dict[str, Result]]:
         results = {mode: from_tally(frag.run_baseline(workload, mode)) for mode in frag.BASELINES}
         results[bench_paged.MODE] = from_tally(bench_paged.run_paged(workload))
         for name, make in CONTENDERS.items():
-            results[name] = simulate(workload, make())
+            if name in REAL:
+                results[name] = checked_real(workload, name)
+            else:
+                results[name] = simulate(workload, make())
         out[mix] = results
     return out
 

@@ -260,19 +260,15 @@ def test_bad_policy_or_knob_is_named(
         make_policy(name, **knobs)
 
 
-def test_simulation_replays_the_real_cache_exactly() -> None:
-    """The policy benchmark's ``simulate`` with LRU makes the same hits and evictions as a real
-    EmbeddingCache on the fragmentation mix (so its other policies run in a faithful model)."""
-    from benchmarks import bench_fragmentation as frag
+@pytest.mark.parametrize("policy", ["lru", "tinylfu"])
+def test_simulation_replays_the_real_cache_exactly(policy: str) -> None:
+    """The policy benchmark's ``simulate`` makes the same hits, refusals and evictions as a
+    real ``EmbeddingCache(policy=...)`` on a mix that evicts (so the candidates that run only
+    simulated run in a faithful model)."""
     from benchmarks import bench_policy
 
-    workload = frag.make_workload(quick=True)
-    workload.requests[:] = workload.requests[:150]
-    real = frag.run_ours(workload)
-    simulated = bench_policy.simulate(workload, make_policy("lru"))
-    assert (simulated.hits, simulated.hit_tokens, simulated.failed) == (
-        real.hits,
-        real.hit_tokens,
-        real.failures,
-    )
-    assert simulated.evictions == real.evictions and real.evictions > 0
+    workload = bench_policy.make_mix("scan", quick=True)
+    workload.requests[:] = workload.requests[:400]
+    real = bench_policy.checked_real(workload, policy)  # raises if the two depart
+    assert real.evictions > 0 and real.hits > 0
+    assert (real.refused > 0) == (policy == "tinylfu")
