@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from embcache.cache import EmbeddingCache
 from embcache.demo_report import (
+    DemoConfig,
     DemoResult,
     PipelineTotals,
     Sample,
@@ -78,30 +79,6 @@ __all__ = [
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IMAGE_SIZES = ((112, 112), (112, 224), (224, 224), (224, 336), (336, 224), (336, 336))
 COLLECTIVE_TIMEOUT_S = 120.0
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """Every knob of the demo; the defaults finish in seconds on two CPU cores."""
-
-    requests: int = 400
-    catalogue: int = 150
-    images_per_request: int = 4  # each request has 1..this many images
-    zipf: float = 1.1
-    concurrency: int = 4
-    pool_mib: float = 8.0
-    hidden: int = 1024
-    dtype: str = "bf16"
-    tp: int = 1
-    store: str = "inprocess"  # or "mooncake"
-    master: str | None = None  # a running mooncake_master; None: start one on loopback
-    metadata_server: str | None = None
-    segment_mib: int = 256  # memory this worker lends to the Mooncake store
-    store_fault_rate: float = 0.02
-    prefetch_timeout: float = 5.0
-    seed: int = 0
-    verify: bool = False
-    metrics_port: int | None = None  # serve Prometheus metrics here (0: a free port)
 
 
 # ---------------------------------------------------------------------------- the store

@@ -1,4 +1,4 @@
-"""What a demo run measured: the result, its summary and JSON, the leak check, the plot.
+"""The demo's knobs and what a run measured: result, summary and JSON, leak check, plot.
 
 ``make_result`` turns the cache's ``stats()``, the pipelines' counters and the request latencies
 into a ``DemoResult``; ``summary()`` is the human-readable report and ``to_json()`` the
@@ -14,15 +14,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from embcache.cache import CacheStats, EmbeddingCache
 from embcache.errors import InvariantError
 
-if TYPE_CHECKING:
-    from embcache.demo import DemoConfig
-
 __all__ = [
+    "DemoConfig",
     "DemoResult",
     "PipelineTotals",
     "Sample",
@@ -31,6 +29,30 @@ __all__ = [
     "result_json",
     "write_plot",
 ]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Every knob of the demo; the defaults finish in seconds on two CPU cores."""
+
+    requests: int = 400
+    catalogue: int = 150
+    images_per_request: int = 4  # each request has 1..this many images
+    zipf: float = 1.1
+    concurrency: int = 4
+    pool_mib: float = 8.0
+    hidden: int = 1024
+    dtype: str = "bf16"
+    tp: int = 1
+    store: str = "inprocess"  # or "mooncake"
+    master: str | None = None  # a running mooncake_master; None: start one on loopback
+    metadata_server: str | None = None
+    segment_mib: int = 256  # memory this worker lends to the Mooncake store
+    store_fault_rate: float = 0.02
+    prefetch_timeout: float = 5.0
+    seed: int = 0
+    verify: bool = False
+    metrics_port: int | None = None  # serve Prometheus metrics here (0: a free port)
 
 
 @dataclass(frozen=True)
