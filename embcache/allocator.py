@@ -224,6 +224,16 @@ class RangeAllocator:
                 end = self._allocated.get(offset)
         return None if end is None else _new_block(Block, (offset, end - offset, free))
 
+    def free_around(self, offset: int, end: int) -> tuple[int, int]:
+        """``(start, stop)``: ``[offset, end)`` widened over the free block that ends at
+        ``offset`` and the free block that starts at ``end``, where there are such blocks (the
+        eviction rule's one query per candidate). O(1)."""
+        with self._lock:
+            before = self._end.get(offset)
+            start = before if before is not None and before in self._free else offset
+            stop = self._free.get(end, end)
+        return start, stop
+
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` naming the first broken invariant. O(n log n)."""
         with self._lock:

@@ -19,10 +19,12 @@ which no run can hold yet, since free blocks are coalesced and a run swallows th
 beside its candidates), and searches only when the newest candidate's run spans ``need`` bytes:
 a run that spans less holds no feasible window. A candidate alone in its run (no other
 candidate beside it) has one window, itself and the free blocks beside it, known without a
-search. Each candidate costs O(1) dict operations and at most two O(1) allocator queries,
-as plain LRU's victims do; only a run that merged candidates and spans ``need`` pays for the
-walk and the window search. ``models.eviction`` keeps the rule as first written (a walk and a
-search for every k); a test compares the two.
+search. Each candidate costs O(1) dict operations and at most one O(1) allocator query
+(``RangeAllocator.free_around``: the free blocks on both sides), as plain LRU's victims do;
+only a run that merged candidates and spans ``need`` pays for the walk and the window search,
+and in that walk a block is a candidate exactly when it lies inside the run.
+``models.eviction`` keeps the rule as first written (a walk and a search for every k); a test
+compares the two.
 
 ``best_window`` is the pure core (CrossHair checks its contract); ``neighbourhood`` walks the
 allocator's blocks around a candidate, through free blocks and candidates only.
@@ -33,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from embcache.allocator import Block
+from embcache.allocator import Block, RangeAllocator
 
 
 class Piece(NamedTuple):
@@ -142,6 +144,20 @@ def neighbourhood(
     return [*left, Piece(candidate.offset, candidate.size, True), *right], len(left)
 
 
+def free_around_by_blocks(
+    block_before: Callable[[int], Block | None], block_at: Callable[[int], Block | None]
+) -> Callable[[int, int], tuple[int, int]]:
+    """``RangeAllocator.free_around`` made of the two block queries: ``[offset, end)`` widened
+    over the free blocks on both sides."""
+
+    def free_around(offset: int, end: int) -> tuple[int, int]:
+        before, after = block_before(offset), block_at(end)
+        start = before[0] if before is not None and before[2] else offset
+        return start, end + after[1] if after is not None and after[2] else end
+
+    return free_around
+
+
 def choose_victims(
     need: int,
     candidates: Iterable[Block],
@@ -152,37 +168,48 @@ def choose_victims(
     """The eviction rule of DESIGN.md over ``candidates`` in eviction order (lowest value
     first); None when nothing can work.
 
+    When both queries are one ``RangeAllocator``'s own methods, its ``free_around`` answers
+    both sides of a candidate in one call (the same answer, half the calls).
     Cost: O(k) for the k candidates examined (never all entries), plus one walk of at most
     ``2 * max_batch`` blocks and one window search each time a merged run spans ``need``.
     """
-    added: set[int] = set()
+    free_around: Callable[[int, int], tuple[int, int]]
+    owner = getattr(block_before, "__self__", None)
+    if (
+        type(owner) is RangeAllocator
+        and block_before == owner.block_before
+        and block_at == owner.block_at
+    ):
+        free_around = owner.free_around
+    else:
+        free_around = free_around_by_blocks(block_before, block_at)
     run_end: dict[int, int] = {}  # start -> end of each run of free blocks and candidates
     run_start: dict[int, int] = {}  # end -> start
     for block in candidates:
         offset, size, _ = block
         end = offset + size
-        added.add(offset)
-        start = run_start.pop(offset, None)
-        merged = start is not None
-        if start is None:
-            before = block_before(offset)
-            start = before[0] if before is not None and before[2] else offset
+        left = run_start.pop(offset, None)  # the start of a run that ends where block starts
+        right = run_end.pop(end, None)  # the end of a run that starts where block ends
+        if left is None or right is None:
+            free_start, free_stop = free_around(offset, end)
+        if left is None:
+            start = free_start
         else:
-            del run_end[start]
-        stop = run_end.pop(end, None)
-        if stop is None:
-            after = block_at(end)
-            stop = end + after[1] if after is not None and after[2] else end
+            start = left
+            del run_end[left]
+        if right is None:
+            stop = free_stop
         else:
-            del run_start[stop]
-            merged = True
+            stop = right
+            del run_start[right]
         run_end[start] = stop
         run_start[stop] = start
         if stop - start < need:
             continue
-        if not merged:  # one candidate between blocks that are neither free nor candidates
+        if left is None and right is None:  # no other candidate beside it: one window
             return Window((offset,), size, start, stop - start)
-        pieces, must = neighbourhood(block, max_batch, block_before, block_at, added.__contains__)
+        inside = range(start, stop).__contains__  # the run's allocated blocks: candidates
+        pieces, must = neighbourhood(block, max_batch, block_before, block_at, inside)
         window = best_window(pieces, need, max_batch, must)
         if window is not None:
             return window

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embcache.allocator import Block, RangeAllocator
-from embcache.eviction import Window, choose_victims
+from embcache.eviction import Window, choose_victims, free_around_by_blocks
 from models import eviction as reference
 
 ALIGN = 256
@@ -36,7 +36,13 @@ def build(sizes: list[int], kinds: str) -> tuple[RangeAllocator, list[Block]]:
 def both(
     allocator: RangeAllocator, order: list[Block], need: int, max_batch: int
 ) -> tuple[Window | None, Window | None]:
+    """The victims of ``choose_victims`` and of the reference; asserts that the allocator's
+    one-call ``free_around`` and the two block queries give the same ones."""
     new = choose_victims(need, order, max_batch, allocator.block_before, allocator.block_at)
+    generic = choose_victims(  # other callables than the allocator's methods: no free_around
+        need, order, max_batch, lambda o: allocator.block_before(o), lambda o: allocator.block_at(o)
+    )
+    assert generic == new
     old = reference.choose_victims(
         need, order, max_batch, allocator.block_before, allocator.block_at
     )
@@ -109,3 +115,13 @@ def test_a_lone_candidate_takes_its_free_neighbours(max_batch: int) -> None:
     assert five == (
         Window((a.offset, b.offset), 2 * ALIGN, 0, 5 * ALIGN) if max_batch == 2 else None
     )
+
+
+def test_free_around_is_the_two_block_queries() -> None:
+    for kinds in small_layouts(4):
+        sizes = [1 + i % 2 for i in range(len(kinds))]
+        allocator, candidates = build(sizes, kinds)
+        by_blocks = free_around_by_blocks(allocator.block_before, allocator.block_at)
+        for block in candidates:
+            span = (block.offset, block.offset + block.size)
+            assert allocator.free_around(*span) == by_blocks(*span), (kinds, block)
