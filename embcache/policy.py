@@ -188,6 +188,8 @@ class TinyLfuPolicy:
         self._block_lookups = 0
         self._block_sum = 0
         self._running_mean: float | None = None
+        self._span = self._left = 0
+        self._schedule()
         self.halvings = 0
         self.shifts = 0
 
@@ -214,15 +216,27 @@ class TinyLfuPolicy:
         count = counts.get(key, 0)
         if count < self._max_count:
             counts[key] = count + 1
-        self._samples += 1
-        if self._samples >= self._sample:
+        self._block_sum += count
+        self._left -= 1
+        if not self._left:
+            self._tick()
+
+    def _tick(self) -> None:
+        """The lookup that ends a sample (halve) or else a block (look for a shift)."""
+        self._samples += self._span
+        self._block_lookups += self._span
+        if self._samples == self._sample:
             self._halve()
-            return
+        elif self._shift_drop and self._block_lookups == self._shift_block:
+            self._end_block()
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Lookups until the next end of a sample or (detector on) of a block."""
+        self._span = self._sample - self._samples
         if self._shift_drop:
-            self._block_sum += count
-            self._block_lookups += 1
-            if self._block_lookups == self._shift_block:
-                self._end_block()
+            self._span = min(self._span, self._shift_block - self._block_lookups)
+        self._left = self._span
 
     def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
         """True iff ``key`` was looked up more often than each of ``victims``. O(victims)."""
