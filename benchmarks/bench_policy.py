@@ -29,7 +29,7 @@ Metrics: encoder tokens saved (tokens of the items served from the cache / all i
 hit ratio, failed inserts (no run of free space and victims fits), refusals (not admitted).
 Cost: what the policy's record + admit add to LRU's per looked-up item (the calls of the
 steady mix replayed on both) against a hit of an 8-item all-hit request through the real
-cache, chunks alternated.
+cache; and that request's cost per item with ``tinylfu`` against ``lru``; chunks alternated.
 Run from the repository root: python -m benchmarks.bench_policy [--quick]
 """
 
@@ -53,7 +53,8 @@ from sortedcontainers import SortedList
 from benchmarks import bench_fragmentation as frag
 from benchmarks import bench_hitpath, bench_paged
 from benchmarks.bench_allocator import make_row, print_rows
-from embcache import EmbeddingCache, Request, Status
+from benchmarks.bench_eviction import insert_all
+from embcache import EmbeddingCache, Item, Request, Status
 from embcache.allocator import Block, RangeAllocator
 from embcache.eviction import choose_victims
 from embcache.policy import Policy, make_policy
@@ -528,6 +529,61 @@ def cost_row(quick: bool) -> dict[str, Any]:
     )
 
 
+def hit_request_row(quick: bool, entries: int = 1000) -> dict[str, Any]:
+    """An 8-item all-hit request (lookup, views, close) per item through a cache with the
+    chosen policy against one with LRU: the whole request, where ``record`` runs per item.
+    Chunks alternate; medians."""
+    batch = bench_hitpath.BATCH
+    items = [Item(f"img{i:08d}", bench_hitpath.SHAPE, torch.bfloat16) for i in range(entries)]
+    rng = random.Random(entries)
+    chunks, per_chunk = (40, 50) if quick else (100, 100)
+    batches = [[rng.choice(items) for _ in range(batch)] for _ in range(chunks * per_chunk)]
+    source = torch.zeros(bench_hitpath.SHAPE, dtype=torch.bfloat16)
+    times: dict[str, list[float]] = {CHOSEN: [], "lru": []}
+    with contextlib.ExitStack() as stack:
+        caches = {}
+        for name in times:
+            cache = stack.enter_context(
+                EmbeddingCache(
+                    entries * bench_hitpath.ENTRY_BYTES,
+                    alignment=bench_hitpath.ENTRY_BYTES,
+                    pin_memory=False,
+                    io_workers=1,
+                    policy=name,
+                    auto_fence=None,
+                )
+            )
+            with cache.request("fill") as fill:
+                insert_all(fill, [it.key for it in items], source)
+            caches[name] = cache
+
+        def serve(cache: EmbeddingCache, chunk: list[list[Item]]) -> float:
+            started = time.perf_counter()
+            for n, keys in enumerate(chunk):
+                with cache.request(f"r{n}") as request:
+                    statuses = request.lookup(keys, prefetch=False)
+                    request.embeddings()
+                assert statuses[0].status is Status.HIT
+            return 1e6 * (time.perf_counter() - started) / (len(chunk) * batch)
+
+        for cache in caches.values():  # warm up
+            serve(cache, batches[:50])
+        for c in range(chunks):
+            chunk = batches[c * per_chunk : (c + 1) * per_chunk]
+            for name in (CHOSEN, "lru") if c % 2 else ("lru", CHOSEN):
+                times[name].append(serve(caches[name], chunk))
+    ours, base = statistics.median(times[CHOSEN]), statistics.median(times["lru"])
+    return make_row(
+        f"all-hit request per item, policy {CHOSEN} vs lru",
+        ours,
+        base,
+        "us/item",
+        ours / base,
+        "<= 1.1",
+        ours / base <= 1.1,
+    )
+
+
 # ---------------------------------------------------------------------------- rows
 def rows_of(results: dict[str, dict[str, Result]]) -> list[dict[str, Any]]:
     """Target rows (the chosen policy's tokens saved against each baseline and our LRU, per
@@ -619,7 +675,7 @@ def table(results: dict[str, dict[str, Result]]) -> str:
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
     """Rows ``{name, ours, baseline, unit, ratio, target, met}`` for ``benchmarks/run.py``."""
-    return [*rows_of(measure(quick)), cost_row(quick)]
+    return [*rows_of(measure(quick)), cost_row(quick), hit_request_row(quick)]
 
 
 # ---------------------------------------------------------------------------- plot
@@ -675,7 +731,7 @@ if __name__ == "__main__":
     results = measure(args.quick)
     print(table(results))
     print()
-    rows = [*rows_of(results), cost_row(args.quick)]
+    rows = [*rows_of(results), cost_row(args.quick), hit_request_row(args.quick)]
     print_rows(rows)
     if args.plot is not None:
         from benchmarks.plots import require_matplotlib

@@ -17,12 +17,13 @@ Policies (``make_policy(name, **knobs)``):
   was looked up more often, recently, than every one of its victims.
 
 Design notes on ``tinylfu`` (chosen by measurement, ``benchmarks/bench_policy.py``). Counts are
-exact per key in a dict (cheaper in Python than a count-min sketch, and no collisions),
+exact per key in a dict (0.05 us a count where a 4-row count-min sketch with conservative
+update took 0.37 us in Python; no collisions; the halving drops the keys that fall to 0),
 saturating at 15 as TinyLFU's 4-bit counters do, and halved every ``sample_factor`` x
 (resident entries) lookups, TinyLFU's sample of ten times the cache. That alone follows a
 slow drift but not a sudden one: after the popularity is reshuffled, the stale favourites keep
 high counts for several halvings and the filter refuses the new favourites (on the drifting
-mix it saved 32.6% of encoder tokens where LRU saved 44.2%). Halving faster, or a feedback on
+mix it saved 33.2% of encoder tokens where LRU saved 44.2%). Halving faster, or a feedback on
 refusals that later proved wrong (ARC-like), traded the steady mix's gain away for drift.
 So the policy detects the shift itself: it averages the counts of the keys looked up, per
 block of ``shift_block`` lookups; a block whose mean falls below ``shift_drop`` x the running
