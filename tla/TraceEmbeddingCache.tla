@@ -26,20 +26,27 @@
 (*   st, h, w, p, d, q   state, holders, waiters, publisher slot, doomed,  *)
 (*        tainted (the spec's quarantinePending)                           *)
 (*   V    BeginLoad: the keys evicted for it (its preceding Evict events)  *)
+(*   at   where the key enters the eviction order, if it does: -1 at    *)
+(*        the tail (the LRU policy), else the number of entries ahead of   *)
+(*        it (other policies log it: the spec lets them choose any place)  *)
 (*   Q    Fence: the keys it freed                                         *)
 (*   x    diagnostics only: take the step whatever the logged post-state   *)
 (*                                                                         *)
 (* The code's Evict events come right before the BeginLoad that needed     *)
 (* them, under the same lock hold.  The spec evicts inside BeginLoad, so   *)
 (* an Evict event is a stuttering step that only checks its victim is      *)
-(* evictable now (in the LRU, at the logged range); the BeginLoad then     *)
-(* takes a placement the spec allows at exactly the logged offset whose    *)
-(* victims are exactly the keys of those Evict events.                     *)
+(* evictable now (in the eviction order, at the logged range); the         *)
+(* BeginLoad then takes a placement the spec allows at exactly the logged  *)
+(* offset whose victims are exactly the keys of those Evict events.  A     *)
+(* BeginLoad that fails or is refused (NOT_ADMITTED) evicts nothing: Evict *)
+(* events before it are rejected at it.                                    *)
 (*                                                                         *)
 (* The code's no-op events are checked with the spec's own predicates:     *)
-(* LookupIsNoOp, BeginLoadFails and RemoveIsNoOp.                          *)
+(* LookupIsNoOp, BeginLoadFails, RefuseBeginLoad and RemoveIsNoOp.  Each   *)
+(* Release is its own step, so the order in which a closing request        *)
+(* releases its pins is whatever the trace says.                           *)
 (***************************************************************************)
-EXTENDS EmbeddingCache
+EXTENDS EmbeddingCache, Integers
 
 CONSTANTS
     Events,  \* the distinct event records
@@ -70,9 +77,12 @@ Act(e) ==
           [] e.a = "Lookup" /\ e.out = "MISS:mismatch" ->
                 NoOp(LookupMismatch(r, k) /\ entry[k].state # ABSENT)
           [] e.a = "Lookup" /\ e.out = "MISS"   -> NoOp(LookupIsNoOp(r, k) \/ LookupMismatch(r, k))
-          [] e.a = "Lookup"                     -> Lookup(r, k) \/ NoOp(LookupIsNoOp(r, k))
+          [] e.a = "Lookup" /\ e.out \in {"HIT", "LOADING", "RESERVED"} ->
+                Lookup(r, k) \/ NoOp(LookupIsNoOp(r, k))
           [] e.a = "BeginLoad" /\ e.out = "OK"  -> BeginLoad(r, k, e.n)
-          [] e.a = "BeginLoad"                  -> NoOp(BeginLoadFails(r, k, e.n))
+          [] e.a = "BeginLoad" /\ e.out = "NOT_ADMITTED" -> RefuseBeginLoad(r, k, e.n)
+          [] e.a = "BeginLoad" /\ e.out \in {"NO_SPACE", "TOO_LARGE"} ->
+                NoOp(BeginLoadFails(r, k, e.n))
           [] e.a = "Evict"                      -> NoOp(k \in OrderSet)
           [] e.a = "EndLoad"                    -> EndLoad(k, e.out)
           [] e.a = "Release"                    -> Release(r, k)
@@ -82,17 +92,28 @@ Act(e) ==
           [] e.a = "Fence"                      -> Fence(e.Q)
           [] OTHER                              -> FALSE
 
+\* An entry that becomes evictable in this step (its last pin released, a
+\* load ended with no waiters) enters the order where the event says.  This
+\* also keeps the trace spec deterministic (see tla/README.md).
+EnteredAsLogged(e) ==
+    e.k \in OrderSet' /\ e.k \notin OrderSet =>
+        IF e.at = -1 THEN order' = Append(order, e.k)
+        ELSE e.at < Len(order') /\ order'[e.at + 1] = e.k
+
 \* What the event says beyond the action's parameters: the outcome of a
-\* Lookup, the placement and victims of a BeginLoad, the victim of an Evict.
+\* Lookup, the placement and victims of a BeginLoad (none if it failed or
+\* was refused), the victim of an Evict, where an entry entered the order.
 Match(e) ==
-    CASE e.a = "Lookup" /\ e.out = "HIT"  -> e.r \in entry'[e.k].holders
-      [] e.a = "Lookup" /\ e.out \in {"LOADING", "RESERVED"} -> e.r \in entry'[e.k].waiters
-      [] e.a = "BeginLoad" /\ e.out = "OK" ->
-             /\ entry'[e.k].off = e.o
-             /\ {j \in Keys : entry[j].state # ABSENT /\ entry'[j].state = ABSENT} = e.V
-      [] e.a = "BeginLoad" /\ e.out = "TOO_LARGE" -> e.n > Units
-      [] e.a = "Evict" -> entry[e.k].off = e.o /\ entry[e.k].size = e.n
-      [] OTHER -> TRUE
+    /\ CASE e.a = "Lookup" /\ e.out = "HIT"  -> e.r \in entry'[e.k].holders
+         [] e.a = "Lookup" /\ e.out \in {"LOADING", "RESERVED"} -> e.r \in entry'[e.k].waiters
+         [] e.a = "BeginLoad" /\ e.out = "OK" ->
+                /\ entry'[e.k].off = e.o
+                /\ {j \in Keys : entry[j].state # ABSENT /\ entry'[j].state = ABSENT} = e.V
+         [] e.a = "BeginLoad" /\ e.out = "TOO_LARGE" -> e.n > Units /\ e.V = {}
+         [] e.a = "BeginLoad" -> e.V = {}
+         [] e.a = "Evict" -> entry[e.k].off = e.o /\ entry[e.k].size = e.n
+         [] OTHER -> TRUE
+    /\ EnteredAsLogged(e)
 
 \* The entry's post-state as the code logged it.  A freed entry is checked
 \* to be ABSENT (the code's record of it keeps stale fields).

@@ -96,6 +96,7 @@ def convert(events: list[dict[str, Any]], name: str = "trace") -> Converted:
     align = int(init["alignment"])
     units = int(init["capacity"]) // align
     batch = int(init["max_eviction_batch"]) if init.get("enable_eviction", True) else 0
+    lru = init.get("policy", "lru") == "lru"  # LRU: an entry enters the order at its tail
     slot_of: dict[str, int] = {}  # open request id -> slot
     publish_slot: dict[tuple[str, str], int] = {}  # (request id, key) -> slot of its publish
     stranger = 0  # the slot for an id that is not open: never opened, so every guard fails
@@ -125,7 +126,7 @@ def convert(events: list[dict[str, Any]], name: str = "trace") -> Converted:
             "out": _outcome(ev), "e": "state" in ev, "st": ev.get("state", ""),
             "h": set(), "w": set(), "p": NO_REQUEST, "d": bool(ev.get("doomed", False)),
             "q": bool(ev.get("tainted", False)), "V": set(), "Q": set(ev.get("keys") or []),
-            "x": False,
+            "at": -1 if lru else _position(ev, name), "x": False,
         }  # fmt: skip
         keys |= rec["Q"]
         if action == "OpenRequest":
@@ -156,7 +157,7 @@ def convert(events: list[dict[str, Any]], name: str = "trace") -> Converted:
         rec["w"] = {slot(w) for w in ev.get("waiters", [])}
         if action == "Evict":
             victims.add(key)
-        elif action == "BeginLoad" and rec["out"] == "OK":
+        elif action == "BeginLoad":  # failed or refused: the spec checks that V is empty
             rec["V"], victims = victims, set()
         elif victims:
             # Evict events not followed by the BeginLoad that needed them: the first one
@@ -170,6 +171,23 @@ def convert(events: list[dict[str, Any]], name: str = "trace") -> Converted:
     if victims:
         _orphan_evicts(out)
     return Converted(name, units, batch, out, source, names, keys, max_slot)
+
+
+def _position(ev: dict[str, Any], name: str) -> int:
+    """Where the event's entry entered the eviction order (non-LRU policies log it)."""
+    if "position" in ev:
+        return int(ev["position"])
+    evictable = (
+        ev["action"] in ("Release", "EndLoad", "EndPublish") and ev.get("state") == "READY"
+        and not ev.get("holders") and not ev.get("doomed") and not ev.get("tainted")
+    )  # fmt: skip
+    if evictable:
+        raise TraceError(
+            f"{name}: seq {ev['seq']}: {ev['action']} makes {ev.get('key')!r} evictable but "
+            "logs no position: a policy other than LRU must log where the entry enters the "
+            "eviction order (position: the number of entries ahead of it)"
+        )
+    return -1
 
 
 def _orphan_evicts(out: list[dict[str, Any]]) -> None:

@@ -1,0 +1,218 @@
+"""Trace validation of admission refusals and of the eviction order (issues 15 and 16).
+
+Hand-written traces in the format of ``embcache.trace``: a refused ``BeginLoad`` (outcome
+``NOT_ADMITTED``) is accepted, and rejected when evictions come with it; a Lookup never misses
+for ``not_admitted``; the release order of a closing request is whatever the trace logs (the
+code now releases in lookup order, formerly in key-name order); under the LRU policy an entry
+that becomes evictable enters the eviction order at its tail, under any other policy anywhere.
+The TLC runs are marked ``tla``; the conversion tests need neither Java nor TLC.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+TLA = Path(__file__).resolve().parents[2] / "tla"
+UNIT = 256
+
+
+def _load_trace() -> ModuleType:
+    if "tla_trace" in sys.modules:
+        return sys.modules["tla_trace"]
+    spec = importlib.util.spec_from_file_location("tla_trace", TLA / "trace.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+trace_mod = _load_trace()
+
+
+class Trace:
+    """Builds a trace event by event, numbering them as the code's TraceLog does."""
+
+    def __init__(self, units: int, policy: str | None = None, batch: int = 2) -> None:
+        init: dict[str, Any] = {
+            "action": "Init", "request": None, "key": None, "outcome": None,
+            "capacity": units * UNIT, "alignment": UNIT, "max_eviction_batch": batch,
+            "enable_eviction": True,
+        }  # fmt: skip
+        if policy is not None:
+            init["policy"] = policy
+        self.events: list[dict[str, Any]] = []
+        self.add(init)
+
+    def add(self, event: dict[str, Any]) -> dict[str, Any]:
+        self.events.append({"seq": len(self.events) + 1, **event})
+        return self.events[-1]
+
+    def act(
+        self, action: str, request: str | None = None, key: str | None = None,
+        outcome: str | None = None, **fields: Any,
+    ) -> dict[str, Any]:  # fmt: skip
+        return self.add(
+            {"action": action, "request": request, "key": key, "outcome": outcome, **fields}
+        )
+
+    def entry(
+        self, action: str, request: str | None, key: str, state: str, units: int, at: int,
+        outcome: str | None = None, holders: tuple[str, ...] = (),
+        waiters: tuple[str, ...] = (),
+    ) -> dict[str, Any]:  # fmt: skip
+        """An event that carries the entry's post-state."""
+        return self.act(
+            action, request, key, outcome, size=units * UNIT, offset=at * UNIT, state=state,
+            holders=sorted(holders), waiters=sorted(waiters), doomed=False, tainted=False,
+        )  # fmt: skip
+
+    def load(self, request: str, key: str, units: int, at: int) -> None:
+        """A reservation filled by the request: BeginLoad, then EndLoad(OK) pins it."""
+        self.entry("BeginLoad", request, key, "LOADING", units, at, "OK", waiters=(request,))
+        self.entry("EndLoad", None, key, "READY", units, at, "OK", holders=(request,))
+
+    def miss(self, request: str, key: str, reason: str = "not_found") -> dict[str, Any]:
+        return self.act("Lookup", request, key, "MISS", reason=reason)
+
+    def refuse(self, request: str, key: str, nbytes: int) -> dict[str, Any]:
+        """A BeginLoad refused by admission, logged like a failed one."""
+        return self.act("BeginLoad", request, key, "NOT_ADMITTED", size=nbytes)
+
+
+def two_entries_released(
+    first: str, second: str, policy: str | None = None, positions: tuple[int, ...] = ()
+) -> Trace:
+    """r1 fills a pool of two units with b then a, and releases `first`, then `second`
+    (each entering the eviction order at the logged position, if any)."""
+    trace = Trace(2, policy)
+    trace.act("OpenRequest", "r1")
+    trace.load("r1", "b", 1, 0)
+    trace.load("r1", "a", 1, 1)
+    offsets = {"b": 0, "a": 1}
+    for number, key in enumerate((first, second)):
+        release = trace.entry("Release", "r1", key, "READY", 1, offsets[key])
+        if positions:
+            release["position"] = positions[number]
+    trace.act("CloseRequest", "r1")
+    return trace
+
+
+def evict_for_c(trace: Trace, victim: str) -> Trace:
+    """r2 loads c (one unit) into the full pool, evicting `victim`."""
+    at = {"b": 0, "a": 1}[victim]
+    trace.act("OpenRequest", "r2")
+    trace.entry("Evict", None, victim, "ABSENT", 1, at)
+    trace.entry("BeginLoad", "r2", "c", "LOADING", 1, at, "OK", waiters=("r2",))
+    return trace
+
+
+def refusal_trace(evict_first: bool = False) -> Trace:
+    """Refusals with and without room; the refused items are never cached, nothing moves."""
+    trace = Trace(3)
+    trace.act("OpenRequest", "r1")
+    trace.miss("r1", "a")
+    trace.load("r1", "a", 1, 0)
+    trace.miss("r1", "x")
+    trace.refuse("r1", "x", 300)  # a free run of two units fits: refused all the same
+    trace.miss("r1", "b")
+    trace.load("r1", "b", 2, 1)
+    trace.entry("Release", "r1", "a", "READY", 1, 0)
+    trace.entry("Release", "r1", "b", "READY", 2, 1)
+    trace.act("CloseRequest", "r1")
+    trace.act("OpenRequest", "r2")
+    trace.miss("r2", "c")
+    if evict_first:  # the bug: the victims are evicted, then admission refuses
+        trace.entry("Evict", None, "a", "ABSENT", 1, 0)
+    trace.refuse("r2", "c", UNIT)  # the pool is full: a load would evict a
+    trace.entry("Lookup", "r2", "a", "READY", 1, 0, "HIT", holders=("r2",))
+    trace.miss("r2", "c")  # not cached: the item fell back
+    trace.entry("Release", "r2", "a", "READY", 1, 0)
+    trace.act("CloseRequest", "r2")
+    return trace
+
+
+# ------------------------------------------------------------------ conversion (no TLC)
+
+
+def test_a_refusal_converts_like_a_failed_begin_load_and_keeps_its_evictions() -> None:
+    trace = refusal_trace(evict_first=True)
+    converted = trace_mod.convert(trace.events, "t")
+    refusals = [e for e in converted.events if e["out"] == "NOT_ADMITTED"]
+    assert [(e["a"], e["k"], e["n"], e["e"]) for e in refusals] == [
+        ("BeginLoad", "x", 2, False),  # 300 bytes ask for two units
+        ("BeginLoad", "c", 1, False),
+    ]
+    assert [e["V"] for e in refusals] == [set(), {"a"}]  # the Evict before it is its victim
+    assert "EvictWithoutBeginLoad" not in {e["a"] for e in converted.events}
+
+
+def test_the_policy_of_the_init_event_says_where_entries_enter_the_order() -> None:
+    for policy in (None, "lru"):  # LRU: at the tail (-1), whatever the event says
+        events = two_entries_released("b", "a", policy, positions=(0, 0)).events
+        assert {e["at"] for e in trace_mod.convert(events, "t").events} == {-1}, policy
+    logged = two_entries_released("b", "a", "tinylfu", positions=(0, 1)).events
+    releases = [e for e in trace_mod.convert(logged, "t").events if e["a"] == "Release"]
+    assert [e["at"] for e in releases] == [0, 1]
+    unlogged = two_entries_released("b", "a", "tinylfu").events
+    with pytest.raises(trace_mod.TraceError, match="seq 7: Release makes 'b' evictable"):
+        trace_mod.convert(unlogged, "t")
+
+
+def test_release_events_keep_the_order_they_were_logged_in() -> None:
+    converted = trace_mod.convert(two_entries_released("b", "a").events, "t")
+    assert [e["k"] for e in converted.events if e["a"] == "Release"] == ["b", "a"]
+
+
+# ------------------------------------------------------------------ TLC
+
+
+@pytest.mark.tla
+@pytest.mark.timeout(300)
+def test_refusals_and_release_orders_are_validated() -> None:
+    named = {
+        "refusals": refusal_trace(),
+        "refusal_after_evict": refusal_trace(evict_first=True),
+        "release_b_a_evict_b": evict_for_c(two_entries_released("b", "a"), "b"),
+        "release_a_b_evict_a": evict_for_c(two_entries_released("a", "b"), "a"),
+        "release_b_a_evict_a": evict_for_c(two_entries_released("b", "a"), "a"),
+        "policy_a_ahead_of_b_evict_a": evict_for_c(
+            two_entries_released("b", "a", "tinylfu", positions=(0, 0)), "a"
+        ),
+        "policy_a_behind_b_evict_a": evict_for_c(
+            two_entries_released("b", "a", "tinylfu", positions=(0, 1)), "a"
+        ),
+    }
+    bad_miss = refusal_trace()
+    bad_miss.events[2]["reason"] = "not_admitted"  # r1's first lookup of a
+    verdicts = {
+        v.name: v
+        for v in trace_mod.validate(
+            traces=[(name, t.events) for name, t in named.items()]
+            + [("miss_not_admitted", bad_miss.events)],
+            workers=1,
+        )
+    }
+    accepted = {name for name, v in verdicts.items() if v.accepted}
+    assert accepted == {
+        "refusals", "release_b_a_evict_b", "release_a_b_evict_a", "policy_a_ahead_of_b_evict_a",
+    }, "\n".join(v.describe() for v in verdicts.values())  # fmt: skip
+
+    refused = verdicts["refusal_after_evict"]  # rejected at the refusal, not before
+    assert refused.event is not None and refused.event["outcome"] == "NOT_ADMITTED"
+    assert refused.event["key"] == "c" and refused.why == "ActionMatches", refused.describe()
+
+    for name in ("release_b_a_evict_a", "policy_a_behind_b_evict_a"):  # b must go first
+        wrong_victim = verdicts[name]
+        assert wrong_victim.event is not None, wrong_victim.describe()
+        assert (wrong_victim.event["action"], wrong_victim.event["key"]) == ("BeginLoad", "c")
+        assert wrong_victim.why == "ActionMatches", wrong_victim.describe()
+
+    miss = verdicts["miss_not_admitted"]
+    assert miss.seq == 3 and miss.why == "ActionEnabled", miss.describe()
