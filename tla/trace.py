@@ -96,7 +96,6 @@ def convert(events: list[dict[str, Any]], name: str = "trace") -> Converted:
     align = int(init["alignment"])
     units = int(init["capacity"]) // align
     batch = int(init["max_eviction_batch"]) if init.get("enable_eviction", True) else 0
-    lru = init.get("policy", "lru") == "lru"  # LRU: an entry enters the order at its tail
     slot_of: dict[str, int] = {}  # open request id -> slot
     publish_slot: dict[tuple[str, str], int] = {}  # (request id, key) -> slot of its publish
     stranger = 0  # the slot for an id that is not open: never opened, so every guard fails
@@ -126,7 +125,7 @@ def convert(events: list[dict[str, Any]], name: str = "trace") -> Converted:
             "out": _outcome(ev), "e": "state" in ev, "st": ev.get("state", ""),
             "h": set(), "w": set(), "p": NO_REQUEST, "d": bool(ev.get("doomed", False)),
             "q": bool(ev.get("tainted", False)), "V": set(), "Q": set(ev.get("keys") or []),
-            "at": -1 if lru else _position(ev, name), "x": False,
+            "at": int(ev.get("position", -1)), "x": False,
         }  # fmt: skip
         keys |= rec["Q"]
         if action == "OpenRequest":
@@ -171,23 +170,6 @@ def convert(events: list[dict[str, Any]], name: str = "trace") -> Converted:
     if victims:
         _orphan_evicts(out)
     return Converted(name, units, batch, out, source, names, keys, max_slot)
-
-
-def _position(ev: dict[str, Any], name: str) -> int:
-    """Where the event's entry entered the eviction order (non-LRU policies log it)."""
-    if "position" in ev:
-        return int(ev["position"])
-    evictable = (
-        ev["action"] in ("Release", "EndLoad", "EndPublish") and ev.get("state") == "READY"
-        and not ev.get("holders") and not ev.get("doomed") and not ev.get("tainted")
-    )  # fmt: skip
-    if evictable:
-        raise TraceError(
-            f"{name}: seq {ev['seq']}: {ev['action']} makes {ev.get('key')!r} evictable but "
-            "logs no position: a policy other than LRU must log where the entry enters the "
-            "eviction order (position: the number of entries ahead of it)"
-        )
-    return -1
 
 
 def _orphan_evicts(out: list[dict[str, Any]]) -> None:

@@ -3,8 +3,8 @@
 Hand-written traces in the format of ``embcache.trace``: a refused ``BeginLoad`` (outcome
 ``NOT_ADMITTED``) is accepted, and rejected when evictions come with it; a Lookup never misses
 for ``not_admitted``; the release order of a closing request is whatever the trace logs (the
-code now releases in lookup order, formerly in key-name order); under the LRU policy an entry
-that becomes evictable enters the eviction order at its tail, under any other policy anywhere.
+code now releases in lookup order, formerly in key-name order); an entry that becomes
+evictable enters the eviction order at its tail (LRU) unless the event logs its position.
 The TLC runs are marked ``tla``; the conversion tests need neither Java nor TLC.
 """
 
@@ -39,16 +39,13 @@ trace_mod = _load_trace()
 class Trace:
     """Builds a trace event by event, numbering them as the code's TraceLog does."""
 
-    def __init__(self, units: int, policy: str | None = None, batch: int = 2) -> None:
-        init: dict[str, Any] = {
+    def __init__(self, units: int, batch: int = 2) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.add({
             "action": "Init", "request": None, "key": None, "outcome": None,
             "capacity": units * UNIT, "alignment": UNIT, "max_eviction_batch": batch,
             "enable_eviction": True,
-        }  # fmt: skip
-        if policy is not None:
-            init["policy"] = policy
-        self.events: list[dict[str, Any]] = []
-        self.add(init)
+        })  # fmt: skip
 
     def add(self, event: dict[str, Any]) -> dict[str, Any]:
         self.events.append({"seq": len(self.events) + 1, **event})
@@ -86,12 +83,10 @@ class Trace:
         return self.act("BeginLoad", request, key, "NOT_ADMITTED", size=nbytes)
 
 
-def two_entries_released(
-    first: str, second: str, policy: str | None = None, positions: tuple[int, ...] = ()
-) -> Trace:
+def two_entries_released(first: str, second: str, positions: tuple[int, ...] = ()) -> Trace:
     """r1 fills a pool of two units with b then a, and releases `first`, then `second`
-    (each entering the eviction order at the logged position, if any)."""
-    trace = Trace(2, policy)
+    (each entering the eviction order at the logged position, else at the tail)."""
+    trace = Trace(2)
     trace.act("OpenRequest", "r1")
     trace.load("r1", "b", 1, 0)
     trace.load("r1", "a", 1, 1)
@@ -153,16 +148,11 @@ def test_a_refusal_converts_like_a_failed_begin_load_and_keeps_its_evictions() -
     assert "EvictWithoutBeginLoad" not in {e["a"] for e in converted.events}
 
 
-def test_the_policy_of_the_init_event_says_where_entries_enter_the_order() -> None:
-    for policy in (None, "lru"):  # LRU: at the tail (-1), whatever the event says
-        events = two_entries_released("b", "a", policy, positions=(0, 0)).events
-        assert {e["at"] for e in trace_mod.convert(events, "t").events} == {-1}, policy
-    logged = two_entries_released("b", "a", "tinylfu", positions=(0, 1)).events
-    releases = [e for e in trace_mod.convert(logged, "t").events if e["a"] == "Release"]
-    assert [e["at"] for e in releases] == [0, 1]
-    unlogged = two_entries_released("b", "a", "tinylfu").events
-    with pytest.raises(trace_mod.TraceError, match="seq 7: Release makes 'b' evictable"):
-        trace_mod.convert(unlogged, "t")
+def test_an_entry_enters_the_order_at_its_logged_position_else_at_the_tail() -> None:
+    tail = trace_mod.convert(two_entries_released("b", "a").events, "t")
+    assert {e["at"] for e in tail.events} == {-1}
+    logged = trace_mod.convert(two_entries_released("b", "a", positions=(0, 1)).events, "t")
+    assert [e["at"] for e in logged.events if e["a"] == "Release"] == [0, 1]
 
 
 def test_release_events_keep_the_order_they_were_logged_in() -> None:
@@ -182,11 +172,11 @@ def test_refusals_and_release_orders_are_validated() -> None:
         "release_b_a_evict_b": evict_for_c(two_entries_released("b", "a"), "b"),
         "release_a_b_evict_a": evict_for_c(two_entries_released("a", "b"), "a"),
         "release_b_a_evict_a": evict_for_c(two_entries_released("b", "a"), "a"),
-        "policy_a_ahead_of_b_evict_a": evict_for_c(
-            two_entries_released("b", "a", "tinylfu", positions=(0, 0)), "a"
+        "position_a_ahead_of_b_evict_a": evict_for_c(
+            two_entries_released("b", "a", positions=(0, 0)), "a"
         ),
-        "policy_a_behind_b_evict_a": evict_for_c(
-            two_entries_released("b", "a", "tinylfu", positions=(0, 1)), "a"
+        "position_a_behind_b_evict_a": evict_for_c(
+            two_entries_released("b", "a", positions=(0, 1)), "a"
         ),
     }
     bad_miss = refusal_trace()
@@ -201,14 +191,14 @@ def test_refusals_and_release_orders_are_validated() -> None:
     }
     accepted = {name for name, v in verdicts.items() if v.accepted}
     assert accepted == {
-        "refusals", "release_b_a_evict_b", "release_a_b_evict_a", "policy_a_ahead_of_b_evict_a",
+        "refusals", "release_b_a_evict_b", "release_a_b_evict_a", "position_a_ahead_of_b_evict_a",
     }, "\n".join(v.describe() for v in verdicts.values())  # fmt: skip
 
     refused = verdicts["refusal_after_evict"]  # rejected at the refusal, not before
     assert refused.event is not None and refused.event["outcome"] == "NOT_ADMITTED"
     assert refused.event["key"] == "c" and refused.why == "ActionMatches", refused.describe()
 
-    for name in ("release_b_a_evict_a", "policy_a_behind_b_evict_a"):  # b must go first
+    for name in ("release_b_a_evict_a", "position_a_behind_b_evict_a"):  # b must go first
         wrong_victim = verdicts[name]
         assert wrong_victim.event is not None, wrong_victim.describe()
         assert (wrong_victim.event["action"], wrong_victim.event["key"]) == ("BeginLoad", "c")
@@ -216,3 +206,41 @@ def test_refusals_and_release_orders_are_validated() -> None:
 
     miss = verdicts["miss_not_admitted"]
     assert miss.seq == 3 and miss.why == "ActionEnabled", miss.describe()
+
+
+@pytest.mark.tla
+@pytest.mark.timeout(120)
+def test_a_trace_of_the_cache_with_refusals_and_admissions_is_accepted() -> None:
+    import torch
+
+    from embcache import EmbeddingCache, Item
+    from embcache.trace import TraceLog
+
+    def item(key: str) -> Item:
+        return Item(key, (UNIT // 4,), torch.float32)
+
+    def insert(key: str) -> bool:
+        with cache.request(f"insert-{key}") as r:
+            r.lookup([item(key)])
+            [cached] = r.insert([key], [torch.zeros(item(key).shape)], publish=False)
+            return bool(cached)
+
+    log = TraceLog()
+    cache = EmbeddingCache(
+        2 * UNIT, alignment=UNIT, max_eviction_batch=2, pin_memory=False, io_workers=1,
+        trace=log, policy="tinylfu",
+    )  # fmt: skip
+    try:
+        assert insert("a") and insert("b")
+        for _ in range(5):  # a and b become popular
+            for key in ("a", "b"):
+                with cache.request("hit") as r:
+                    r.lookup([item(key)])
+        attempts = [insert("c") for _ in range(20)]  # refused until c is counted often enough
+    finally:
+        cache.close()
+    assert attempts[0] is False and True in attempts, attempts
+    outcomes = [e["outcome"] for e in log.events if e["action"] == "BeginLoad"]
+    assert "NOT_ADMITTED" in outcomes and any(e["action"] == "Evict" for e in log.events)
+    [verdict] = trace_mod.validate(traces=[("tinylfu", list(log.events))], workers=1)
+    assert verdict.accepted, verdict.describe()
