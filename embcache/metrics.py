@@ -132,14 +132,14 @@ class CacheMetrics:
             return list(self._caches)
 
     def observe_load(self, cache: str, seconds: float, modality: str = "image") -> None:
-        """Record one load's latency for cache ``cache``. O(log buckets)."""
+        """Record one load's latency for cache ``cache``. O(buckets)."""
         seconds = _check_seconds(seconds)  # before .labels(), which adds a series
         self._load.labels(_check_name("cache", cache), _check_name("modality", modality)).observe(
             seconds
         )
 
     def observe_insert(self, cache: str, seconds: float, modality: str = "image") -> None:
-        """Record one insert call's latency for cache ``cache``. O(log buckets)."""
+        """Record one insert call's latency for cache ``cache``. O(buckets)."""
         seconds = _check_seconds(seconds)  # before .labels(), which adds a series
         self._insert.labels(_check_name("cache", cache), _check_name("modality", modality)).observe(
             seconds
