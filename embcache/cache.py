@@ -26,6 +26,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -352,7 +353,7 @@ class EmbeddingCache:
         with torch.no_grad():
             for i, (entry, tensor) in enumerate(filling):
                 try:
-                    self._view(entry.offset, entry.item).copy_(tensor)
+                    self._view(entry.offset, entry).copy_(tensor)
                 except BaseException as exc:
                     return outcomes, exc
                 outcomes[i] = TransferOutcome.OK
@@ -370,7 +371,7 @@ class EmbeddingCache:
         """Worker: read every entry from the store, then end each load and wake its waiters,
         whatever is raised on the way (an error leaves each outcome UNKNOWN, then re-raises
         unless it is the store's own)."""
-        sizes = [e.item.nbytes for e in entries]
+        sizes = [_nbytes(e) for e in entries]
         outcomes = [TransferOutcome.UNKNOWN] * len(entries)  # until the store says otherwise
         try:
             assert_unlocked("store get_into")
@@ -401,7 +402,7 @@ class EmbeddingCache:
             codes = self._store.put_from(
                 [e.key for e in entries],
                 [e.offset for e in entries],
-                [e.item.nbytes for e in entries],
+                [_nbytes(e) for e in entries],
             )
             if len(codes) == len(entries):
                 outcomes = [put_outcome(self._store, c) for c in codes]
@@ -457,7 +458,7 @@ class EmbeddingCache:
             self._check_open()
             raise ClosedError(f"request {rs.request_id!r} is closed")
 
-    def _view(self, offset: int, item: ItemLike) -> torch.Tensor:
+    def _view(self, offset: int, item: ItemLike | Entry) -> torch.Tensor:
         """``item``'s bytes at ``offset`` as a tensor of its shape and dtype (zero-copy)."""
         dtype: torch.dtype = item.dtype  # type: ignore[assignment]
         typed = self._typed_pools.get(dtype)
@@ -467,6 +468,12 @@ class EmbeddingCache:
 
     def __repr__(self) -> str:
         return f"EmbeddingCache(capacity={self.capacity}, entries={len(self._core.entries)})"
+
+
+def _nbytes(entry: Entry) -> int:
+    """The payload bytes of ``entry`` (its range may be larger: rounded to the alignment)."""
+    dtype: torch.dtype = entry.dtype  # type: ignore[assignment]
+    return math.prod(entry.shape) * dtype.itemsize
 
 
 def _resolve(future: asyncio.Future[bool]) -> None:

@@ -20,7 +20,7 @@ passes in.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from embcache.allocator import Block, RangeAllocator
@@ -66,7 +66,8 @@ class CacheCore:
         self.clock = clock
         self.seq = 0
         self.entries: dict[str, Entry] = {}
-        self.by_offset: dict[int, Entry] = {}
+        self.pinned_since: dict[str, float] = {}  # pinned keys -> when the first pin came
+        self.shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape
         self.policy: Policy = LruPolicy() if policy is None else policy
         self.order = self.policy.order()  # the evictable keys, first victim first
         self.evictable_bytes = 0
@@ -93,7 +94,7 @@ class CacheCore:
         check_core(
             self.allocator,
             self.entries,
-            self.by_offset,
+            self.pinned_since,
             self.requests,
             self.order,
             self.evictable_bytes,
@@ -102,7 +103,13 @@ class CacheCore:
 
     def stats(self, now: float) -> CacheStats:
         """A snapshot of the state and counters at ``now`` (of this core's clock)."""
-        return snapshot(self.allocator, self.entries.values(), len(self.requests), self.counts, now)
+        return snapshot(
+            self.allocator,
+            self.entries.values(),
+            len(self.requests),
+            self.counts,
+            now - min(self.pinned_since.values(), default=now),
+        )
 
     # ------------------------------------------------------------------ the DESIGN actions
     def open_request(self, request_id: str) -> RequestState:
@@ -125,7 +132,7 @@ class CacheCore:
         r, entry = rs.request_id, self.entries.get(item.key)
         if entry is None:
             status = MISSES[Reason.NOT_FOUND]
-        elif entry.item.shape != item.shape or entry.item.dtype != item.dtype:
+        elif entry.shape != item.shape or entry.dtype != item.dtype:
             status = MISSES[Reason.MISMATCH]
         elif entry.doomed or entry.state not in (READY, LOADING):
             status = MISSES[Reason.BUSY]
@@ -164,10 +171,10 @@ class CacheCore:
         offset = self._allocate(item.key, size)
         if isinstance(offset, Reason):
             return self._alloc_failed(rs, item, offset)
-        entry = Entry(item, offset, size, from_store, waiters=frozenset({rs.request_id}))
+        shape = self.shapes.setdefault(item.shape, item.shape)
+        entry = Entry(item.key, shape, item.dtype, offset, size, waiters=frozenset({rs.request_id}))
         entry.filler = None if from_store else rs.request_id
         self.entries[item.key] = entry
-        self.by_offset[offset] = entry
         rs.waits.add(item.key)
         if not from_store:
             rs.reserved.add(item.key)
@@ -195,7 +202,7 @@ class CacheCore:
         if entry.filler is not None:
             self.requests[entry.filler].reserved.discard(entry.key)
             entry.filler = None
-        if entry.from_store:
+        else:  # a store read
             self.counts["loads_" + outcome.name.lower()] += 1
         entry.state = new_state
         for rs in waiters:
@@ -327,18 +334,23 @@ class CacheCore:
             return offset
         if not self.enable_eviction or self.allocator.free_bytes + self.evictable_bytes < size:
             return Reason.NO_SPACE
-        entries = self.entries
-        candidates = (Block(e.offset, e.size, False) for e in map(entries.__getitem__, self.order))
+        examined: dict[int, Entry] = {}  # offset -> entry, of the candidates the rule looked at
+
+        def candidates() -> Iterator[Block]:
+            for entry in map(self.entries.__getitem__, self.order):
+                examined[entry.offset] = entry
+                yield Block(entry.offset, entry.size, False)
+
         window = choose_victims(
-            size, candidates, self.max_batch, self.allocator.block_before, self.allocator.block_at
+            size, candidates(), self.max_batch, self.allocator.block_before, self.allocator.block_at
         )
         if window is None:
             return Reason.NO_SPACE
-        victims = [self.by_offset[v].key for v in window.victims]
-        if not self.policy.admit(key, size, victims):
+        victims = [examined[offset] for offset in window.victims]
+        if not self.policy.admit(key, size, [victim.key for victim in victims]):
             return Reason.NOT_ADMITTED
-        for victim in window.victims:
-            self.evict(self.by_offset[victim])
+        for victim in victims:
+            self.evict(victim)
         offset = self.allocator.allocate(size)
         if offset != window.offset:
             raise InvariantError(f"eviction freed {window} but the allocator returned {offset}")
@@ -354,6 +366,9 @@ class CacheCore:
         entry.holders = (entry.holders - {holder}) or NOBODY
         if entry.holders:
             return
+        del self.pinned_since[entry.key]
+        if not self.pinned_since:  # a dict keeps the table of its largest burst: start afresh
+            self.pinned_since = {}
         if plain is Step.RELEASE_LAST_DOOMED:
             self._free(entry)
         elif plain is Step.RELEASE_LAST_TAINTED:
@@ -367,7 +382,7 @@ class CacheCore:
             entry.holders |= {holder}
             return
         entry.holders = frozenset((holder,))
-        entry.pinned_since = self.clock()
+        self.pinned_since[entry.key] = self.clock()
         if entry.key in self.order:
             self.order.discard(entry.key)
             self.evictable_bytes -= entry.size
@@ -379,7 +394,6 @@ class CacheCore:
     def _free(self, entry: Entry) -> None:
         self.allocator.free(entry.offset)
         del self.entries[entry.key]
-        del self.by_offset[entry.offset]
         if entry.key in self.order:
             self.order.discard(entry.key)
             self.evictable_bytes -= entry.size

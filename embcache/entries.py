@@ -42,12 +42,17 @@ class TraceSink(Protocol):
 
 @dataclass(eq=False, slots=True)
 class Entry:
-    """One key's entry."""
+    """One key's entry: what it holds (``key``, ``shape``, ``dtype``), where, and who uses it.
 
-    item: ItemLike
+    Compact on purpose (100k entries are common): the item's fields are kept, not the item;
+    the time its pins began lives in the core (``CacheCore.pinned_since``), for pinned entries
+    only; a load in flight is from the store exactly when no request must fill it."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: Hashable
     offset: int
     size: int  # allocated bytes (rounded up to the alignment)
-    from_store: bool  # a store read is (or was) filling it; else a request fills it
     state: EntryState = LOADING
     holders: frozenset[Holder] = NOBODY  # immutable values; every empty one is NOBODY
     waiters: frozenset[str] = NOBODY
@@ -55,11 +60,6 @@ class Entry:
     doomed: bool = False
     tainted: bool = False  # a publish ended UNKNOWN: quarantine when the last pin goes
     publishing: bool = False
-    pinned_since: float = 0.0
-
-    @property
-    def key(self) -> str:
-        return self.item.key
 
     @property
     def pins(self) -> int:

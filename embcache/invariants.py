@@ -21,7 +21,7 @@ def _fail(what: str) -> None:
 def check_core(
     allocator: RangeAllocator,
     entries: Mapping[str, Entry],
-    by_offset: Mapping[int, Entry],
+    pinned_since: Mapping[str, float],
     requests: Mapping[str, RequestState],
     order: Collection[str],
     evictable_bytes: int,
@@ -34,8 +34,6 @@ def check_core(
         _fail(f"allocations {allocator.allocations()} != entry ranges {spans}")
     if allocator.allocated_bytes != sum(s for _, s in spans):
         _fail("allocated bytes differ from the sum of entry sizes")
-    if {e.offset: e for e in entries.values()} != by_offset:
-        _fail("offset index disagrees with the entries")
     holders: dict[str, set[Holder]] = {k: set() for k in entries}
     waiters: dict[str, set[str]] = {k: set() for k in entries}
     for r, rs in requests.items():
@@ -65,6 +63,8 @@ def check_core(
             _fail(f"doomed {key!r} is idle")
         if entry.tainted and not entry.pins:
             _fail(f"tainted {key!r} is not pinned (it should be QUARANTINED)")
+    if set(pinned_since) != {k for k, e in entries.items() if e.holders}:
+        _fail(f"pin start times kept for {sorted(pinned_since)}, not for the pinned entries")
     idle = {
         k
         for k, e in entries.items()

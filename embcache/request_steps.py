@@ -94,7 +94,7 @@ def plan_insert(
     nothing) when a reserved key's shape or dtype differs from the reservation."""
     for item in items:
         if item.key in rs.reserved:
-            expected = core.entries[item.key].item
+            expected = core.entries[item.key]
             if (expected.shape, expected.dtype) != (item.shape, item.dtype):
                 raise InvalidArgumentError(
                     f"tensor for {item.key!r} has shape {item.shape} and dtype "
@@ -172,7 +172,7 @@ def _serves(core: CacheCore, rs: RequestState, item: ItemLike) -> bool:
     """Whether ``rs`` holds ``item``'s entry with the item's own shape and dtype."""
     if item.key not in rs.holds:
         return False
-    held = core.entries[item.key].item
+    held = core.entries[item.key]
     return held.shape == item.shape and held.dtype == item.dtype
 
 

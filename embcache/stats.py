@@ -54,9 +54,9 @@ def snapshot(
     entries: Iterable[Entry],
     open_requests: int,
     c: Counter[str],
-    now: float,
+    oldest_pin_age: float,
 ) -> CacheStats:
-    """The stats of the core's state at time ``now`` (of the core's clock). O(entries)."""
+    """The stats of the core's state; ``oldest_pin_age`` in seconds. O(entries)."""
     by_state: Counter[str] = Counter()
     bytes_by_state: Counter[str] = Counter()
     pinned = []
@@ -76,7 +76,7 @@ def snapshot(
         bytes_by_state=dict(bytes_by_state),
         pinned_entries=len(pinned),
         pinned_bytes=sum(e.size for e in pinned),
-        oldest_pin_age_s=max((now - e.pinned_since for e in pinned), default=0.0),
+        oldest_pin_age_s=oldest_pin_age,
         open_requests=open_requests,
         hits=c["hits"],
         misses_by_reason=_by_prefix(c, "miss:"),
