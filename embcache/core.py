@@ -329,10 +329,10 @@ class CacheCore:
     def _allocate(self, key: str, size: int) -> int | Reason:
         """A range of ``size`` bytes for ``key``, evicting the victims the rule chooses if
         the policy admits ``key`` at their cost; else why not (nothing evicted)."""
-        offset = self.allocator.allocate(size)
-        if offset is not None:
-            return offset
-        if not self.enable_eviction or self.allocator.free_bytes + self.evictable_bytes < size:
+        free = self.allocator.free_bytes
+        if free >= size and (offset := self.allocator.allocate(size)) is not None:
+            return offset  # (a full pool skips the search for a block that cannot exist)
+        if not self.enable_eviction or free + self.evictable_bytes < size:
             return Reason.NO_SPACE
         examined: dict[int, Entry] = {}  # offset -> entry, of the candidates the rule looked at
 
