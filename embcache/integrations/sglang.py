@@ -146,6 +146,14 @@ class _Controller:
     ) -> None:
         self.tp_world_size, self.tp_rank, self.tp_group = tp
         self.hidden_dims = dict(hidden_dims or {})
+        by_name = {_modality_name(m): d for m, d in self.hidden_dims.items()}
+        vision = by_name.get("IMAGE") or by_name.get("VIDEO")
+        self._dims: dict[str | None, int] = {}  # modality name -> dim, as SGLang picks pools
+        if vision:
+            self._dims.update(dict.fromkeys(_VISION, vision))
+        audio = by_name.get(_AUDIO) or vision
+        if audio:
+            self._dims[_AUDIO] = audio
         self.dtype = dtype
         self.embedding_store = embedding_store
         self.prefetch_tp_group = _gloo_group(self.tp_group) if self.tp_world_size > 1 else None
@@ -216,7 +224,7 @@ class _Controller:
         if prefetch is not None:
             ready = prefetch.request.wait(0)
             if ready:
-                served = [1 - m for m in prefetch.request.fallback_mask().tolist()]
+                served = [reason is None for reason in prefetch.request.fallback_reasons()]
                 self._close(self._holds.finish(prefetch, served))
         if self.all_rank_get and self.tp_world_size > 1:
             flag = torch.tensor([int(ready)], dtype=torch.int)
@@ -262,12 +270,7 @@ class _Controller:
     # ------------------------------------------------------------------ helpers
     def _dim(self, modality: Any) -> int | None:
         """The hidden size of ``modality``'s embeddings, as SGLang picks its pool; None if none."""
-        by_name = {_modality_name(m): d for m, d in self.hidden_dims.items()}
-        vision = by_name.get("IMAGE") or by_name.get("VIDEO")
-        name = _modality_name(modality)
-        if name == _AUDIO:
-            return by_name.get(_AUDIO) or vision
-        return vision if name in _VISION else None
+        return self._dims.get(_modality_name(modality))
 
     def _request(self, label: str) -> Request:
         return self.cache.request(f"sglang:{label}#{next(self._ids)}")

@@ -99,8 +99,8 @@ class Holds:
         with self._lock:
             return self._running.get(req_id)
 
-    def finish(self, prefetch: Prefetch, served: Sequence[int]) -> list[Request]:
-        """End ``prefetch``'s loads: ``served[i]`` is 1 where item i is pinned for it."""
+    def finish(self, prefetch: Prefetch, served: Sequence[bool]) -> list[Request]:
+        """End ``prefetch``'s loads: ``served[i]`` is True where item i is pinned for it."""
         with self._lock:
             if prefetch.closed or prefetch.finished:
                 return []
