@@ -9,10 +9,10 @@ Both controllers run the same calls per request, in MMEncoder's order (CPU outpu
   ``insert_batch``. The pool holds about half the keys, so misses evict.
 SGLang's controller is 0.5.23's, run from its wheel (``benchmarks.sglang_wheel``; rows say
 skipped when the wheel cannot be had). Its IO thread (a loop that polls two queues every
-millisecond) is stopped, as in ``benchmarks.bench_peers``: its polling would steal the
-interpreter from both sides at random; instead the PUT that ``insert_batch`` queues is run
-right after it, in the request, by the controller's own ``_finish_put`` (our publish runs on
-the cache's I/O worker, as in production, and is not waited for). Its
+millisecond) is replaced by one that blocks on the PUT queue and runs each PUT as that loop
+does (the store's ``batch_put_from_multi_buffers``, then the controller's own
+``_finish_put``): the 1 ms polling would steal the interpreter from both sides at random. So
+on both sides the publish runs on a worker thread, as in production, and is not waited for. Its
 ``store_to_pool_async`` takes CUDA tensors only, so on a CPU host its steps are taken with a
 CPU tensor (as in ``benchmarks.bench_peers``): under its lock the same checks, its
 ``_allocate_with_eviction`` and a FILLING entry, then the copy by its own
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,17 +110,16 @@ class SGLangSide:
         )
         self.modality = sglang_wheel.image_modality()
         sglang_wheel.stop_io(self.controller)
+        self.putter = threading.Thread(target=self._put_loop, daemon=True)
+        self.putter.start()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.controller, name)
 
-    def insert_batch(self, mm_hashes: list[str], modality: Any) -> None:
-        """Its ``insert_batch``, then the queued PUT as its IO loop runs it (into a store that
-        drops it): the publish pins end before the next request."""
+    def _put_loop(self) -> None:
+        """The PUT half of its IO loop, blocking instead of polling; None ends it."""
         controller = self.controller
-        controller.insert_batch(mm_hashes, modality)
-        while not controller.insert_queue.empty():
-            op = controller.insert_queue.get_nowait()
+        while (op := controller.insert_queue.get()) is not None:
             results = controller.embedding_store.batch_put_from_multi_buffers(
                 op.keys, op.ptrs, op.sizes
             )
@@ -162,7 +162,8 @@ class SGLangSide:
         return handles
 
     def close(self) -> None:
-        """Nothing to stop: the IO thread was stopped at the start."""
+        self.controller.insert_queue.put(None)
+        self.putter.join()
 
 
 def ours(size: Size) -> EmbeddingCacheController:

@@ -233,3 +233,56 @@ def test_dims_per_modality_follow_sglang(store: InProcessStore) -> None:
         assert stats_dict["embcache"]["capacity_bytes"] == 1 << 20
     finally:
         ctl.close()
+
+
+def test_concurrent_requests_over_shared_keys_serve_the_right_bytes(
+    store: InProcessStore,
+) -> None:
+    """MMEncoder serves requests concurrently on rank 0: 4 threads, overlapping keys, a pool
+    that holds a third of them (evictions, no space, joins of each other's staged inserts)."""
+    import random
+    import threading
+
+    from tests.integrations.mmencoder import Encoder, serve
+
+    ctl = EmbeddingCacheController(
+        store, max_pool_size_gb=(2 << 10) / (1 << 30), hidden_dims={IMAGE: DIM}, dtype=DTYPE
+    )
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for n in range(25):
+                keys = rng.sample([f"c{i}" for i in range(24)], 3)
+                tokens = [4 + int(k[1:]) % 5 for k in keys]
+                served = serve(
+                    ctl,
+                    0,
+                    1,
+                    f"w{seed}-{n}",
+                    keys,
+                    tokens,
+                    Encoder(),
+                    gpu_output=bool(n % 2),
+                    prefetch_timeout_s=10,
+                )
+                want = torch.cat([embedding(k, t) for k, t in zip(keys, tokens, strict=True)])
+                assert served.output is not None and raw(served.output) == raw(want)
+                served.finish()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    try:
+        assert not errors, errors[0]
+        wait_until(lambda: ctl.cache.stats().publishes_ok == ctl.cache.stats().publishes_started)
+        idle(ctl)
+        s = ctl.cache.stats()
+        assert s.evictions > 0 and s.hits > 0, s
+    finally:
+        ctl.close()
