@@ -2,13 +2,15 @@
 
 An encode worker keeps vision-encoder outputs (embeddings, keyed by a hash of the image) in
 one pool, a large uint8 tensor; entries are pinned while a request reads them, evicted in LRU
-order with contiguity in mind when the pool is full, and shared across workers through a
-global store (in-process, or Mooncake).
+order (or as a ``policy`` says) with contiguity in mind when the pool is full, and shared across
+workers through a global store (in-process, or Mooncake). A pure core (``embcache.core``) holds
+the state machine; ``EmbeddingCache`` is the driver that does the I/O around it.
 
 - ``EmbeddingCache(capacity_bytes, store=...)``: the cache. ``cache.request(id)`` opens a
   ``Request`` (a context manager): ``lookup`` items, ``wait`` for store loads, ``insert``
   fresh encoder outputs, read ``embeddings()`` (views into the pool, valid inside the block).
-  ``cache.stats()`` is a ``CacheStats`` snapshot; ``cache.fence()`` frees quarantined ranges.
+  ``cache.stats()`` is a ``CacheStats`` snapshot; quarantined ranges are freed by fences the
+  cache starts itself (``FencePolicy``) or by ``cache.fence()``.
 - ``EncodePipeline(cache, encoder).encode(request_id, items, inputs)``: all of the above for
   one call, returning one tensor of the items' embeddings concatenated along dim 0.
 - ``Item(key, shape, dtype)``: what is looked up. Statuses: ``ItemStatus``, ``Status``,
@@ -22,6 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from embcache.allocator import RangeAllocator
 from embcache.cache import CacheStats, EmbeddingCache
+from embcache.fencing import FencePolicy
 from embcache.item import Item
 from embcache.pipeline import EncodePipeline, Encoder, PipelineStats, TensorParallelError
 from embcache.request import Request
@@ -57,6 +60,7 @@ __all__ = [
     "Encoder",
     "EntryState",
     "Fault",
+    "FencePolicy",
     "GlobalStore",
     "InProcessStore",
     "InvalidArgumentError",
