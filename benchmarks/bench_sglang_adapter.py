@@ -96,7 +96,7 @@ class Size:
 
 
 SMALL = Size("256 B items", 8, 16, 8, 512, 256)
-REAL = Size("3.9 MiB items", 576, 3584, 4, 24, sglang_wheel.DEFAULT_PAGE_BYTES)
+REAL = Size("3.9 MiB items", 576, 3584, 4, 40, sglang_wheel.DEFAULT_PAGE_BYTES)
 
 
 class SGLangSide:
@@ -189,7 +189,7 @@ class Driver:
     def hit(self, req_id: str, keys: list[str]) -> None:
         c, n = self.controller, self.size.tokens
         exist = self.loop.run_until_complete(c.batch_is_exist(keys))
-        assert all(exist), "a hit request found a miss"
+        assert all(exist), f"a hit request found a miss: {type(c).__name__} {keys} {exist}"
         c.prefetch(req_id, keys, [n] * len(keys), self.modality)
         while not c.check_prefetch_progress(req_id):
             time.sleep(0.0001)

@@ -210,12 +210,15 @@ class _Controller:
         items = [Item(h, (n, dim), self.dtype) for h, n in zip(mm_hashes, tokens, strict=True)]
         request = self._request(req_id)
         try:
-            request.lookup(items)
+            statuses = request.lookup(items)
         except BaseException:
             request.close()
             raise
-        deadline = time.monotonic() + self.hold_timeout_s
-        self._close(self._holds.start(Prefetch(request, req_id, items), deadline))
+        prefetch = Prefetch(request, req_id, items)
+        closing = self._holds.start(prefetch, time.monotonic() + self.hold_timeout_s)
+        if not any(s.status is Status.LOADING for s in statuses):  # no load to wait for
+            closing += self._holds.finish(prefetch, [s.status is Status.HIT for s in statuses])
+        self._close(closing)
 
     def check_prefetch_progress(self, req_id: str) -> bool:
         """Whether ``req_id``'s loads have ended (True for an unknown ``req_id``); never waits."""
@@ -238,7 +241,8 @@ class _Controller:
         """Per hash: READY in the pool, or stored in the global store. A store that cannot
         answer (a dead master) makes its hashes misses; the local hits stay hits (SGLang's
         controller raises, and MMEncoder then encodes every item)."""
-        found = [self.cache.entry_state(h) is EntryState.READY for h in mm_hashes]
+        state, ready = self.cache.entry_state, EntryState.READY
+        found = [state(h) is ready for h in mm_hashes]
         missing = [i for i, hit in enumerate(found) if not hit]
         if missing:
             keys = [mm_hashes[i] for i in missing]

@@ -33,7 +33,7 @@ given); ``expire`` is O(what it expires).
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,20 +70,15 @@ class Staged:
     claimed: bool = False
 
 
-@dataclass
-class _Readers:
-    count: int = 0
-    backing: list[Prefetch] = field(default_factory=list)
-
-
 class Holds:
     """The per-hash pin accounting of one controller (module docstring). Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: dict[str, Prefetch] = {}  # req_id -> prefetch whose loads may run
-        self._tickets: dict[str, deque[Prefetch]] = {}
-        self._readers: dict[str, _Readers] = {}
+        self._tickets: dict[str, list[Prefetch]] = {}  # oldest first; rarely more than one
+        self._readers: dict[str, int] = {}  # hash -> how many reads are open
+        self._backing: dict[str, list[Prefetch]] = {}  # hash -> the prefetches those pin it
         self._live: OrderedDict[Prefetch | Staged, float] = OrderedDict()  # -> deadline
 
     def start(self, prefetch: Prefetch, deadline: float) -> list[Request]:
@@ -106,55 +101,62 @@ class Holds:
                 return []
             prefetch.finished = True
             self._running.pop(prefetch.req_id, None)
+            serves, tickets = prefetch.serves, self._tickets
             for i, (item, ok) in enumerate(zip(prefetch.items, served, strict=True)):
-                if ok and item.key not in prefetch.serves:
-                    prefetch.serves[item.key] = i
-                    prefetch.kept.add(item.key)
-                    self._tickets.setdefault(item.key, deque()).append(prefetch)
-            return [] if prefetch.kept else self._close(prefetch)
+                key = item.key
+                if ok and key not in serves:
+                    serves[key] = i
+                    if key in tickets:
+                        tickets[key].append(prefetch)
+                    else:
+                        tickets[key] = [prefetch]
+            prefetch.kept.update(serves)
+            return [] if serves else self._close(prefetch)
 
     def has(self, key: str) -> bool:
-        """Whether a finished prefetch or a reader holds ``key``."""
-        with self._lock:
-            return key in self._tickets or key in self._readers
+        """Whether a finished prefetch or a reader holds ``key``. Two dict lookups, atomic
+        each (the GIL): a caller's own ticket or read cannot change under it."""
+        return key in self._tickets or key in self._readers
 
     def take(self, keys: Iterable[str]) -> list[tuple[Prefetch, int] | None]:
         """Make each key's caller a reader: the prefetch that pins it and the item index."""
         taken: list[tuple[Prefetch, int] | None] = []
+        readers, backing = self._readers, self._backing
         with self._lock:
             for key in keys:
                 tickets = self._tickets.get(key)
-                readers = self._readers.get(key)
                 if tickets:
-                    prefetch = tickets.popleft()
+                    prefetch = tickets.pop(0)
                     if not tickets:
                         del self._tickets[key]
-                    if readers is None:
-                        readers = self._readers[key] = _Readers()
-                    readers.backing.append(prefetch)
-                elif readers is None:
+                    if key in readers:
+                        backing[key].append(prefetch)
+                    else:
+                        readers[key] = 0
+                        backing[key] = [prefetch]
+                elif key not in readers:
                     taken.append(None)
                     continue
-                readers.count += 1
-                prefetch = readers.backing[0]
+                readers[key] += 1
+                prefetch = backing[key][0]
                 taken.append((prefetch, prefetch.serves[key]))
         return taken
 
     def give_back(self, keys: Iterable[str]) -> list[Request]:
         """End one reader of each key (or consume a ticket where no reader is left)."""
         closing: list[Request] = []
+        readers = self._readers
         with self._lock:
             for key in keys:
-                readers = self._readers.get(key)
-                if readers is not None:
-                    readers.count -= 1
-                    if readers.count > 0:
+                if key in readers:
+                    readers[key] -= 1
+                    if readers[key] > 0:
                         continue
-                    del self._readers[key]
-                    for prefetch in readers.backing:
+                    del readers[key]
+                    for prefetch in self._backing.pop(key):
                         closing += self._drop(prefetch, key)
                 elif tickets := self._tickets.get(key):
-                    prefetch = tickets.popleft()
+                    prefetch = tickets.pop(0)
                     if not tickets:
                         del self._tickets[key]
                     closing += self._drop(prefetch, key)
