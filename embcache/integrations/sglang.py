@@ -22,7 +22,9 @@ with the same signature on one ``EmbeddingCache`` (public API only):
   tensors are copied to pinned host memory on a side stream. ``wait_store_to_pool`` copies the
   staged tensors into the pool, makes them READY and starts their publish to the global store;
   its pins end there. SGLang publishes in ``insert_batch``, which MMEncoder calls right after;
-  here ``insert_batch`` finds that publish already started and has nothing left to send.
+  here ``insert_batch`` finds that publish already started and has nothing left to send. Keys
+  that were READY already when staged are published again at once (``Request.publish``), as
+  SGLang's ``insert_batch`` pushes every READY entry it is given (the store keeps one copy).
 - The CUDA paths (side-stream copies, events) are written for GPUs but have run only where a
   GPU was available; see the README.
 
@@ -315,10 +317,21 @@ class _Controller:
         return stream
 
     def _insert_now(self, keys: list[str], tensors: list[torch.Tensor]) -> list[bool]:
-        """Insert and publish ``tensors`` under ``keys`` in one request; True where cached."""
+        """Insert and publish ``tensors`` under ``keys`` in one request, and publish again the
+        keys that were present already (READY, same shape); True where inserted."""
         rows = [_as_2d(t).to(self.dtype) for t in tensors]
         with self._request("insert") as request:
-            return request.insert(keys, rows, publish=True)
+            inserted = request.insert(keys, rows, publish=True)
+            present = [
+                Item(k, tuple(r.shape), self.dtype)
+                for k, r, new in zip(keys, rows, inserted, strict=True)
+                if not new
+            ]
+            if present:
+                statuses = request.lookup(present, prefetch=False)
+                found = zip(present, statuses, strict=True)
+                request.publish([i.key for i, s in found if s.status is Status.HIT])
+            return inserted
 
 
 class EmbeddingCacheController(_Controller):
@@ -422,9 +435,9 @@ class EmbeddingCacheController(_Controller):
         try:
             items = [Item(k, (r.shape[0], dim), self.dtype) for k, r in rows.items()]
             statuses = request.lookup(items, prefetch=False, reserve_misses=True)
-            keys = [
-                i.key for i, s in zip(items, statuses, strict=True) if s.status is Status.RESERVED
-            ]
+            found = list(zip(items, statuses, strict=True))
+            keys = [i.key for i, s in found if s.status is Status.RESERVED]
+            request.publish([i.key for i, s in found if s.status is Status.HIT])
             if not keys:
                 request.close()
                 return []

@@ -159,6 +159,7 @@ def test_store_skips_what_sglang_skips_and_takes_cpu_tensors_of_any_dtype(
     ctl: EmbeddingCacheController, store: InProcessStore
 ) -> None:
     insert(ctl, ["present"], [2])
+    store.delete("present")  # the global store lost it: staging it pushes it again
     fresh = embedding("fresh", 4).float().unsqueeze(0)  # (1, tokens, dim), float32, on the CPU
     wide = torch.zeros(2, DIM + 1, dtype=DTYPE)
     keys = ["present", "wide", "fresh"]
@@ -169,6 +170,8 @@ def test_store_skips_what_sglang_skips_and_takes_cpu_tensors_of_any_dtype(
     assert ctl.cache.entry_state("wide") is EntryState.ABSENT
     wait_until(lambda: store.object("fresh") is not None, "the publish")
     assert store.object("fresh") == raw(embedding("fresh", 4).float().to(DTYPE))
+    wait_until(lambda: store.object("present") is not None, "the second publish")
+    assert store.object("present") == raw(embedding("present", 2))
     assert ctl.store_to_pool_async(["x"], [embedding("x", 2)], Modality.MULTI_IMAGES) == []
     idle(ctl)
 
@@ -284,5 +287,24 @@ def test_concurrent_requests_over_shared_keys_serve_the_right_bytes(
         idle(ctl)
         s = ctl.cache.stats()
         assert s.evictions > 0 and s.hits > 0, s
+    finally:
+        ctl.close()
+
+
+def test_legacy_insert_batch_pushes_present_keys_too(store: InProcessStore) -> None:
+    from embcache.integrations.sglang_legacy import LegacyEmbeddingCacheController
+
+    ctl = LegacyEmbeddingCacheController(
+        0, 1, 1 / 1024, {IMAGE: DIM}, embedding_store=store, dtype=DTYPE
+    )
+    try:
+        assert ctl.insert_batch(["a"], [embedding("a", 3)]) == [True]
+        wait_until(lambda: store.object("a") is not None, "the publish")
+        store.delete("a")  # lost by the global store
+        assert ctl.insert_batch(["a", "b"], [embedding("a", 3), embedding("b", 2)]) == [False, True]
+        wait_until(lambda: None not in (store.object("a"), store.object("b")), "the publishes")
+        assert store.object("a") == raw(embedding("a", 3))
+        assert ctl.cache.stats().publishes_ok == 3
+        idle(ctl)  # type: ignore[arg-type]
     finally:
         ctl.close()
