@@ -60,6 +60,7 @@ class LegacyEmbeddingCacheController(_Controller):
     def insert_batch(
         self, image_hashes: list[str], embedding_tensors: list[torch.Tensor]
     ) -> list[bool]:
-        """Copy fresh outputs into the pool and publish them; True where cached. A hash already
-        present is left as it is and not sent again (see the README)."""
+        """Copy fresh outputs into the pool and publish them; True where inserted. A hash
+        already present (same shape) is kept as it is and published again, as that controller
+        pushed every key it was given."""
         return self._insert_now(list(image_hashes), list(embedding_tensors))
