@@ -316,23 +316,6 @@ class _Controller:
             stream = self._streams[str(device)] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         return stream
 
-    def _insert_now(self, keys: list[str], tensors: list[torch.Tensor]) -> list[bool]:
-        """Insert and publish ``tensors`` under ``keys`` in one request, and publish again the
-        keys that were present already (READY, same shape); True where inserted."""
-        rows = [_as_2d(t).to(self.dtype) for t in tensors]
-        with self._request("insert") as request:
-            inserted = request.insert(keys, rows, publish=True)
-            present = [
-                Item(k, tuple(r.shape), self.dtype)
-                for k, r, new in zip(keys, rows, inserted, strict=True)
-                if not new
-            ]
-            if present:
-                statuses = request.lookup(present, prefetch=False)
-                found = zip(present, statuses, strict=True)
-                request.publish([i.key for i, s in found if s.status is Status.HIT])
-            return inserted
-
 
 class EmbeddingCacheController(_Controller):
     """SGLang 0.5.23's ``EmbeddingCacheController``, same constructor and methods, on embcache.

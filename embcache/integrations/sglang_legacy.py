@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from embcache import Item, Status
 from embcache.errors import InvalidArgumentError
-from embcache.integrations.sglang import _Controller
+from embcache.integrations.sglang import _as_2d, _Controller
 
 __all__ = ["LegacyEmbeddingCacheController"]
 
@@ -63,4 +64,17 @@ class LegacyEmbeddingCacheController(_Controller):
         """Copy fresh outputs into the pool and publish them; True where inserted. A hash
         already present (same shape) is kept as it is and published again, as that controller
         pushed every key it was given."""
-        return self._insert_now(list(image_hashes), list(embedding_tensors))
+        keys = list(image_hashes)
+        rows = [_as_2d(t).to(self.dtype) for t in embedding_tensors]
+        with self._request("insert") as request:
+            inserted = request.insert(keys, rows, publish=True)
+            present = [
+                Item(k, tuple(r.shape), self.dtype)
+                for k, r, new in zip(keys, rows, inserted, strict=True)
+                if not new
+            ]
+            if present:
+                statuses = request.lookup(present, prefetch=False)
+                found = zip(present, statuses, strict=True)
+                request.publish([i.key for i, s in found if s.status is Status.HIT])
+            return inserted
