@@ -115,8 +115,14 @@ def test_evicting_a_pinned_entry_is_rejected_at_the_evict(
     traced: Callable[..., tuple[EmbeddingCache, TraceLog]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The bug: a new pin leaves the entry in the LRU, and eviction does not check pins.
+    add_holder_as_built = CacheCore._add_holder
+
     def add_holder(self: CacheCore, entry: Any, holder: Any) -> None:
-        entry.holders |= {holder}
+        evictable = entry.key in self.order
+        add_holder_as_built(self, entry, holder)  # its other bookkeeping stays right
+        if evictable and entry.key not in self.order:
+            self.order.add(entry.key)
+            self.evictable_bytes += entry.size
 
     def evict(self: CacheCore, entry: Any) -> None:
         entry.state = ABSENT
