@@ -281,9 +281,6 @@ class _Controller:
     def _request(self, label: str) -> Request:
         return self.cache.request(f"sglang:{label}#{next(self._ids)}")
 
-    def _take(self, keys: Sequence[str]) -> list[tuple[Prefetch, int] | None]:
-        return self._holds.take(keys)
-
     def _fresh_views(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
         """Each key's view over the pool, pinned until its release; None where not held."""
         views: dict[Prefetch, list[torch.Tensor | None]] = {}
@@ -361,7 +358,7 @@ class EmbeddingCacheController(_Controller):
     ) -> LoadHandle | None:
         """Copy ``mm_hash`` into ``dst_tensor`` rows from ``dst_token_offset`` (on a side stream
         for a CUDA ``dst_tensor``, at once for a CPU one); None if it is not held."""
-        taken = self._take([mm_hash])[0]
+        taken = self._holds.take([mm_hash])[0]
         if taken is None:
             logger.warning("load_to_device_async: %s is not held; it must be encoded", mm_hash)
             return None
