@@ -417,7 +417,9 @@ class EmbeddingCacheController(_Controller):
             statuses = request.lookup(items, prefetch=False, reserve_misses=True)
             found = list(zip(items, statuses, strict=True))
             keys = [i.key for i, s in found if s.status is Status.RESERVED]
-            request.publish([i.key for i, s in found if s.status is Status.HIT])
+            present = [i.key for i, s in found if s.status is Status.HIT]
+            if present:
+                request.publish(present)
             if not keys:
                 request.close()
                 return []
