@@ -239,6 +239,35 @@ def prefetch_timeout_falls_back_and_the_hold_expires(r: Rank) -> None:
         ctl.close()
 
 
+def all_rank_get_agrees_on_every_rank(r: Rank) -> None:
+    """With ``all_rank_get`` every rank polls and the answer is the group's minimum."""
+    store = InProcessStore()
+    publish_objects(store, ["ag-a"], [3])
+    store.inject("ag-a", Fault.HOLD)
+    ctl = EmbeddingCacheController(
+        store,
+        max_pool_size_gb=POOL / GB,
+        hidden_dims={Modality.IMAGE: DIM},
+        all_rank_get=True,
+        dtype=DTYPE,
+    )
+    if r.rank == 0:
+        ctl.prefetch("ag", ["ag-a"], [3], Modality.IMAGE)
+    assert not ctl.check_prefetch_progress("ag")  # rank 0's load is held: False everywhere
+    if r.rank == 0:
+        store.release_holds()
+    polls = 1
+    while not ctl.check_prefetch_progress("ag"):
+        polls += 1
+        time.sleep(0.005)
+    r.same_on_every_rank(polls)
+    if r.rank == 0:
+        assert ctl.has_local_embedding("ag-a")
+        ctl.release_pool_views(["ag-a"])
+        assert_idle(ctl)
+        ctl.close()
+
+
 class AssemblyFailed(RuntimeError):
     """What the replay raises between the fallback mask and the read."""
 
@@ -332,6 +361,7 @@ SCENARIOS: list[Scenario] = [
     partial_load_falls_back_per_item,
     full_pool_falls_back_and_skips_the_insert,
     prefetch_timeout_falls_back_and_the_hold_expires,
+    all_rank_get_agrees_on_every_rank,
     failure_before_the_read_expires_the_holds,
     legacy_misses_hits_global_hits,
     legacy_partial_load_and_full_pool,
