@@ -44,6 +44,24 @@ def controller(stack: ExitStack, r: Rank, store: MooncakeStore) -> EmbeddingCach
     return ctl
 
 
+def legacy_controller(
+    stack: ExitStack, r: Rank, store: MooncakeStore
+) -> LegacyEmbeddingCacheController:
+    import torch.distributed as dist
+
+    ctl = LegacyEmbeddingCacheController(
+        r.rank,
+        r.world,
+        POOL / GB,
+        {Modality.IMAGE: DIM},
+        dist.group.WORLD,
+        embedding_store=store,
+        dtype=DTYPE,
+    )
+    stack.callback(ctl.close)
+    return ctl
+
+
 def wait_published(ctl: Any) -> None:
     wait_until(lambda: published(ctl.cache), "publishes to end")
     stats = ctl.cache.stats()
@@ -80,22 +98,11 @@ def global_hits_between_two_controllers(r: Rank) -> None:
 
 
 def legacy_global_hits_between_two_controllers(r: Rank) -> None:
-    import torch.distributed as dist
-
     with ExitStack() as stack:
-        workers = []
-        for segment in (SEGMENT, 0):
-            ctl = LegacyEmbeddingCacheController(
-                r.rank,
-                r.world,
-                POOL / GB,
-                {Modality.IMAGE: DIM},
-                dist.group.WORLD,
-                embedding_store=mooncake(stack, r, r.args["store"], segment),
-                dtype=DTYPE,
-            )
-            stack.callback(ctl.close)
-            workers.append(ctl)
+        workers = [
+            legacy_controller(stack, r, mooncake(stack, r, r.args["store"], segment))
+            for segment in (SEGMENT, 0)
+        ]
         encoder = Encoder()
         keys, tokens = keys_of("ml", "abc")
         served = serve_legacy(workers[0], r.rank, r.world, "l1", keys, tokens, encoder)
@@ -131,6 +138,7 @@ def dead_master(r: Rank) -> None:
         kwargs = master.store_kwargs() if master is not None else r.args["store"]
         first = controller(stack, r, mooncake(stack, r, kwargs, SEGMENT))
         second = controller(stack, r, mooncake(stack, r, kwargs))
+        old = legacy_controller(stack, r, mooncake(stack, r, kwargs))
         encoder = Encoder()
         keys, tokens = keys_of("md", "ab")
         check(
@@ -155,13 +163,18 @@ def dead_master(r: Rank) -> None:
         more, more_tokens = keys_of("md", "ac")
         served = serve(second, r.rank, r.world, "d3", more, more_tokens, encoder)
         check(r, served, more, more_tokens, [1, 0], [0, 0])  # md-a: local since d2
-        assert encoder.calls == [keys, keys, ["md-c"]]
+        # The older method set on the dead master: a miss, inserted, its publish fails.
+        served = serve_legacy(old, r.rank, r.world, "d4", more, more_tokens, encoder)
+        check(r, served, more, more_tokens, [0, 0], [0, 0])
+        assert encoder.calls == [keys, keys, ["md-c"], more]
         if r.rank == 0:
-            for ctl in (first, second):
+            for ctl in (first, second, old):
                 assert_idle(ctl)
             stats = second.cache.stats()
             assert stats.entries_by_state.get("READY") == 3, stats
             assert stats.publishes_ok == 0, stats
+            stats = old.cache.stats()
+            assert stats.entries_by_state.get("READY") == 2 and stats.publishes_ok == 0, stats
 
 
 SCENARIOS: list[Scenario] = [
