@@ -70,6 +70,8 @@ class CacheCore:
         self.shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape
         self.policy: Policy = LruPolicy() if policy is None else policy
         self.order = self.policy.order()  # the evictable keys, first victim first
+        # The policy's record of each looked-up key; None when it records nothing (lru).
+        self.record = self.policy.record if getattr(policy, "records_lookups", True) else None
         self.evictable_bytes = 0
         self.requests: dict[str, RequestState] = {}
         self.counts: Counter[str] = Counter()
@@ -357,15 +359,18 @@ class CacheCore:
         return window.offset
 
     def _drop_pin(self, entry: Entry, holder: Holder, plain: Step) -> None:
-        if len(entry.holders) == 1:
+        holders = entry.holders
+        last = len(holders) == 1 and holder in holders
+        if last:
             if entry.tainted:
                 plain = Step.RELEASE_LAST_TAINTED
             elif entry.doomed:
                 plain = Step.RELEASE_LAST_DOOMED
         entry.state = transition(entry.state, plain)
-        entry.holders = (entry.holders - {holder}) or NOBODY
-        if entry.holders:
+        if not last:
+            entry.holders = (holders - {holder}) or NOBODY
             return
+        entry.holders = NOBODY
         del self.pinned_since[entry.key]
         if not self.pinned_since:  # a dict keeps the table of its largest burst: start afresh
             self.pinned_since = {}
@@ -383,8 +388,7 @@ class CacheCore:
             return
         entry.holders = frozenset((holder,))
         self.pinned_since[entry.key] = self.clock()
-        if entry.key in self.order:
-            self.order.discard(entry.key)
+        if self.order.discard(entry.key):
             self.evictable_bytes -= entry.size
 
     def _make_evictable(self, entry: Entry) -> None:
@@ -394,8 +398,7 @@ class CacheCore:
     def _free(self, entry: Entry) -> None:
         self.allocator.free(entry.offset)
         del self.entries[entry.key]
-        if entry.key in self.order:
-            self.order.discard(entry.key)
+        if self.order.discard(entry.key):
             self.evictable_bytes -= entry.size
         elif self.quarantine:
             self.quarantine.pop(entry.key, None)

@@ -50,8 +50,8 @@ class EvictionOrder(Protocol):
     def add(self, key: str) -> None:
         """``key`` became evictable (Release to 0 pins, or EndLoad OK with no waiters)."""
 
-    def discard(self, key: str) -> None:
-        """``key`` is no longer evictable (pinned, freed); no-op if absent."""
+    def discard(self, key: str) -> bool:
+        """``key`` is no longer evictable (pinned, freed); whether it was in the order."""
 
     def __iter__(self) -> Iterator[str]:
         """Lowest value (first victim) first; lazy, the caller may stop early."""
@@ -65,6 +65,7 @@ class Policy(Protocol):
     """Where entries enter the eviction order, and which inserts that must evict are taken."""
 
     name: str
+    records_lookups: bool  # False: ``record`` does nothing, and the core skips the call
 
     def order(self) -> EvictionOrder:
         """The eviction order of one cache (called once per cache)."""
@@ -79,35 +80,27 @@ class Policy(Protocol):
         """The entry of ``key`` was freed."""
 
 
-class RecencyOrder:
-    """Evictable keys by the time they last became evictable, oldest first. Every method O(1)."""
+class RecencyOrder(OrderedDict[str, bool]):
+    """Evictable keys by the time they last became evictable, oldest first. Every method O(1).
 
-    def __init__(self) -> None:
-        self._keys: OrderedDict[str, None] = OrderedDict()
+    An OrderedDict itself (values are True), so membership, iteration and length run in C:
+    the core asks them on every hit."""
 
     def add(self, key: str) -> None:
         """Put ``key`` at the tail (the newest). O(1)."""
-        self._keys[key] = None
-        self._keys.move_to_end(key)
+        self[key] = True
+        self.move_to_end(key)
 
-    def discard(self, key: str) -> None:
-        """Take ``key`` out; no-op if absent. O(1)."""
-        self._keys.pop(key, None)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
+    def discard(self, key: str) -> bool:
+        """Take ``key`` out; whether it was there. O(1)."""
+        return self.pop(key, False)
 
 
 class LruPolicy:
     """Least recently used first; admits every insert (the seed's behaviour)."""
 
     name = "lru"
+    records_lookups = False
 
     def order(self) -> RecencyOrder:
         """A new recency order."""
@@ -134,8 +127,8 @@ class _ResidentOrder(RecencyOrder):
     def add(self, key: str) -> None:
         """Put ``key`` at the tail and note it resident. O(1)."""
         self._resident.add(key)
-        self._keys[key] = None
-        self._keys.move_to_end(key)
+        self[key] = True
+        self.move_to_end(key)
 
 
 def _int_knob(name: str, value: object) -> int:
@@ -166,6 +159,7 @@ class TinyLfuPolicy:
     """
 
     name = "tinylfu"
+    records_lookups = True
     SMOOTHING = 0.3  # weight of the newest block in the running mean
 
     def __init__(

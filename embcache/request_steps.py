@@ -26,11 +26,13 @@ from embcache.status import ItemStatus, Reason, TransferOutcome
 
 def lookup_all(core: CacheCore, rs: RequestState, items: Sequence[ItemLike]) -> list[ItemStatus]:
     """``lookup`` each item; a miss larger than the pool is TOO_LARGE. O(len(items))."""
+    if core.record is not None:
+        for item in items:
+            core.record(item.key)
     statuses = []
-    record = core.policy.record
+    lookup = core.lookup
     for item in items:
-        record(item.key)
-        status = core.lookup(rs, item)
+        status = lookup(rs, item)
         if status.reason is Reason.NOT_FOUND and item.nbytes > core.capacity:
             status = MISSES[Reason.TOO_LARGE]
         statuses.append(status)
@@ -150,8 +152,12 @@ def end_request(core: CacheCore, rs: RequestState) -> list[RequestState]:
 def release_order(rs: RequestState) -> list[str]:
     """The keys ``rs`` pins, in the order it looked them up, then the others (its own inserts)
     in the order it pinned them: released in this order, the last looked up ends newest."""
-    looked = dict.fromkeys(item.key for item in rs.items if item.key in rs.holds)
-    return [*looked, *(key for key in rs.holds if key not in looked)]
+    holds = rs.holds
+    order = [key for key in dict.fromkeys([item.key for item in rs.items]) if key in holds]
+    if len(order) < len(holds):  # it also pins keys it inserted without looking them up
+        looked = set(order)
+        order += [key for key in holds if key not in looked]
+    return order
 
 
 def served(core: CacheCore, rs: RequestState) -> list[tuple[int, ItemLike] | None]:

@@ -23,9 +23,11 @@ class ModelOrder:
         if self.on_add is not None:
             self.on_add.add(key)
 
-    def discard(self, key: str) -> None:
+    def discard(self, key: str) -> bool:
         if key in self.keys:
             self.keys.remove(key)
+            return True
+        return False
 
     def __iter__(self) -> Iterator[str]:
         return iter(list(self.keys))
