@@ -2,16 +2,21 @@
 interpreters and in a spawned child (as SGLang's TP ranks are), against SGLang 0.5.23's own
 controller module read from the wheel, on a stand-in SGLang package tree.
 
-The hook is written into a user site-packages folder (``PYTHONUSERBASE``), which every
-interpreter processes at start, exactly as a real site-packages folder would be.
+The hook is written into the site-packages folder of a fresh virtual environment made for the
+test (``python -m venv --without-pip``), which every interpreter of that environment processes
+at start, spawned children included, as a real installation's would be. (A user site-packages
+folder would not do: an interpreter running in a virtual environment, as CI's does, ignores
+it.) The environment finds this interpreter's packages through ``PYTHONPATH``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import zipfile
 from pathlib import Path
@@ -97,15 +102,17 @@ def sglang_tree(root: Path, controller: str) -> Path:
 
 
 def run(script: str, tmp_path: Path, tree: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``script`` run by the test's virtual environment (made by ``hook_site`` if needed)."""
+    hook_site(tmp_path)
     (tmp_path / "script.py").write_text(script)
+    packages = [*site.getsitepackages(), sysconfig.get_paths()["purelib"]]
     environment = {
-        **{k: v for k, v in os.environ.items() if k != ENV},
-        "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)]),
-        "PYTHONUSERBASE": str(tmp_path / "userbase"),
+        **{k: v for k, v in os.environ.items() if k not in (ENV, "VIRTUAL_ENV")},
+        "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT), *dict.fromkeys(packages)]),
         **env,
     }
     return subprocess.run(
-        [sys.executable, str(tmp_path / "script.py")],
+        [str(tmp_path / "venv" / "bin" / "python"), str(tmp_path / "script.py")],
         capture_output=True,
         text=True,
         env=environment,
@@ -114,20 +121,28 @@ def run(script: str, tmp_path: Path, tree: Path, **env: str) -> subprocess.Compl
     )
 
 
-def user_site(tmp_path: Path) -> Path:
-    folder = tmp_path / "userbase" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    return folder / "site-packages"
+def hook_site(tmp_path: Path) -> Path:
+    """The site-packages folder of a virtual environment made in ``tmp_path`` (once)."""
+    venv = tmp_path / "venv"
+    if not venv.exists():
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--without-pip", str(venv)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    return venv / "lib" / version / "site-packages"
 
 
 def test_the_hook_patches_every_rank_only_when_the_variable_is_set(
     tmp_path: Path, controller_source: str
 ) -> None:
     tree = sglang_tree(tmp_path / "tree", controller_source)
-    site = user_site(tmp_path)
-    site.mkdir(parents=True)
-    enable = [sys.executable, "-m", MODULE, "enable", "--site-dir", str(site)]
+    hooks = hook_site(tmp_path)
+    enable = [sys.executable, "-m", MODULE, "enable", "--site-dir", str(hooks)]
     subprocess.run(enable, check=True, capture_output=True, timeout=120, cwd=ROOT)
-    assert (site / PTH_NAME).read_text() == PTH_LINE
+    assert (hooks / PTH_NAME).read_text() == PTH_LINE
 
     on = run(RANK, tmp_path, tree, **{ENV: "1"})
     assert on.returncode == 0, on.stderr
@@ -143,8 +158,8 @@ def test_the_hook_patches_every_rank_only_when_the_variable_is_set(
         "child sglang.srt.mem_cache.embedding_cache_controller",
     ], off.stdout
 
-    assert main(["disable", "--site-dir", str(site)]) == 0
-    assert not (site / PTH_NAME).exists()
+    assert main(["disable", "--site-dir", str(hooks)]) == 0
+    assert not (hooks / PTH_NAME).exists()
     unhooked = run(RANK, tmp_path, tree, **{ENV: "1"})
     assert "parent sglang.srt.mem_cache.embedding_cache_controller" in unhooked.stdout
 
@@ -199,9 +214,8 @@ def test_another_interface_fails_loudly_naming_the_method(
     assert "get_pool_views: SGLang has (self, mm_hashes, page_size)" in done.stdout
     assert "Install sglang==0.5.23 or unset EMBCACHE_SGLANG" in done.stdout
 
-    site = user_site(tmp_path)
-    site.mkdir(parents=True)
-    main(["enable", "--site-dir", str(site)])
+    hooks = hook_site(tmp_path)
+    main(["enable", "--site-dir", str(hooks)])
     hooked = run(RANK, tmp_path, tree, **{ENV: "1"})
     assert hooked.returncode != 0
     assert "SGLangIntegrationError" in hooked.stderr and "get_pool_views" in hooked.stderr
