@@ -24,7 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessContext, start_processes
 
-BARRIER_S = 20.0
+# How long a rank waits for the other at the end of a scenario. Rank 0 may take a while: after
+# a master died, closing its Mooncake clients (and a fence the cache started by itself to free
+# the ranges of unknown outcomes) waits out Mooncake's own RPC retries, 10 s and more on a
+# loaded machine. (20 s was too short there: the other rank gave up and torch ended rank 0.)
+BARRIER_S = 90.0
 
 
 @dataclass
@@ -108,6 +112,8 @@ def run_ranks(
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
+                    process.join(5)
+            exits = [process.exitcode for process in context.processes]
     finally:
         if old is None:
             os.environ.pop("OMP_NUM_THREADS", None)
@@ -117,13 +123,19 @@ def run_ranks(
     for rank in range(world):
         path = outdir / f"rank{rank}.json"
         results[rank] = json.loads(path.read_text()) if path.exists() else {}
+        if exits[rank] != 0:  # a negative exit code is the signal that ended it
+            results[rank]["(exit code)"] = str(exits[rank])
     return results
 
 
 def report(outcomes: dict[int, dict[str, str]], scenario: str) -> None:
     """Fail with every rank's traceback unless ``scenario`` passed on all of them."""
     failures = {
-        rank: results.get(scenario, "did not run (an earlier scenario hung?)")
+        rank: results.get(
+            scenario,
+            "did not run (an earlier scenario hung, or the rank died: exit code "
+            f"{results.get('(exit code)', '0')})",
+        )
         for rank, results in outcomes.items()
         if results.get(scenario) != "ok"
     }
