@@ -10,30 +10,18 @@ The TLC runs are marked ``tla``; the conversion tests need neither Java nor TLC.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.tla.tla_modules import load_trace
 
 TLA = Path(__file__).resolve().parents[2] / "tla"
 UNIT = 256
 
 
-def _load_trace() -> ModuleType:
-    if "tla_trace" in sys.modules:
-        return sys.modules["tla_trace"]
-    spec = importlib.util.spec_from_file_location("tla_trace", TLA / "trace.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-trace_mod = _load_trace()
+trace_mod = load_trace()
 
 
 class Trace:
