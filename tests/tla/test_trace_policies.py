@@ -10,14 +10,12 @@ The TLC runs are marked ``tla``; the conversion tests need neither Java nor TLC.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.tla.tla_modules import load_trace
 
-TLA = Path(__file__).resolve().parents[2] / "tla"
 UNIT = 256
 
 
