@@ -71,7 +71,7 @@ class CacheCore:
         self.policy: Policy = LruPolicy() if policy is None else policy
         self.order = self.policy.order()  # the evictable keys, first victim first
         # The policy's record of each looked-up key; None when it records nothing (lru).
-        self.record = self.policy.record if getattr(policy, "records_lookups", True) else None
+        self.record = self.policy.record if getattr(self.policy, "records_lookups", True) else None
         self.evictable_bytes = 0
         self.requests: dict[str, RequestState] = {}
         self.counts: Counter[str] = Counter()
