@@ -56,7 +56,7 @@ fi
 export HYPOTHESIS_PROFILE=dev EMBCACHE_LOCK_CHECK=1
 # Forked workers and shared cores: keep torch single-threaded.
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-TESTS=(tests/test_core.py tests/test_cache.py tests/test_cache_failures.py
+TESTS=(tests/test_core.py tests/test_reliability.py tests/test_admission.py tests/test_cache.py tests/test_cache_failures.py
        tests/test_mutation_killers.py tests/stateful)
 MARKS="not tla and not mooncake and not stress and not crosshair"
 
