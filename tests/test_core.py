@@ -251,3 +251,20 @@ def test_request_state_pending_counts_only_loads_filled_by_others() -> None:
     assert not rs.pending()  # its own reservation
     rs.waits.add("b")
     assert rs.pending()
+
+
+def test_fence_is_due_past_the_byte_bound_or_at_the_age_bound() -> None:
+    now = [10.0]
+    core = CacheCore(4 * ALIGN, ALIGN, 4, True, clock=lambda: now[0])
+    r1 = core.open_request("r1")
+    assert core.fence_due(10.0, 0, 0.0) is False  # nothing quarantined
+    entry, _ = core.begin_load(r1, Thing("q", ALIGN), from_store=True)
+    assert entry is not None
+    core.end_load(entry, UNKNOWN, None)  # quarantined at 10.0
+    assert core.quarantine == {"q": 10.0}
+    assert core.fence_due(14.9, ALIGN, 5.0) is False
+    assert core.fence_due(15.0, ALIGN, 5.0) is True  # exactly max_age old
+    assert core.fence_due(10.0, ALIGN - 1, 1e9) is True  # more bytes than the bound
+    assert core.fence_due(10.0, ALIGN, 1e9) is False  # exactly the bound is not more
+    core.fence(core.quarantined())
+    assert core.quarantine == {} and core.fence_due(1e9, 0, 0.0) is False

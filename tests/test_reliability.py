@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import pytest
@@ -283,3 +284,14 @@ def test_the_harness_catches_a_pipeline_that_keeps_a_view_past_its_request(
     monkeypatch.setattr(EncodePipeline, "_collect", keep_single_view)
     _, second = run_harsh_pipeline(make_cache)
     assert second.isnan().any(), "the poison harness missed a read after release"
+
+
+def test_a_young_small_quarantine_is_left_alone(
+    make_cache: Callable[..., EmbeddingCache], store: InProcessStore
+) -> None:
+    patient = FencePolicy(max_fraction=0.5, max_age_s=3600, min_interval_s=0.05,
+                          check_interval_s=0.05)  # fmt: skip
+    cache = make_cache(4096, auto_fence=patient)
+    quarantine(cache, store, "q")  # 256 of 4096 bytes, far below half the pool
+    time.sleep(0.5)  # ten checks of the fencer
+    assert cache.entry_state("q") is QUARANTINED and cache.stats().fences == 0
