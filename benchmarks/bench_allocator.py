@@ -152,6 +152,19 @@ def make_row(
     }
 
 
+def skipped_row(name: str, why: str, target: str = "") -> dict[str, Any]:
+    """A row for a benchmark that could not run here (a peer or a service missing): ``why``."""
+    return {
+        "name": f"{name} (skipped: {why})",
+        "ours": None,
+        "baseline": None,
+        "unit": "",
+        "ratio": None,
+        "target": target,
+        "met": None,
+    }
+
+
 def growth_row(
     what: str, sizes: list[int], cost_at: dict[int, float], unit: str, limit: float
 ) -> dict[str, Any]:

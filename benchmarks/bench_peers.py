@@ -43,7 +43,7 @@ import torch
 from benchmarks import bench_fragmentation as frag
 from benchmarks import sglang_wheel
 from benchmarks.baselines import OriginalPRController
-from benchmarks.bench_allocator import make_row, print_rows
+from benchmarks.bench_allocator import make_row, print_rows, skipped_row
 from embcache import EmbeddingCache, Item, Request, Status
 
 MIXED_POOL = 4 << 20
@@ -63,19 +63,6 @@ def sglang_missing() -> str | None:
     except sglang_wheel.SGLangUnavailable as exc:
         return str(exc)
     return None
-
-
-def skipped_row(name: str, why: str, target: str) -> dict[str, Any]:
-    """A row whose peer could not be had (as ``benchmarks.run.skipped``)."""
-    return {
-        "name": f"{name} (skipped: {why})",
-        "ours": None,
-        "baseline": None,
-        "unit": "",
-        "ratio": None,
-        "target": target,
-        "met": None,
-    }
 
 
 class SGLangPeer:

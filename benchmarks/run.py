@@ -128,7 +128,9 @@ def _mooncake(quick: bool) -> list[Row]:
         except ImportError as exc:  # the mooncake extra, or pytest (its master helper)
             why = f"cannot import: {exc}"
     if why is not None:
-        return [skipped("mooncake load vs raw batch_get_into", why, ">= 0.9x raw")]
+        from benchmarks.bench_allocator import skipped_row
+
+        return [skipped_row("mooncake load vs raw batch_get_into", why, ">= 0.9x raw")]
     return bench_mooncake.run(quick)
 
 
@@ -155,19 +157,6 @@ ITEMS: list[tuple[int, str, Callable[[bool], list[Row]]]] = [
     (8, "concurrency", _concurrency),
     (9, "eviction policy", _policy),
 ]
-
-
-def skipped(name: str, why: str, target: str = "") -> Row:
-    """A row for a benchmark that could not run here."""
-    return {
-        "name": f"{name} (skipped: {why})",
-        "ours": None,
-        "baseline": None,
-        "unit": "",
-        "ratio": None,
-        "target": target,
-        "met": None,
-    }
 
 
 # ---------------------------------------------------------------------------- rows
