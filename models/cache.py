@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from models.allocator import ModelAllocator
 from models.policy import MODELS
@@ -57,10 +58,16 @@ class Task:
 
 class ModelCache:
     def __init__(
-        self, capacity: int, alignment: int, max_batch: int, eviction: bool, policy: str = "lru"
+        self,
+        capacity: int,
+        alignment: int,
+        max_batch: int,
+        eviction: bool,
+        policy: str = "lru",
+        **knobs: Any,
     ) -> None:
         self.alloc = ModelAllocator(capacity, alignment)
-        self.policy = MODELS[policy]()
+        self.policy = MODELS[policy](**knobs)
         self.capacity = capacity
         self.max_batch = max_batch
         self.eviction = eviction

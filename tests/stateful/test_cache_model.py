@@ -21,7 +21,6 @@ from embcache import EmbeddingCache, Fault, InProcessStore, Item
 from embcache.policy import make_policy
 from embcache.trace import TraceLog
 from models.cache import ModelCache
-from models.policy import MODELS
 
 ALIGN = 256
 KEYS = ["k0", "k1", "k2", "k3", "k4"]
@@ -103,9 +102,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.io = ManualExecutor()
         self.cache._io.shutdown()
         self.cache._io = self.io  # type: ignore[assignment]
-        self.model = ModelCache(units * ALIGN, ALIGN, max_batch, eviction, policy)
-        self.model.policy = MODELS[policy](**KNOBS[policy])
-        self.model.order = self.model.policy.order()
+        self.model = ModelCache(units * ALIGN, ALIGN, max_batch, eviction, policy, **KNOBS[policy])
         self.handles: dict[str, Any] = {}
 
     def teardown(self) -> None:
