@@ -65,3 +65,17 @@ def poison_modes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     (``EMBCACHE_POISON=1``), so a read after release shows as NaN or wrong bytes."""
     monkeypatch.setenv("EMBCACHE_POISON", "1" if request.param == "poison" else "0")
     return str(request.param)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used a ``MooncakeMaster`` shows the end of that master's log."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when != "call" or not report.failed:
+        return
+    from embcache.store.mooncake_master import MooncakeMaster
+
+    for name, value in getattr(item, "funcargs", {}).items():
+        if isinstance(value, MooncakeMaster):
+            report.sections.append((f"log of {name} (last 40 lines)", value.log_tail(40)))

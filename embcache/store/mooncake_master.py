@@ -12,6 +12,7 @@ demo (``python -m embcache demo --store mooncake``) can use it too.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -54,19 +55,53 @@ def find_master_binary() -> str:
     return binary
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports: every socket stays bound until all are chosen,
+    so the kernel cannot hand out one port twice. (Given one port for two of its servers, the
+    master logs that both started, keeps running, and its RPC port answers HTTP: every client
+    call then ends in ``RPC call failed: End of file``.)"""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
 
 
-def _serves_tcp(port: int) -> bool:
+def _socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets process ``pid`` has open (``OSError`` without ``/proc``)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed since the listing
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` itself has a listening TCP socket on ``port``.
+
+    On Linux from ``/proc`` (a socket of the process, in state LISTEN, on that port); without
+    ``/proc``, whether a loopback connection succeeds (whoever listens).
+    """
     try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        inodes = _socket_inodes(pid)
+        tables = [Path(f"/proc/{pid}/net/{name}").read_text() for name in ("tcp", "tcp6")]
     except OSError:
-        return False
-    return True
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        except OSError:
+            return False
+        return True
+    for table in tables:
+        for line in table.splitlines()[1:]:
+            fields = line.split()
+            local_port = int(fields[1].rsplit(":", 1)[1], 16)
+            if local_port == port and fields[3] == "0A" and fields[9] in inodes:
+                return True
+    return False
 
 
 def _serves_metadata(url: str) -> bool:
@@ -104,9 +139,7 @@ class MooncakeMaster:
             self._tmp = tempfile.TemporaryDirectory(prefix="embcache-mooncake-")
             log_dir = Path(self._tmp.name)
         self.log_path = log_dir / f"mooncake_master-{uuid.uuid4().hex[:8]}.log"
-        self.rpc_port = _free_port()
-        self.http_port = _free_port()
-        self.metrics_port = _free_port()
+        self.rpc_port, self.http_port, self.metrics_port = _free_ports(3)
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -134,7 +167,8 @@ class MooncakeMaster:
         return self._process is not None and self._process.poll() is None
 
     def start(self) -> None:
-        """Start the process; return once it serves RPC and metadata (at most 20 s)."""
+        """Start the process; return once it listens on its RPC port and serves metadata
+        (at most 20 s)."""
         if self.running:
             raise StoreUnavailableError("mooncake_master is already running")
         command = [
@@ -151,7 +185,8 @@ class MooncakeMaster:
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not (_serves_tcp(self.rpc_port) and _serves_metadata(self.metadata_server)):
+        pid = self._process.pid
+        while not (_listens(pid, self.rpc_port) and _serves_metadata(self.metadata_server)):
             if not self.running:
                 raise StoreUnavailableError(f"mooncake_master exited at start:\n{self.log_tail()}")
             if time.monotonic() > deadline:
