@@ -67,7 +67,10 @@ from embcache.store.mooncake_native import (
     _in_pool,
     _load_binding,
     _put_missing,
+    close_client,
     quiet_native_logging,
+    register_pool,
+    setup_client,
 )
 
 __all__ = [
@@ -198,7 +201,7 @@ class MooncakeStore:
                 self._pool = buffer
                 session = self._session
             if session is not None:
-                self._register(session.client, buffer)
+                register_pool(session.client, buffer)
         if session is None:
             self._connect_if_due()
 
@@ -241,7 +244,7 @@ class MooncakeStore:
             self._drain(old)
             clients = [c for c in (self._segment_client, old and old.client) if c is not None]
             self._segment_client = None
-            closers = [threading.Thread(target=self._close_client, args=(c,)) for c in clients]
+            closers = [threading.Thread(target=close_client, args=(c,)) for c in clients]
             for closer in closers:
                 closer.start()
             for closer in closers:
@@ -309,22 +312,7 @@ class MooncakeStore:
             if self._warned_no_space:
                 return
             self._warned_no_space = True
-        cfg = self._config
-        if cfg.global_segment_size == 0:
-            lent = (
-                "this worker lends it no memory (global_segment_size=0, the default), so it "
-                "holds only what other workers sharing the master lend"
-            )
-        else:
-            lent = f"the memory lent to it is full (this worker lends {cfg.global_segment_size} B)"
-        logger.warning(
-            "Mooncake (master %s) has no space for a put (-200 NO_AVAILABLE_HANDLE): %s. Set "
-            "global_segment_size (or MOONCAKE_GLOBAL_SEGMENT_SIZE), e.g. '4GB', on this worker "
-            "or another one sharing the master. Logged once; stats().publishes_failed counts "
-            "the publishes that fail.",
-            cfg.master_address,
-            lent,
-        )
+        logger.warning("%s", self._config.no_space_advice())
 
     def classify(self, code: int) -> TransferOutcome:
         """The outcome ``code`` means for its range (table ``CODES``; unlisted: UNKNOWN). O(1)."""
@@ -480,50 +468,17 @@ class MooncakeStore:
                 "mooncake_master --enable_http_metadata_server=true) or fix the address"
             )
         if cfg.global_segment_size and self._segment_client is None:
-            self._segment_client = self._setup_client(cfg.global_segment_size, 0)
-        client = self._setup_client(0, cfg.local_buffer_size)
+            self._segment_client = setup_client(self._new_client(), cfg, cfg.global_segment_size, 0)
+        client = setup_client(self._new_client(), cfg, 0, cfg.local_buffer_size)
         if pool is not None:
             try:
-                self._register(client, pool)
+                register_pool(client, pool)
             except StoreUnavailableError:
-                self._close_client(client)
+                close_client(client)
                 raise
         with self._lock:
             self._master_down = False
         return _Session(client)
-
-    def _setup_client(self, segment_bytes: int, local_buffer_bytes: int) -> _Client:
-        cfg = self._config
-        client = self._new_client()
-        try:
-            status = client.setup(
-                cfg.local_hostname,
-                cfg.metadata_server,
-                segment_bytes,
-                local_buffer_bytes,
-                cfg.protocol,
-                cfg.device_name,
-                cfg.master_address,
-            )
-        except Exception as exc:
-            raise StoreUnavailableError(f"Mooncake client setup raised: {exc}") from exc
-        if status != 0:
-            raise StoreUnavailableError(
-                f"Mooncake client setup failed with {status} (master {cfg.master_address}, "
-                f"metadata {cfg.metadata_server}, protocol {cfg.protocol}); see Mooncake's log"
-            )
-        return client
-
-    @staticmethod
-    def _register(client: _Client, pool: torch.Tensor) -> None:
-        try:
-            status = client.register_buffer(pool.data_ptr(), pool.numel())
-        except Exception as exc:
-            raise StoreUnavailableError(f"Mooncake register_buffer raised: {exc}") from exc
-        if status != 0:
-            raise StoreUnavailableError(
-                f"Mooncake register_buffer of {pool.numel()} bytes failed with {status}"
-            )
 
     def _install(self, session: _Session | None) -> _Session | None:
         """Make ``session`` current; return the previous one, now retired."""
@@ -537,17 +492,10 @@ class MooncakeStore:
         """Wait until no call runs on ``old``, then close it (caller holds ``_swap_lock``)."""
         self._drain(old)
         if old is not None:
-            self._close_client(old.client)
+            close_client(old.client)
 
     def _drain(self, old: _Session | None) -> None:
         """Wait until no call runs on the retired session ``old``."""
         if old is not None:
             with self._lock:
                 self._drained.wait_for(lambda: old.inflight == 0)
-
-    @staticmethod
-    def _close_client(client: _Client) -> None:
-        try:
-            client.close()
-        except Exception:
-            logger.warning("closing a Mooncake client raised", exc_info=True)

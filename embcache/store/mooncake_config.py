@@ -206,6 +206,22 @@ class MooncakeConfig:
             reconnect_interval_s=_parse_seconds("reconnect_interval_s", reconnect_interval_s),
         )
 
+    def no_space_advice(self) -> str:
+        """What to set when the global store has no space for a put (logged once a store)."""
+        if self.global_segment_size == 0:
+            lent = (
+                "this worker lends it no memory (global_segment_size=0, the default), so it "
+                "holds only what other workers sharing the master lend"
+            )
+        else:
+            lent = f"the memory lent to it is full (this worker lends {self.global_segment_size} B)"
+        return (
+            f"Mooncake (master {self.master_address}) has no space for a put (-200 "
+            f"NO_AVAILABLE_HANDLE): {lent}. Set global_segment_size (or "
+            "MOONCAKE_GLOBAL_SEGMENT_SIZE), e.g. '4GB', on this worker or another one sharing "
+            "the master. Logged once; stats().publishes_failed counts the publishes that fail."
+        )
+
 
 def _reachable(address: tuple[str, int], timeout_s: float) -> bool:
     """Whether a TCP connection to ``address`` can be opened within ``timeout_s``."""

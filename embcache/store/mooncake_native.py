@@ -1,6 +1,6 @@
 """Mooncake's native side: its result codes and what each means for a pool range, the client
-binding (the only place an untyped Mooncake object enters), its C++ log, and the batch calls
-``MooncakeStore`` runs on a client."""
+binding (the only place an untyped Mooncake object enters), setting a client up, its C++ log,
+and the batch calls ``MooncakeStore`` runs on a client."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ import importlib
 import logging
 import os
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from embcache.errors import (
-    StoreUnavailableError,
-)
+from embcache.errors import StoreUnavailableError
 from embcache.store.base import TransferOutcome
+
+if TYPE_CHECKING:
+    import torch
+
+    from embcache.store.mooncake_config import MooncakeConfig
 
 __all__ = ["CODES", "CodeInfo", "StoreCode", "quiet_native_logging"]
 
@@ -152,6 +155,51 @@ def _load_binding() -> Callable[[], _Client]:
         ) from exc
     factory: Callable[[], _Client] = module.MooncakeDistributedStore
     return factory
+
+
+def setup_client(
+    client: _Client, cfg: MooncakeConfig, segment_bytes: int, local_buffer_bytes: int
+) -> _Client:
+    """``client`` set up against ``cfg``'s master, lending ``segment_bytes`` to the global
+    store; ``StoreUnavailableError`` when Mooncake refuses or raises."""
+    try:
+        status = client.setup(
+            cfg.local_hostname,
+            cfg.metadata_server,
+            segment_bytes,
+            local_buffer_bytes,
+            cfg.protocol,
+            cfg.device_name,
+            cfg.master_address,
+        )
+    except Exception as exc:
+        raise StoreUnavailableError(f"Mooncake client setup raised: {exc}") from exc
+    if status != 0:
+        raise StoreUnavailableError(
+            f"Mooncake client setup failed with {status} (master {cfg.master_address}, "
+            f"metadata {cfg.metadata_server}, protocol {cfg.protocol}); see Mooncake's log"
+        )
+    return client
+
+
+def register_pool(client: _Client, pool: torch.Tensor) -> None:
+    """Register ``pool`` with ``client`` for transfers; ``StoreUnavailableError`` if refused."""
+    try:
+        status = client.register_buffer(pool.data_ptr(), pool.numel())
+    except Exception as exc:
+        raise StoreUnavailableError(f"Mooncake register_buffer raised: {exc}") from exc
+    if status != 0:
+        raise StoreUnavailableError(
+            f"Mooncake register_buffer of {pool.numel()} bytes failed with {status}"
+        )
+
+
+def close_client(client: _Client) -> None:
+    """Close ``client``, logging (never raising) what Mooncake raises."""
+    try:
+        client.close()
+    except Exception:
+        logger.warning("closing a Mooncake client raised", exc_info=True)
 
 
 # ---------------------------------------------------------------------------------------------
