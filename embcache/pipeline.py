@@ -10,10 +10,10 @@ Theory of operation. One call, ``encode(request_id, items, inputs)``, runs these
    the items it does not hold (misses, reservations, failed, timed-out, quarantined loads).
    It copies the held rows to the encoder's device right away (the *hits*), so nothing is read
    from the pool after the request ends.
-3. With a tensor-parallel group: every rank gathers a header (failed?, item count, item
-   fingerprint), so a failure on any rank before this point, or ranks called with different
-   items, raises on every rank; then rank 0 broadcasts the mask and the hit rows (as bytes, so
-   any dtype travels unchanged).
+3. With a tensor-parallel group (the collectives are ``embcache.tp_channel``): every rank
+   gathers a header (failed?, item count, item fingerprint), so a failure on any rank before
+   this point, or ranks called with different items, raises on every rank; then rank 0
+   broadcasts the mask and the hit rows (as bytes, so any dtype travels unchanged).
 4. Every rank runs the encoder on exactly the masked items (a key once per call), in item
    order, so an encoder that is itself tensor-parallel sees the same calls on each rank. With
    a group, the ranks then agree (an all-reduce) on whether every encoder call succeeded.
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import math
 import threading
 from collections import Counter
@@ -63,6 +62,7 @@ from embcache.item import Item
 from embcache.locks import assert_unlocked
 from embcache.request import Request
 from embcache.status import ItemStatus, Reason, Status
+from embcache.tp_channel import GroupChannel
 
 __all__ = ["EncodePipeline", "Encoder", "PipelineStats", "TensorParallelError"]
 
@@ -145,7 +145,6 @@ class EncodePipeline:
         if collective_timeout is not None:
             _check_seconds("collective_timeout", collective_timeout)
         self._rank = 0 if tp_group is None else dist.get_rank(tp_group)
-        self._world = 1 if tp_group is None else dist.get_world_size(tp_group)
         if self._rank == 0 and not isinstance(cache, EmbeddingCache):
             raise InvalidTypeError(
                 f"rank 0 needs an EmbeddingCache, got {type(cache).__name__}: rank 0 looks "
@@ -159,15 +158,10 @@ class EncodePipeline:
         self._cache = cache
         self._encoder = encoder
         self._device = torch.empty(0, device=encoder.device).device  # "cuda" -> "cuda:0"
-        self._group = tp_group
-        self._src = 0 if tp_group is None else dist.get_global_rank(tp_group, 0)
-        self._comm_device = self._device
-        if tp_group is not None and dist.get_backend(tp_group) != "nccl":
-            self._comm_device = torch.device("cpu")
-        self._prefetch_timeout = prefetch_timeout
-        self._collective_timeout = (
-            None if collective_timeout is None else datetime.timedelta(seconds=collective_timeout)
+        self._channel = (
+            None if tp_group is None else GroupChannel(tp_group, self._device, collective_timeout)
         )
+        self._prefetch_timeout = prefetch_timeout
         self._stats_lock = threading.Lock()  # a leaf lock: guards the counters only
         self._counts: Counter[str] = Counter()
 
@@ -272,10 +266,10 @@ class EncodePipeline:
                     await request.wait_async(self._prefetch_timeout)
                 local = await _in_thread(lambda: self._collect(request, plan, statuses))
             except BaseException:
-                if self._group is not None:
+                if self._channel is not None:
                     await _in_thread(self._share_failure)
                 raise
-            if self._group is not None:
+            if self._channel is not None:
                 await _in_thread(lambda: self._send(plan, local))
             fresh = await _in_thread(lambda: self._encode_fallbacks(plan, local.mask))
             await _in_thread(lambda: self._insert(request, fresh))
@@ -306,7 +300,8 @@ class EncodePipeline:
         except BaseException:
             self._share_failure()
             raise
-        mask, hits = self._receive(plan)
+        assert self._channel is not None  # a rank other than 0 has a group
+        mask, hits = self._channel.receive(plan, self._device)
         fresh = self._encode_fallbacks(plan, mask)
         with self._stats_lock:
             self._counts.update(calls=1, encoded=len(fresh), encoder_calls=int(bool(fresh)))
@@ -371,100 +366,18 @@ class EncodePipeline:
     # ------------------------------------------------------------------ collectives
     def _share_failure(self) -> None:
         """Tell the group this rank failed before the mask; never raises (the cause wins)."""
-        if self._group is None:
-            return
-        with contextlib.suppress(TensorParallelError):
-            self._gather_header(None)
+        if self._channel is not None:
+            self._channel.share_failure()
 
     def _send(self, plan: Plan, local: _Local) -> None:
         """Rank 0: agree on the items, then broadcast the mask and the hit rows."""
-        if self._group is None:
-            return
-        self._check_header(self._gather_header(plan))
-        mask = torch.tensor(local.mask, dtype=torch.uint8, device=self._comm_device)
-        self._broadcast(mask, "fallback mask")
-        if local.hits.numel():
-            payload = local.hits.reshape(-1).view(torch.uint8).to(self._comm_device)
-            self._broadcast(payload, "cached rows")
-
-    def _receive(self, plan: Plan) -> tuple[list[bool], torch.Tensor]:
-        """Other ranks: agree on the items, then receive the mask and the hit rows."""
-        self._check_header(self._gather_header(plan))
-        wire = torch.empty(len(plan.items), dtype=torch.uint8, device=self._comm_device)
-        self._broadcast(wire, "fallback mask")
-        mask = [bool(v) for v in wire.tolist()]
-        rows = plan.hit_rows(mask)
-        nbytes = rows * math.prod(plan.tail) * plan.dtype.itemsize
-        payload = torch.empty(nbytes, dtype=torch.uint8, device=self._comm_device)
-        if nbytes:
-            self._broadcast(payload, "cached rows")
-        hits = payload.view(plan.dtype).view(rows, *plan.tail).to(self._device)
-        return mask, hits
-
-    def _gather_header(self, plan: Plan | None) -> list[list[int]]:
-        """All-gather (failed, item count, fingerprint) from every rank."""
-        mine = torch.tensor(
-            [1, 0, 0] if plan is None else [0, len(plan.items), plan.fingerprint],
-            dtype=torch.int64,
-            device=self._comm_device,
-        )
-        everyone = [torch.empty_like(mine) for _ in range(self._world)]
-        self._run("header all_gather", lambda: dist.all_gather(everyone, mine, self._group, True))
-        return [t.tolist() for t in everyone]
-
-    def _check_header(self, rows: list[list[int]]) -> None:
-        failed = [rank for rank, row in enumerate(rows) if row[0]]
-        if failed:
-            raise TensorParallelError(
-                f"rank(s) {failed} failed before the fallback mask; rank {self._rank} gives up "
-                "this call too (see the failing rank's exception)"
-            )
-        differ = [rank for rank, row in enumerate(rows) if row[1:] != rows[0][1:]]
-        if differ:
-            raise TensorParallelError(
-                f"rank(s) {differ} were called with other items than rank 0: every rank must "
-                "encode the same items in the same order"
-            )
+        if self._channel is not None:
+            self._channel.send(plan, local.mask, local.hits)
 
     def _agree_encoded(self, *, failed: bool) -> None:
         """All-reduce whether the encoder failed anywhere; raise if another rank's did."""
-        if self._group is None:
-            return
-        flag = torch.tensor(
-            [self._rank + 1 if failed else 0], dtype=torch.int64, device=self._comm_device
-        )
-        try:
-            self._run(
-                "encoder all_reduce",
-                lambda: dist.all_reduce(flag, dist.ReduceOp.MAX, self._group, True),
-            )
-        except TensorParallelError:
-            if failed:
-                return  # the encoder's own exception is the one to raise
-            raise
-        worst = int(flag.item())
-        if worst and not failed:
-            raise TensorParallelError(
-                f"the encoder failed on rank {worst - 1}; rank {self._rank} gives up this call too"
-            )
-
-    def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
-        self._run(f"{what} broadcast", lambda: dist.broadcast(tensor, self._src, self._group, True))
-
-    def _run(self, what: str, start: Callable[[], Any]) -> None:
-        """Start one collective and wait for it, bounded; failures are ``TensorParallelError``."""
-        assert_unlocked(what)
-        try:
-            work = start()
-            if self._collective_timeout is None:
-                work.wait()
-            else:
-                work.wait(self._collective_timeout)
-        except RuntimeError as exc:
-            raise TensorParallelError(
-                f"{what} failed on rank {self._rank} of {self._world} ({exc}); the group may be "
-                "unusable now: rebuild it"
-            ) from exc
+        if self._channel is not None:
+            self._channel.agree_encoded(failed=failed)
 
     # ------------------------------------------------------------------ counters
     def _count(self, **counts: int) -> None:
