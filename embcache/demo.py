@@ -312,7 +312,7 @@ def run_demo(config: DemoConfig, progress: TextIO | None = None) -> DemoResult:
             stack.callback(cache.close)
             if metrics is not None:
                 metrics.add("demo", cache)
-            return _run(config, cache, flaky, progress)
+            return _run(config, cache, flaky, progress, metrics)
     finally:
         torch.set_num_threads(threads)
 
@@ -321,6 +321,11 @@ def _timed(store: GlobalStore, metrics: CacheMetrics) -> GlobalStore:
     from embcache.metrics import TimedStore
 
     return TimedStore(store, metrics, "demo")
+
+
+def _insert_observer(metrics: CacheMetrics) -> Callable[[int, float], None]:
+    """Feeds each pipeline insert's latency to the ``demo`` cache's insert histogram."""
+    return lambda _items, seconds: metrics.observe_insert("demo", seconds)
 
 
 def _serve_metrics(stack: contextlib.ExitStack, port: int) -> CacheMetrics:
@@ -339,7 +344,11 @@ def _serve_metrics(stack: contextlib.ExitStack, port: int) -> CacheMetrics:
 
 
 def _run(
-    config: DemoConfig, cache: EmbeddingCache, store: FlakyStore, out: TextIO | None
+    config: DemoConfig,
+    cache: EmbeddingCache,
+    store: FlakyStore,
+    out: TextIO | None,
+    metrics: CacheMetrics | None = None,
 ) -> DemoResult:
     workload = Workload.of(config)
     encoder = _encoder(config)
@@ -353,6 +362,7 @@ def _run(
                 tp_group=None if groups is None else groups[lane],
                 prefetch_timeout=config.prefetch_timeout,
                 collective_timeout=None if groups is None else COLLECTIVE_TIMEOUT_S,
+                on_insert=None if metrics is None else _insert_observer(metrics),
             )
             for lane in range(config.concurrency)
         ]

@@ -4,7 +4,8 @@
 and reports the counters and gauges below, labelled ``cache`` with the name it was given. The
 cache has no timing of its own, so load and insert latency are histograms that the caller
 feeds (``observe_load``, ``observe_insert``) with a ``modality`` label; ``TimedStore`` feeds
-``observe_load`` by timing the store reads of a ``GlobalStore`` it wraps.
+``observe_load`` by timing the store reads of a ``GlobalStore`` it wraps, and
+``EncodePipeline(on_insert=...)`` can feed ``observe_insert``.
 
 Counters (``_total``): hits, misses by reason, fallbacks by reason, loads started and ended by
 outcome, inserts, publishes started and ended by outcome, evictions and evicted bytes,

@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,6 +69,7 @@ from embcache.tp_channel import GroupChannel
 __all__ = ["EncodePipeline", "Encoder", "PipelineStats", "TensorParallelError"]
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -124,7 +127,10 @@ class EncodePipeline:
     ``cache`` is used on rank 0 of ``tp_group`` (or alone without a group); every other rank
     passes None. ``prefetch_timeout`` bounds the wait for loads from the global store; an item
     still loading then is encoded instead. ``collective_timeout`` bounds each collective
-    (None: the group's own timeout). See the module docstring for the protocol.
+    (None: the group's own timeout). ``on_insert(items, seconds)``, if given, is called on
+    rank 0 after each insert of fresh outputs (how many, how long the copy into the pool took),
+    with no lock held, e.g. ``CacheMetrics.observe_insert``; what it raises is logged, never
+    raised. See the module docstring for the protocol.
     """
 
     def __init__(
@@ -135,7 +141,10 @@ class EncodePipeline:
         tp_group: dist.ProcessGroup | None = None,
         prefetch_timeout: float = 60.0,
         collective_timeout: float | None = None,
+        on_insert: Callable[[int, float], object] | None = None,
     ) -> None:
+        if on_insert is not None and not callable(on_insert):
+            raise InvalidTypeError(f"on_insert must be callable, got {type(on_insert).__name__}")
         if not callable(encoder) or not isinstance(getattr(encoder, "device", None), torch.device):
             raise InvalidTypeError(
                 "encoder must be callable on a list of inputs and have a torch.device `device`, "
@@ -162,6 +171,7 @@ class EncodePipeline:
             None if tp_group is None else GroupChannel(tp_group, self._device, collective_timeout)
         )
         self._prefetch_timeout = prefetch_timeout
+        self._on_insert = on_insert
         self._stats_lock = threading.Lock()  # a leaf lock: guards the counters only
         self._counts: Counter[str] = Counter()
 
@@ -290,8 +300,15 @@ class EncodePipeline:
 
     def _insert(self, request: Request, fresh: dict[str, torch.Tensor]) -> None:
         """Copy fresh outputs into the pool; their publish runs on the cache's I/O pool."""
-        if fresh:
-            request.insert(list(fresh), list(fresh.values()), publish=True)
+        if not fresh:
+            return
+        started = time.perf_counter()
+        request.insert(list(fresh), list(fresh.values()), publish=True)
+        if self._on_insert is not None:
+            try:
+                self._on_insert(len(fresh), time.perf_counter() - started)
+            except Exception:
+                logger.exception("on_insert raised; the call goes on")
 
     # ------------------------------------------------------------------ other ranks
     def _follow(self, items: Sequence[Item], inputs: Sequence[Any]) -> torch.Tensor:

@@ -103,7 +103,7 @@ def test_no_module_is_much_longer_than_500_lines() -> None:
         str(p.relative_to(PACKAGE)): n
         for p in PACKAGE.rglob("*.py")
         if (n := len(p.read_text().splitlines()))
-        > 520  # "about 500"; the largest: pipeline.py (518), integrations/sglang.py (502)
+        > 505  # "about 500"; the largest: integrations/sglang.py (502), store/mooncake.py (501)
     }
     assert not long, f"split these modules: {long}"
 

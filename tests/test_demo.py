@@ -210,8 +210,9 @@ def test_metrics_endpoint_of_a_running_demo() -> None:
         match = re.fullmatch(r"metrics: (http://127\.0\.0\.1:\d+/metrics)\n", first)
         assert match, first
         loads = "embcache_load_seconds_count modality=image"
+        inserts = "embcache_insert_seconds_count modality=image"
         wanted = ("embcache_hits_total", "embcache_inserts_total", "embcache_evictions_total")
-        wanted += (loads,)
+        wanted += (loads, inserts)
         samples: dict[str, float] = {}
         deadline = time.monotonic() + 60
         while not all(samples.get(name) for name in wanted):
@@ -221,6 +222,7 @@ def test_metrics_endpoint_of_a_running_demo() -> None:
             samples = _scrape(parser, match.group(1))
         assert samples["embcache_capacity_bytes"] == 0.1 * (1 << 20) // 256 * 256
         assert samples["embcache_loads_started_total"] >= samples[loads] > 0, "store reads timed"
+        assert samples["embcache_inserts_total"] >= samples[inserts] > 0, "pipeline inserts timed"
         assert samples["embcache_fragmentation_ratio"] < 1
     finally:
         demo.send_signal(signal.SIGTERM)

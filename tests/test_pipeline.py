@@ -419,3 +419,36 @@ def test_cache_reports_a_reason_for_every_item_it_does_not_serve(cache: Embeddin
         request.lookup([item(1)], reserve_misses=True)
         assert request.fallback_mask().tolist() == [1]
         assert request.fallback_reasons() != [None]
+
+
+# ---------------------------------------------------------------------------- on_insert
+def test_on_insert_sees_each_insert_of_fresh_outputs(cache: EmbeddingCache) -> None:
+    seen: list[tuple[int, float]] = []
+
+    def observe(items: int, seconds: float) -> None:
+        assert_unlocked("on_insert")
+        seen.append((items, seconds))
+
+    pipeline = EncodePipeline(cache, FakeEncoder(), on_insert=observe)
+    assert_same(encode(pipeline, "r1", [1, 2, 2]), reference([1, 2, 2]))  # 2 keys encoded
+    assert [items for items, _ in seen] == [2]
+    assert 0 < seen[0][1] < WAIT_S
+    assert_same(encode(pipeline, "r2", [1, 2]), reference([1, 2]))  # all hits: no insert
+    assert len(seen) == 1
+
+
+def test_a_raising_on_insert_is_logged_and_the_call_goes_on(
+    cache: EmbeddingCache, caplog: pytest.LogCaptureFixture
+) -> None:
+    def explode(items: int, seconds: float) -> None:
+        raise RuntimeError("metrics backend down")
+
+    pipeline = EncodePipeline(cache, FakeEncoder(), on_insert=explode)
+    assert_same(encode(pipeline, "r1", [4]), reference([4]))
+    assert "on_insert raised" in caplog.text and "metrics backend down" in caplog.text
+    assert cache.entry_state("img-4") is READY
+
+
+def test_on_insert_must_be_callable(cache: EmbeddingCache) -> None:
+    with pytest.raises(InvalidTypeError, match="on_insert must be callable"):
+        EncodePipeline(cache, FakeEncoder(), on_insert=42)  # type: ignore[arg-type]
