@@ -38,7 +38,8 @@ def unique(name: str) -> str:
 
 
 def open_worker(stack: ExitStack, master: MooncakeMaster, **cache_kwargs: object) -> EmbeddingCache:
-    """A cache over its own MooncakeStore (lending a segment); closed by ``stack``, store last."""
+    """A connected cache over its own MooncakeStore (lending a segment); closed by ``stack``,
+    store last."""
     store = stack.enter_context(
         MooncakeStore(
             **master.store_kwargs(),
@@ -46,9 +47,11 @@ def open_worker(stack: ExitStack, master: MooncakeMaster, **cache_kwargs: object
             reconnect_interval_s=0.2,
         )
     )
-    return stack.enter_context(
+    cache = stack.enter_context(
         EmbeddingCache(CAPACITY, store=store, pin_memory=False, **cache_kwargs)  # type: ignore[arg-type]
     )
+    store.connect()  # a worker that cannot reach the master fails here, saying why
+    return cache
 
 
 @pytest.fixture(scope="module")
