@@ -51,3 +51,18 @@ def test_start_refuses_a_master_whose_rpc_port_another_process_holds(tmp_path: P
         finally:
             master.stop()
     assert not master.running
+
+
+def test_without_proc_any_loopback_listener_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import embcache.store.mooncake_master as mm
+
+    def no_proc(pid: int) -> set[str]:
+        raise FileNotFoundError(f"/proc/{pid}/fd")
+
+    monkeypatch.setattr(mm, "_socket_inodes", no_proc)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        assert _listens(1, port), "whoever listens counts without /proc"
+    assert not _listens(1, port), "nobody listens any more"
