@@ -304,11 +304,12 @@ class EncodePipeline:
             return
         started = time.perf_counter()
         request.insert(list(fresh), list(fresh.values()), publish=True)
-        if self._on_insert is not None:
-            try:
-                self._on_insert(len(fresh), time.perf_counter() - started)
-            except Exception:
-                logger.exception("on_insert raised; the call goes on")
+        if self._on_insert is None:
+            return
+        try:
+            self._on_insert(len(fresh), time.perf_counter() - started)
+        except Exception:
+            logger.exception("on_insert raised; the call goes on")
 
     # ------------------------------------------------------------------ other ranks
     def _follow(self, items: Sequence[Item], inputs: Sequence[Any]) -> torch.Tensor:
