@@ -1,6 +1,6 @@
 """Concurrency: requests/s of the demo workload with 1, 2, 4 and 8 client threads.
 
-Each run is ``embcache.demo.run_demo`` with its default workload (a catalogue of synthetic
+Each run is ``embcache.tools.demo.run_demo`` with its default workload (a catalogue of synthetic
 images of mixed sizes, requests of 1-4 images with Zipf popularity, through ``EncodePipeline``
 with ``TinyViT`` as the encoder, an in-process store that fails 2% of reads on purpose, a pool
 small enough that eviction matters), only ``concurrency`` (the client threads) changing. Every
@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from benchmarks.bench_allocator import print_rows
-from embcache.demo import DemoConfig, run_demo
+from embcache.tools.demo import DemoConfig, run_demo
 
 THREADS = (1, 2, 4, 8)
 

@@ -22,7 +22,7 @@ every contender and runs that check on the first 400 requests of the scan mix on
 copies take most of a full run's 40 s).
 The baselines replay the same requests with plain LRU: LRU-to-fit and LRU-to-bytes
 over first fit (``bench_fragmentation``) and the paged pool (``bench_paged``).
-Contenders: ``lru`` (ours today), ``tinylfu`` (the policy chosen, ``embcache.policy``), and the
+Contenders: ``lru`` (ours today), ``tinylfu`` (the policy chosen, ``embcache.core.policy``), and the
 candidates it was chosen against: ``tinylfu`` with its shift detector off, ``s3fifo`` (a small
 FIFO for new entries, a main LRU, ghosts of the small FIFO's victims; promotion on a second
 lookup, not S3-FIFO's lazy CLOCK, which needs an order that changes while it is read) and
@@ -60,8 +60,8 @@ from benchmarks.bench_allocator import make_row, print_rows
 from benchmarks.bench_eviction import insert_all
 from embcache import EmbeddingCache, Item, Request, Status
 from embcache.allocator import Block, RangeAllocator
-from embcache.eviction import choose_victims
-from embcache.policy import Policy, make_policy
+from embcache.core.eviction import choose_victims
+from embcache.core.policy import Policy, make_policy
 
 MIXES = ("steady", "drift", "scan", "1GiB")
 CHOSEN = "tinylfu"

@@ -42,8 +42,8 @@ import torch
 from benchmarks import sglang_wheel
 from benchmarks.bench_allocator import make_row, print_rows
 from benchmarks.bench_peers import skipped_row
+from embcache.core.outcomes import TransferOutcome
 from embcache.integrations.sglang import EmbeddingCacheController
-from embcache.status import TransferOutcome
 
 TARGET = ">= 1.0x"
 DTYPE = torch.bfloat16

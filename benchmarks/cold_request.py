@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from embcache import EmbeddingCache, Item
-from embcache.states import READY, Step, transition
+from embcache.core.lifecycle import READY, Step, transition
 
 MB = 1 << 20
 SIZE = 4 * MB

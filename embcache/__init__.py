@@ -16,7 +16,7 @@ the state machine; ``EmbeddingCache`` is the driver that does the I/O around it.
 - ``Item(key, shape, dtype)``: what is looked up. Statuses: ``ItemStatus``, ``Status``,
   ``Reason``. Stores: ``InProcessStore``; ``embcache.store.mooncake.MooncakeStore``.
 - Errors: all derive from ``EmbCacheError`` and the matching builtin (``embcache.errors``).
-- ``embcache.metrics``: Prometheus metrics (extra ``metrics``). ``python -m embcache demo``:
+- ``embcache.tools.metrics``: Prometheus metrics (extra ``metrics``). ``python -m embcache demo``:
   the main job. The design, its states and invariants: ``embcache/DESIGN.md``.
 """
 
@@ -24,12 +24,12 @@ from importlib.metadata import PackageNotFoundError, version
 
 from embcache.allocator import RangeAllocator
 from embcache.cache import CacheStats, EmbeddingCache
+from embcache.core.lifecycle import EntryState
+from embcache.core.outcomes import ItemStatus, Reason, Status
 from embcache.fencing import FencePolicy
 from embcache.item import Item
 from embcache.pipeline import EncodePipeline, Encoder, PipelineStats, TensorParallelError
 from embcache.request import Request
-from embcache.states import EntryState
-from embcache.status import ItemStatus, Reason, Status
 from embcache.store import Fault, GlobalStore, InProcessStore, TransferOutcome
 
 from embcache.errors import (  # isort: skip

@@ -1,4 +1,4 @@
-"""Command line: ``python -m embcache demo`` runs the main job (see ``embcache.demo``).
+"""Command line: ``python -m embcache demo`` runs the main job (see ``embcache.tools.demo``).
 
 Exit status: 0 when the run is clean, 1 when a request failed, a response differed from a
 fresh encode (``--verify``), the leak check found something or the run could not go on (one
@@ -19,7 +19,14 @@ from pathlib import Path
 from types import FrameType
 
 from embcache import __version__
-from embcache.demo import DTYPES, DemoConfig, free_loopback_port, result_json, run_demo, write_plot
+from embcache.tools.demo import (
+    DTYPES,
+    DemoConfig,
+    free_loopback_port,
+    result_json,
+    run_demo,
+    write_plot,
+)
 
 _DEFAULTS = DemoConfig()
 

@@ -1,4 +1,4 @@
-"""``EmbeddingCache``: the driver around the pure core (``embcache.core.CacheCore``).
+"""``EmbeddingCache``: the driver around the pure core (``embcache.core.cache_core.CacheCore``).
 
 Theory of operation. The core holds every entry, pin, wait and range and takes the DESIGN.md
 actions; this driver owns everything else: the lock that serializes calls into the core, the
@@ -34,9 +34,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from embcache import request_steps as steps
-from embcache.core import CacheCore
-from embcache.entries import Entry, ItemLike, RequestState, TraceSink
+from embcache.core import protocol as steps
+from embcache.core.cache_core import CacheCore
+from embcache.core.entries import Entry, ItemLike, RequestState, TraceSink
+from embcache.core.lifecycle import ABSENT, EntryState
+from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
+from embcache.core.policy import Policy, make_policy
+from embcache.core.stats import CacheStats
 from embcache.errors import (
     ClosedError,
     InvalidArgumentError,
@@ -48,11 +52,7 @@ from embcache.fencing import FencePolicy, Fencer
 from embcache.item import Item, check_key
 from embcache.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
 from embcache.poison import PoisoningLock, poison_requested
-from embcache.policy import Policy, make_policy
 from embcache.request import Request
-from embcache.states import ABSENT, EntryState
-from embcache.stats import CacheStats
-from embcache.status import ItemStatus, Reason, TransferOutcome
 from embcache.store.base import GlobalStore, get_outcome, put_outcome
 from embcache.store.inprocess import InProcessStore
 
@@ -78,7 +78,7 @@ class EmbeddingCache:
     ``InProcessStore``. The pool is a uint8 tensor, pinned when CUDA is available unless
     ``pin_memory=False``, registered with the store once. ``trace``, when given, receives one
     event dict per action, in lock order. ``policy`` shapes the eviction order and may refuse
-    inserts that would evict (``embcache.policy``: "lru", the default, or "tinylfu", or a
+    inserts that would evict (``embcache.core.policy``: "lru", the default, or "tinylfu", or a
     ``Policy`` object). ``auto_fence`` says when the cache fences by itself
     (``embcache.fencing``; None: only ``fence()`` does). ``poison_freed`` (default: the
     ``EMBCACHE_POISON`` environment variable) is a debug mode that overwrites every freed range

@@ -28,7 +28,7 @@ class NotAllocatedError(EmbCacheError, KeyError):
 
 
 class TransitionError(EmbCacheError, RuntimeError):
-    """An action is not allowed from the entry's current state (see ``embcache.states``)."""
+    """An action is not allowed from the entry's current state (see ``embcache.core.lifecycle``)."""
 
 
 class ClosedError(EmbCacheError, RuntimeError):

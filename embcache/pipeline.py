@@ -58,12 +58,12 @@ import torch
 import torch.distributed as dist
 
 from embcache.cache import EmbeddingCache
+from embcache.core.outcomes import ItemStatus, Reason, Status
 from embcache.encode_plan import Plan, make_plan
 from embcache.errors import InvalidArgumentError, InvalidTypeError, TensorParallelError
 from embcache.item import Item
 from embcache.locks import assert_unlocked
 from embcache.request import Request
-from embcache.status import ItemStatus, Reason, Status
 from embcache.tp_channel import GroupChannel
 
 __all__ = ["EncodePipeline", "Encoder", "PipelineStats", "TensorParallelError"]

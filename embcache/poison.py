@@ -15,7 +15,7 @@ from types import TracebackType
 
 import torch
 
-from embcache.core import CacheCore
+from embcache.core.cache_core import CacheCore
 from embcache.locks import HierarchyLock
 
 POISON = 0xFF

@@ -17,10 +17,10 @@ from typing import Protocol
 
 import torch
 
-from embcache.entries import RequestState
+from embcache.core.entries import RequestState
+from embcache.core.outcomes import ItemStatus, Reason
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 from embcache.item import Item
-from embcache.status import ItemStatus, Reason
 
 
 class RequestDriver(Protocol):

@@ -1,9 +1,9 @@
-"""Reference of ``embcache.eviction.choose_victims``: the rule as first written (issue 14).
+"""Reference of ``embcache.core.eviction.choose_victims``: the rule as first written (issue 14).
 
 For each k (the k first candidates of the eviction order), walk the allocator's blocks around
 the k-th candidate and search that neighbourhood for the best window; the first k with a window
 wins. Obviously the rule of DESIGN.md ("Eviction that respects contiguity"), and O(k * max_batch)
-allocator walks and window searches per call: ``embcache.eviction`` must choose exactly the
+allocator walks and window searches per call: ``embcache.core.eviction`` must choose exactly the
 same victims while searching only the run of available space that first reaches the size asked
 for. Kept verbatim, so that the equivalence test compares against the code that ran before.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from embcache.allocator import Block
-from embcache.eviction import Piece, Window
+from embcache.core.eviction import Piece, Window
 
 
 def best_window(pieces: list[Piece], need: int, max_batch: int, must: int) -> Window | None:

@@ -1,4 +1,4 @@
-"""Reference models of ``embcache.policy``: lists and plain loops, each line obviously right.
+"""Reference models of ``embcache.core.policy``: lists and plain loops, each line obviously right.
 
 The eviction order is a list (oldest first); counts are a dict rebuilt by comprehension; the
 running mean of the shift detector is recomputed from the list of block means every time.

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from embcache import EmbeddingCache, Item
-from embcache.entries import RequestState
+from embcache.core.entries import RequestState
 
 
 def payload(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

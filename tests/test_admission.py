@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache, Item
+from embcache.core.policy import make_policy
 from embcache.errors import InvalidArgumentError, InvalidTypeError
-from embcache.policy import make_policy
 from embcache.trace import TraceLog
 from tests.helpers import payload
 

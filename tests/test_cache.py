@@ -30,6 +30,7 @@ from embcache import (
     Request,
     Status,
 )
+from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
 from embcache.errors import (
     ClosedError,
     EmbCacheError,
@@ -37,7 +38,6 @@ from embcache.errors import (
     InvalidTypeError,
     RequestError,
 )
-from embcache.states import ABSENT, LOADING, QUARANTINED, READY
 from embcache.store.inprocess import NOT_FOUND, TIMED_OUT
 from tests.helpers import aligned, item_of, payload, raw, wait_until
 

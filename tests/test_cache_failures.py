@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache, Fault, InProcessStore, Item, Reason, Status
-from embcache.states import ABSENT, LOADING, QUARANTINED, READY
+from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
 from tests.helpers import aligned, item_of, payload, raw, wait_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("poison_modes")]

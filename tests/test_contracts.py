@@ -17,9 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = [
-    "embcache.allocator.align_up",
-    "embcache.states.transition",
-    "embcache.eviction.best_window",
+    "embcache.core.allocator.align_up",
+    "embcache.core.lifecycle.transition",
+    "embcache.core.eviction.best_window",
 ]
 
 

@@ -14,16 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from embcache.core import CacheCore
-from embcache.entries import RequestState
+from embcache.core.cache_core import CacheCore
+from embcache.core.entries import RequestState
+from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
+from embcache.core.outcomes import Reason, Status, TransferOutcome
 from embcache.errors import InvalidArgumentError, InvariantError, TransitionError
-from embcache.states import ABSENT, LOADING, QUARANTINED, READY
-from embcache.status import Reason, Status, TransferOutcome
 from embcache.trace import TraceLog
 
 PACKAGE = Path(__file__).resolve().parents[1] / "embcache"
-CORE_MODULES = ["core", "entries", "invariants", "stats", "request_steps", "states", "status"]
-IO_MODULES = ("torch", "threading", "asyncio", "concurrent", "time", "embcache.store")
+CORE = PACKAGE / "core"
+CORE_MODULES = sorted(p.stem for p in CORE.glob("*.py") if p.stem != "__init__")
+IO_MODULES = ("torch", "threading", "_thread", "asyncio", "concurrent", "time", "embcache.store")
 ALIGN = 256
 OK, FAILED, UNKNOWN = TransferOutcome.OK, TransferOutcome.FAILED, TransferOutcome.UNKNOWN
 
@@ -51,25 +52,58 @@ def imports_of(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("module", CORE_MODULES)
-def test_core_modules_import_no_io(module: str) -> None:
-    imported = imports_of(PACKAGE / f"{module}.py")
+def test_core_modules_import_no_io_and_nothing_outside_the_core(module: str) -> None:
+    imported = imports_of(CORE / f"{module}.py")
     bad = sorted(n for n in imported if any(n == m or n.startswith(m + ".") for m in IO_MODULES))
-    assert not bad, f"embcache/{module}.py imports {bad}"
+    assert not bad, f"embcache/core/{module}.py imports {bad}"
+    outside = sorted(
+        n for n in imported
+        if n.split(".")[0] == "embcache"
+        and not n.startswith(("embcache.core.", "embcache.errors"))
+        and n not in ("embcache.core", "embcache")
+    )
+    assert not outside, f"embcache/core/{module}.py imports {outside} from outside the core"
 
 
-def test_loading_the_core_loads_no_torch_asyncio_or_store() -> None:
+def test_errors_the_core_shares_import_nothing() -> None:
+    """``embcache.errors``, the one module the core shares with the driver, is a leaf."""
+    assert not {n for n in imports_of(PACKAGE / "errors.py") if not n.startswith("__future__")}
+
+
+def test_loading_the_core_loads_only_the_core_and_no_io() -> None:
+    """Every module the core imports, transitively: loaded in a bare interpreter, the core pulls
+    in no ``embcache`` module but its own and ``embcache.errors``, and no torch, threading,
+    asyncio, clock or store."""
     # A bare package object, so that embcache/__init__.py (the driver, torch) does not run.
     code = (
         "import sys, types\n"
+        "before = set(sys.modules)\n"
         f"pkg = types.ModuleType('embcache'); pkg.__path__ = [{str(PACKAGE)!r}]\n"
         "sys.modules['embcache'] = pkg\n"
-        "import embcache.core, embcache.request_steps\n"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'asyncio')\n"
-        "       or m.startswith('embcache.store')]\n"
-        "print(bad)\n"
+        f"for name in {CORE_MODULES!r}: __import__('embcache.core.' + name)\n"
+        "print(sorted(set(sys.modules) - before))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    loaded = ast.literal_eval(out.stdout.strip())
+    ours = {m for m in loaded if m.split(".")[0] == "embcache"}
+    expected = {"embcache", "embcache.core", "embcache.errors"}
+    expected |= {f"embcache.core.{m}" for m in CORE_MODULES}
+    assert ours == expected, ours ^ expected
+    io = [m for m in loaded if any(m == n or m.startswith(n + ".") for n in IO_MODULES)]
+    assert not io, f"loading the core loads {io}"
+
+
+def test_only_the_command_line_imports_the_tools() -> None:
+    """``embcache/tools/`` (demo, metrics, encoders) sits on the cache; the cache never needs it."""
+    users = sorted(
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if "tools" not in p.relative_to(PACKAGE).parts[:1]
+        and any(n.startswith("embcache.tools") for n in imports_of(p))
+    )
+    assert users == ["__main__.py"], users
 
 
 def test_no_import_cycle_in_the_package() -> None:
@@ -222,7 +256,7 @@ def test_a_publish_pin_and_an_unknown_publish_quarantine_then_fence_frees() -> N
 
 
 def test_request_steps_plan_an_insert_and_reject_a_mismatched_reservation() -> None:
-    from embcache import request_steps as steps
+    from embcache.core import protocol as steps
 
     core, _ = make_core()
     r1 = core.open_request("r1")

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from embcache.__main__ import main
-from embcache.demo import DemoConfig, DemoResult, Workload, run_demo, write_plot
+from embcache.tools.demo import DemoConfig, DemoResult, Workload, run_demo, write_plot
 
 pytestmark = pytest.mark.timeout(120)
 

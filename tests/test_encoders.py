@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache, EncodePipeline, Item
-from embcache.encoders import TinyViT, image_key, synthetic_image
 from embcache.errors import InvalidArgumentError, InvalidTypeError
+from embcache.tools.encoders import TinyViT, image_key, synthetic_image
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embcache.allocator import Block, RangeAllocator
-from embcache.eviction import Window, choose_victims, free_around_by_blocks
+from embcache.core.eviction import Window, choose_victims, free_around_by_blocks
 from models import eviction as reference
 
 ALIGN = 256

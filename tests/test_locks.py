@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from embcache import EmbeddingCache, Fault, InProcessStore, Item
+from embcache import EmbeddingCache, Fault, InProcessStore, Item, RangeAllocator
+from embcache.core.lifecycle import QUARANTINED, READY
 from embcache.errors import LockOrderError
 from embcache.locks import assert_unlocked, enable_lock_checking, lock_checking_enabled
-from embcache.states import QUARANTINED, READY
 from tests.helpers import raw, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,6 +80,13 @@ def unchecked() -> Iterator[None]:
 
 
 @pytest.fixture
+def allocator() -> RangeAllocator:
+    """A public allocator: its lock is level 2, the one the hierarchy puts under the cache lock
+    (the cache's own core uses an allocator without a lock)."""
+    return RangeAllocator(1 << 16)
+
+
+@pytest.fixture
 def cache() -> Iterator[EmbeddingCache]:
     c = EmbeddingCache(1 << 16, store=ProbeStore(), pin_memory=False, io_workers=2)
     yield c
@@ -93,7 +100,7 @@ def tensor(seed: int, n: int = 256) -> torch.Tensor:
 def assert_usable(cache: EmbeddingCache) -> None:
     """After a caught violation: this thread holds nothing, and the cache still works."""
     assert_unlocked("checking that a violation left no lock behind")
-    assert not cache._lock.locked() and not cache._core.allocator._lock.locked()
+    assert not cache._lock.locked()
     with cache.request("after") as request:
         assert request.insert(["after"], [tensor(1)], publish=False) == [True]
         assert [s.status.name for s in request.lookup([Item("after", (256,), torch.int32)])] == [
@@ -106,8 +113,10 @@ def assert_usable(cache: EmbeddingCache) -> None:
 
 
 # ---------------------------------------------------------------------------- checking on
-def test_allocator_lock_then_cache_lock_is_refused(checking: None, cache: EmbeddingCache) -> None:
-    allocator_lock = cache._core.allocator._lock
+def test_allocator_lock_then_cache_lock_is_refused(
+    checking: None, cache: EmbeddingCache, allocator: RangeAllocator
+) -> None:
+    allocator_lock = allocator._lock
     with allocator_lock, pytest.raises(LockOrderError) as caught:
         cache._lock.acquire()
     message = str(caught.value)
@@ -118,29 +127,29 @@ def test_allocator_lock_then_cache_lock_is_refused(checking: None, cache: Embedd
 
 
 def test_cache_method_called_while_holding_the_allocator_lock_is_refused(
-    checking: None, cache: EmbeddingCache
+    checking: None, cache: EmbeddingCache, allocator: RangeAllocator
 ) -> None:
     """The same inversion through the public API: a cache call from under the allocator lock."""
-    allocator_lock = cache._core.allocator._lock
+    allocator_lock = allocator._lock
     with allocator_lock, pytest.raises(LockOrderError, match="while holding allocator"):
         cache.stats()
     assert_usable(cache)
 
 
 def test_cache_lock_then_allocator_lock_is_the_allowed_order(
-    checking: None, cache: EmbeddingCache
+    checking: None, cache: EmbeddingCache, allocator: RangeAllocator
 ) -> None:
     with cache._lock:
-        assert cache._core.allocator.allocate(256) == 0  # takes level 2 under level 1
-        cache._core.allocator.free(0)
+        assert allocator.allocate(256) == 0  # takes level 2 under level 1
+        allocator.free(0)
     assert_usable(cache)
 
 
 @pytest.mark.parametrize("which", ["cache", "allocator"])
 def test_reentrant_acquisition_is_refused(
-    checking: None, cache: EmbeddingCache, which: str
+    checking: None, cache: EmbeddingCache, allocator: RangeAllocator, which: str
 ) -> None:
-    lock = cache._lock if which == "cache" else cache._core.allocator._lock
+    lock = cache._lock if which == "cache" else allocator._lock
     with lock, pytest.raises(LockOrderError) as caught:
         lock.acquire()
     level = 1 if which == "cache" else 2
@@ -161,11 +170,11 @@ def test_reentrant_cache_call_from_under_the_cache_lock_is_refused(
 
 
 def test_allocator_call_under_its_own_lock_is_refused(
-    checking: None, cache: EmbeddingCache
+    checking: None, cache: EmbeddingCache, allocator: RangeAllocator
 ) -> None:
-    with cache._core.allocator._lock, pytest.raises(LockOrderError, match="allocator lock"):
-        cache._core.allocator.allocate(256)
-    assert cache._core.allocator.allocated_bytes == 0
+    with allocator._lock, pytest.raises(LockOrderError, match="allocator lock"):
+        allocator.allocate(256)
+    assert allocator.allocated_bytes == 0
     assert_usable(cache)
 
 
@@ -188,9 +197,9 @@ def test_store_call_under_the_cache_lock_is_refused(checking: None, cache: Embed
 
 
 def test_store_call_under_the_allocator_lock_names_both_held_locks(
-    checking: None, cache: EmbeddingCache
+    checking: None, cache: EmbeddingCache, allocator: RangeAllocator
 ) -> None:
-    with cache._lock, cache._core.allocator._lock, pytest.raises(LockOrderError) as caught:
+    with cache._lock, allocator._lock, pytest.raises(LockOrderError) as caught:
         cache.store.fence()
     assert "store fence while holding cache lock, allocator lock" in str(caught.value)
     assert_usable(cache)
@@ -256,7 +265,9 @@ def test_store_that_takes_the_cache_lock_is_refused_when_called_under_it(
         assert_usable(cache)
 
 
-def test_checker_is_per_thread(checking: None, cache: EmbeddingCache) -> None:
+def test_checker_is_per_thread(
+    checking: None, cache: EmbeddingCache, allocator: RangeAllocator
+) -> None:
     """Another thread holding the cache lock does not make this thread's blocking work illegal,
     and a violation in one thread leaves the others' bookkeeping alone."""
     held = threading.Event()
@@ -276,7 +287,7 @@ def test_checker_is_per_thread(checking: None, cache: EmbeddingCache) -> None:
     try:
         assert held.wait(WAIT_S)
         assert_unlocked("store call in another thread")  # nothing raised: this thread holds none
-        with pytest.raises(LockOrderError), cache._core.allocator._lock:
+        with pytest.raises(LockOrderError), allocator._lock:
             assert_unlocked("copy")
     finally:
         release.set()
@@ -305,10 +316,12 @@ def test_store_probes_run_with_no_lock_in_every_normal_flow(
 
 
 # ---------------------------------------------------------------------------- checking off
-def test_with_checking_off_violations_raise_nothing(unchecked: None, cache: EmbeddingCache) -> None:
+def test_with_checking_off_violations_raise_nothing(
+    unchecked: None, cache: EmbeddingCache, allocator: RangeAllocator
+) -> None:
     store = cache.store
     assert isinstance(store, ProbeStore)
-    with cache._core.allocator._lock:
+    with allocator._lock:
         cache._lock.acquire()  # inverted, but only one thread: no deadlock
         cache._lock.release()
     with cache._lock:

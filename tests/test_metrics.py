@@ -1,4 +1,4 @@
-"""``embcache.metrics``: a real cache's stats scraped over HTTP and parsed as Prometheus text.
+"""``embcache.tools.metrics``: a real cache's stats scraped over HTTP and parsed as Prometheus text.
 
 Every exported counter and gauge is compared with ``stats()`` taken after the same requests;
 latency histograms count what ``observe_*`` and ``TimedStore`` recorded; bad arguments raise
@@ -21,7 +21,7 @@ prometheus_client = pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from embcache.metrics import CacheMetrics, TimedStore, serve  # noqa: E402
+from embcache.tools.metrics import CacheMetrics, TimedStore, serve  # noqa: E402
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 
 from embcache import EmbeddingCache, Fault, InProcessStore, Item, RangeAllocator, Reason
 from embcache.allocator import Block
+from embcache.core.eviction import Piece, Window, best_window, neighbourhood
+from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY, Step, transition
 from embcache.errors import (
     ClosedError,
     InvalidArgumentError,
@@ -30,9 +32,7 @@ from embcache.errors import (
     NotAllocatedError,
     TransitionError,
 )
-from embcache.eviction import Piece, Window, best_window, neighbourhood
 from embcache.locks import HierarchyLock, lock_checking_enabled
-from embcache.states import ABSENT, LOADING, QUARANTINED, READY, Step, transition
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -692,9 +692,10 @@ def test_lock_names_in_a_hierarchy_violation() -> None:
     if not lock_checking_enabled():
         pytest.skip("needs EMBCACHE_LOCK_CHECK=1")
     cache = EmbeddingCache(4 * ALIGN, pin_memory=False)
+    allocator = RangeAllocator(4 * ALIGN)  # the public allocator's lock: level 2
     try:
         with (
-            cache._core.allocator._lock,
+            allocator._lock,
             pytest.raises(
                 LockOrderError,
                 match=r"^taking cache lock \(level 1\) while holding allocator lock \(level 2\)",
@@ -852,7 +853,7 @@ def test_transition_table_agrees_with_how_the_controller_uses_it() -> None:
     controller disagree silently.
     """
     from embcache.cache import Entry
-    from embcache.states import TRANSITIONS
+    from embcache.core.lifecycle import TRANSITIONS
 
     assert Entry.__dataclass_fields__["state"].default is LOADING
     guard_only = {Step.LOOKUP_HIT, Step.LOOKUP_JOIN, Step.RELEASE_WAIT, Step.REMOVE_BUSY}

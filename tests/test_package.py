@@ -34,5 +34,5 @@ def test_help_starts_with_an_overview() -> None:
     text = pydoc.render_doc(embcache, renderer=pydoc.plaintext)
     overview = text[: text.index("PACKAGE CONTENTS")]
     for name in ("EmbeddingCache", "Request", "EncodePipeline", "concatenated", "Item", "stats()",
-                 "EmbCacheError", "embcache.metrics", "python -m embcache demo", "DESIGN.md"):
+                 "EmbCacheError", "embcache.tools.metrics", "python -m embcache demo", "DESIGN.md"):
         assert name in overview, name

@@ -25,9 +25,9 @@ from embcache import (
     Item,
     PipelineStats,
 )
+from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
 from embcache.errors import InvalidArgumentError, InvalidTypeError, RequestError
 from embcache.locks import assert_unlocked
-from embcache.states import ABSENT, LOADING, QUARANTINED, READY
 from tests.helpers import raw, wait_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("poison_modes")]

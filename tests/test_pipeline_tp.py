@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessContext, start_processes
 
 from embcache import EmbeddingCache, EncodePipeline, Fault, InProcessStore, Item
-from embcache.encoders import TinyViT, synthetic_image
 from embcache.errors import RequestError
 from embcache.pipeline import TensorParallelError
+from embcache.tools.encoders import TinyViT, synthetic_image
 from tests.helpers import raw
 
 pytestmark = pytest.mark.timeout(120)

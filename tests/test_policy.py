@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from embcache.core.policy import LruPolicy, Policy, TinyLfuPolicy, make_policy
 from embcache.errors import InvalidArgumentError, InvalidTypeError
-from embcache.policy import LruPolicy, Policy, TinyLfuPolicy, make_policy
 from models.policy import MODELS
 
 KEYS = st.sampled_from("abcdefg")

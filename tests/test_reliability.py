@@ -12,10 +12,10 @@ import torch
 
 import embcache.cache as cache_module
 from embcache import EmbeddingCache, EncodePipeline, Fault, InProcessStore, Item
+from embcache.core.lifecycle import ABSENT, QUARANTINED
 from embcache.errors import InvalidArgumentError, InvalidTypeError, LockOrderError
 from embcache.fencing import FencePolicy
 from embcache.poison import POISON
-from embcache.states import ABSENT, QUARANTINED
 from tests.helpers import evict_idle_after_close, item_of, payload, raw, wait_until
 
 FAST = FencePolicy(max_fraction=1.0, max_age_s=0.2, min_interval_s=0.05, check_interval_s=0.05)

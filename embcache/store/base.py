@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from embcache.status import TransferOutcome
+from embcache.core.outcomes import TransferOutcome
 
 __all__ = ["GlobalStore", "TransferOutcome", "get_outcome", "put_outcome"]
 

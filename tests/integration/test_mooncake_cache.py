@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache
+from embcache.core.lifecycle import ABSENT
+from embcache.core.outcomes import Reason, Status
 from embcache.item import Item
-from embcache.states import ABSENT
-from embcache.status import Reason, Status
 from embcache.store.mooncake import MooncakeStore
 from tests.helpers import payload
 

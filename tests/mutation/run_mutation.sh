@@ -6,7 +6,7 @@
 # With no argument every mutant is run (39 minutes measured: 27 of mutmut, 11 of table mutants,
 # with 2 workers on a loaded 2-core machine). Arguments are passed to `mutmut run` to run only
 # those mutants (names as printed in the report, fnmatch globs allowed, e.g.
-# 'embcache.eviction.*'); mutants not run are left out of the score.
+# 'embcache.core.eviction.*'); mutants not run are left out of the score.
 #
 # Needs mutmut 3 (`pip install 'mutmut>=3,<4'`) in the Python that runs the tests; set PYTHON
 # to use another interpreter (for example a venv with mutmut). Nothing in the checkout is
@@ -19,7 +19,7 @@
 #     layers (tests/test_core.py, test_cache.py, test_cache_failures.py, test_mutation_killers.py,
 #     tests/stateful; HYPOTHESIS_PROFILE=dev, EMBCACHE_LOCK_CHECK=1; no tla/mooncake/stress/
 #     crosshair tests). mutmut only mutates code inside functions, so:
-#  2. the module-level transition table embcache.states.TRANSITIONS is mutated separately by
+#  2. the module-level transition table embcache.core.lifecycle.TRANSITIONS is mutated separately by
 #     tests/mutation/table_mutants.py (drop each entry; send it to each other state), each
 #     mutant run with the same fast layers and -x.
 #

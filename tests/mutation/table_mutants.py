@@ -1,4 +1,5 @@
-"""Mutants of the transition table ``embcache.states.TRANSITIONS`` (used by run_mutation.sh).
+"""Mutants of the transition table ``embcache.core.lifecycle.TRANSITIONS`` (used by
+run_mutation.sh).
 
 mutmut 3 only mutates code inside functions, so the module-level table that drives every
 state change is never mutated by it. This file supplies those mutants:
@@ -17,7 +18,7 @@ import os
 
 
 def all_mutants() -> list[str]:
-    from embcache.states import TRANSITIONS, EntryState
+    from embcache.core.lifecycle import TRANSITIONS, EntryState
 
     out = []
     for (state, step), target in TRANSITIONS.items():
@@ -29,7 +30,7 @@ def all_mutants() -> list[str]:
 
 
 def apply_mutant(spec: str) -> None:
-    from embcache.states import TRANSITIONS, EntryState, Step
+    from embcache.core.lifecycle import TRANSITIONS, EntryState, Step
 
     kind, state_name, step_name, *rest = spec.split(":")
     key = (EntryState[state_name], Step[step_name])

@@ -18,7 +18,7 @@ import torch
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from embcache import EmbeddingCache, Fault, InProcessStore, Item
-from embcache.policy import make_policy
+from embcache.core.policy import make_policy
 from embcache.trace import TraceLog
 from models.cache import ModelCache
 

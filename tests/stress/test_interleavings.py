@@ -58,10 +58,10 @@ from embcache import (
     Status,
     TransferOutcome,
 )
-from embcache.entries import RequestState
+from embcache.core.entries import RequestState
+from embcache.core.lifecycle import ABSENT, QUARANTINED, READY
 from embcache.locks import assert_unlocked
 from embcache.request import Request
-from embcache.states import ABSENT, QUARANTINED, READY
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(120)]
 

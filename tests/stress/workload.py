@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from embcache import EmbeddingCache, Item, Request, Status
-from embcache.states import READY
+from embcache.core.lifecycle import READY
 from tests.helpers import raw
 
 WAIT_S = 10.0

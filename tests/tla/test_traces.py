@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache, Fault, InProcessStore, Item, TransferOutcome
-from embcache.core import CacheCore
-from embcache.states import ABSENT
+from embcache.core.cache_core import CacheCore
+from embcache.core.lifecycle import ABSENT
 from embcache.trace import TraceLog
 from tests.tla.tla_modules import load_trace
 

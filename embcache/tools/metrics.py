@@ -35,7 +35,7 @@ try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        f"embcache.metrics needs prometheus_client ({exc}): pip install 'embcache[metrics]'"
+        f"embcache.tools.metrics needs prometheus_client ({exc}): pip install 'embcache[metrics]'"
     ) from exc
 
 __all__ = ["LATENCY_BUCKETS", "CacheMetrics", "TimedStore", "serve"]

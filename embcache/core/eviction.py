@@ -20,7 +20,7 @@ beside its candidates), and searches only when the newest candidate's run spans 
 a run that spans less holds no feasible window. A candidate alone in its run (no other
 candidate beside it) has one window, itself and the free blocks beside it, known without a
 search. Each candidate costs O(1) dict operations and at most one O(1) allocator query
-(``RangeAllocator.free_around``: the free blocks on both sides), as plain LRU's victims do;
+(``BestFitAllocator.free_around``: the free blocks on both sides), as plain LRU's victims do;
 only a run that merged candidates and spans ``need`` pays for the walk and the window search,
 and in that walk a block is a candidate exactly when it lies inside the run.
 ``models.eviction`` keeps the rule as first written (a walk and a search for every k); a test
@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from embcache.allocator import Block, RangeAllocator
+from embcache.core.allocator import BestFitAllocator, Block
 
 
 class Piece(NamedTuple):
@@ -147,7 +147,7 @@ def neighbourhood(
 def free_around_by_blocks(
     block_before: Callable[[int], Block | None], block_at: Callable[[int], Block | None]
 ) -> Callable[[int, int], tuple[int, int]]:
-    """``RangeAllocator.free_around`` made of the two block queries: ``[offset, end)`` widened
+    """``BestFitAllocator.free_around`` made of the two block queries: ``[offset, end)`` widened
     over the free blocks on both sides."""
 
     def free_around(offset: int, end: int) -> tuple[int, int]:
@@ -168,7 +168,7 @@ def choose_victims(
     """The eviction rule of DESIGN.md over ``candidates`` in eviction order (lowest value
     first); None when nothing can work.
 
-    When both queries are one ``RangeAllocator``'s own methods, its ``free_around`` answers
+    When both queries are one ``BestFitAllocator``'s own methods, its ``free_around`` answers
     both sides of a candidate in one call (the same answer, half the calls).
     Cost: O(k) for the k candidates examined (never all entries), plus one walk of at most
     ``2 * max_batch`` blocks and one window search each time a merged run spans ``need``.
@@ -176,7 +176,7 @@ def choose_victims(
     free_around: Callable[[int, int], tuple[int, int]]
     owner = getattr(block_before, "__self__", None)
     if (
-        type(owner) is RangeAllocator
+        isinstance(owner, BestFitAllocator)
         and block_before == owner.block_before
         and block_at == owner.block_at
     ):

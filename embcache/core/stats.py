@@ -6,8 +6,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from embcache.allocator import RangeAllocator
-from embcache.entries import Entry
+from embcache.core.allocator import BestFitAllocator
+from embcache.core.entries import Entry
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class CacheStats:
 
 
 def snapshot(
-    allocator: RangeAllocator,
+    allocator: BestFitAllocator,
     entries: Iterable[Entry],
     open_requests: int,
     c: Counter[str],

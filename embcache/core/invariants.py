@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
-from embcache.allocator import RangeAllocator
-from embcache.entries import Entry, Holder, RequestState
+from embcache.core.allocator import BestFitAllocator
+from embcache.core.entries import Entry, Holder, RequestState
+from embcache.core.lifecycle import LOADING, QUARANTINED, READY
 from embcache.errors import InvariantError
-from embcache.states import LOADING, QUARANTINED, READY
 
 
 def _fail(what: str) -> None:
@@ -19,7 +19,7 @@ def _fail(what: str) -> None:
 
 
 def check_core(
-    allocator: RangeAllocator,
+    allocator: BestFitAllocator,
     entries: Mapping[str, Entry],
     pinned_since: Mapping[str, float],
     requests: Mapping[str, RequestState],

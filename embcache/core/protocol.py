@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from embcache.core import CacheCore
-from embcache.entries import (
+from embcache.core.cache_core import CacheCore
+from embcache.core.entries import (
     LOADING_STATUS,
     MISSES,
     RESERVED_STATUS,
@@ -19,9 +19,9 @@ from embcache.entries import (
     ItemLike,
     RequestState,
 )
+from embcache.core.lifecycle import READY
+from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
 from embcache.errors import InvalidArgumentError
-from embcache.states import READY
-from embcache.status import ItemStatus, Reason, TransferOutcome
 
 
 def lookup_all(core: CacheCore, rs: RequestState, items: Sequence[ItemLike]) -> list[ItemStatus]:

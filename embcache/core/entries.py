@@ -1,6 +1,7 @@
 """What the core keeps per key and per request: ``Entry`` and ``RequestState``.
 
-Both are plain records, changed only by ``embcache.core.CacheCore`` under its driver's lock.
+Both are plain records, changed only by ``embcache.core.cache_core.CacheCore`` under its
+driver's lock.
 Items are duck-typed (``ItemLike``), so nothing here imports torch.
 """
 
@@ -10,8 +11,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from embcache.states import LOADING, EntryState
-from embcache.status import ItemStatus, Reason, Status
+from embcache.core.lifecycle import LOADING, EntryState
+from embcache.core.outcomes import ItemStatus, Reason, Status
 
 HIT = ItemStatus(Status.HIT)  # statuses are immutable: the common ones are shared
 LOADING_STATUS = ItemStatus(Status.LOADING)

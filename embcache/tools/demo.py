@@ -18,7 +18,7 @@ bytes; 0 when the free space is one range, near 1 when it is scattered in small 
 item may not fit (and entries are evicted) although enough bytes are free in total.
 
 A progress bar (tqdm) goes to the progress stream only when it is a terminal. With
-``metrics_port`` set, the cache's metrics (``embcache.metrics``) are served on 127.0.0.1 for
+``metrics_port`` set, the cache's metrics (``embcache.tools.metrics``) are served on 127.0.0.1 for
 the length of the run (``python -m embcache demo --metrics-port 0`` picks a free port and
 prints it); store reads are timed into ``embcache_load_seconds``.
 
@@ -47,7 +47,9 @@ import torch
 from tqdm import tqdm
 
 from embcache.cache import EmbeddingCache
-from embcache.demo_report import (
+from embcache.pipeline import EncodePipeline
+from embcache.store.base import GlobalStore, TransferOutcome
+from embcache.tools.demo_report import (
     DemoConfig,
     DemoResult,
     PipelineTotals,
@@ -57,12 +59,10 @@ from embcache.demo_report import (
     result_json,
     write_plot,
 )
-from embcache.encoders import TinyViT, synthetic_image
-from embcache.pipeline import EncodePipeline
-from embcache.store.base import GlobalStore, TransferOutcome
+from embcache.tools.encoders import TinyViT, synthetic_image
 
-if TYPE_CHECKING:  # embcache.metrics needs the optional prometheus_client
-    from embcache.metrics import CacheMetrics
+if TYPE_CHECKING:  # embcache.tools.metrics needs the optional prometheus_client
+    from embcache.tools.metrics import CacheMetrics
 
 __all__ = [
     "DTYPES",
@@ -318,7 +318,7 @@ def run_demo(config: DemoConfig, progress: TextIO | None = None) -> DemoResult:
 
 
 def _timed(store: GlobalStore, metrics: CacheMetrics) -> GlobalStore:
-    from embcache.metrics import TimedStore
+    from embcache.tools.metrics import TimedStore
 
     return TimedStore(store, metrics, "demo")
 
@@ -332,7 +332,7 @@ def _serve_metrics(stack: contextlib.ExitStack, port: int) -> CacheMetrics:
     """Metrics served on 127.0.0.1:``port`` until ``stack`` closes."""
     from prometheus_client import CollectorRegistry
 
-    from embcache.metrics import CacheMetrics, serve
+    from embcache.tools.metrics import CacheMetrics, serve
 
     metrics = CacheMetrics()
     registry = CollectorRegistry()

@@ -4,10 +4,10 @@ Theory of operation (after h11's ``Connection``). ``CacheCore`` holds every piec
 DESIGN.md talks about and changes it only through the DESIGN actions, one method each, named as
 in the spec: ``open_request``, ``close_request``, ``lookup``, ``begin_load``, ``end_load``,
 ``release``, ``evict``, ``remove``, ``publish``, ``end_publish``, ``fence``. Each checks the
-transition table of ``embcache.states`` before it changes anything, emits its trace event, and
-returns what the caller must now do: the entry whose range to fill or publish, the requests to
-wake. Ranges that became free are queued in ``freed`` when the caller asked for them (a debug
-driver poisons them).
+transition table of ``embcache.core.lifecycle`` before it changes anything, emits its trace
+event, and returns what the caller must now do: the entry whose range to fill or publish, the
+requests to wake. Ranges that became free are queued in ``freed`` when the caller asked for
+them (a debug driver poisons them).
 
 The core knows no threads, no clock, no torch and no store: it is not thread-safe, and the
 driver (``embcache.cache.EmbeddingCache``) calls it only while holding its lock, does every
@@ -23,8 +23,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from embcache.allocator import Block, RangeAllocator
-from embcache.entries import (
+from embcache.core.allocator import BestFitAllocator, Block
+from embcache.core.entries import (
     HIT,
     LOADING_STATUS,
     MISSES,
@@ -36,13 +36,13 @@ from embcache.entries import (
     RequestState,
     TraceSink,
 )
+from embcache.core.eviction import choose_victims
+from embcache.core.invariants import check_core
+from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY, Step, transition
+from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
+from embcache.core.policy import LruPolicy, Policy
+from embcache.core.stats import CacheStats, snapshot
 from embcache.errors import InvariantError
-from embcache.eviction import choose_victims
-from embcache.invariants import check_core
-from embcache.policy import LruPolicy, Policy
-from embcache.states import ABSENT, LOADING, QUARANTINED, READY, Step, transition
-from embcache.stats import CacheStats, snapshot
-from embcache.status import ItemStatus, Reason, TransferOutcome
 
 
 class CacheCore:
@@ -59,7 +59,7 @@ class CacheCore:
         clock: Callable[[], float] = float,
         policy: Policy | None = None,
     ) -> None:
-        self.allocator = RangeAllocator(capacity, alignment)
+        self.allocator = BestFitAllocator(capacity, alignment)
         self.max_batch = max_eviction_batch
         self.enable_eviction = enable_eviction
         self.trace = trace

@@ -4,7 +4,7 @@
 into a ``DemoResult``; ``summary()`` is the human-readable report and ``to_json()`` the
 ``--json`` object (the same names in both); ``leak_check`` lists what a run left behind;
 ``write_plot`` draws the timeline with matplotlib (the ``plot`` extra). Definitions of the
-numbers: ``embcache.demo``.
+numbers: ``embcache.tools.demo``.
 """
 
 from __future__ import annotations
