@@ -1,128 +1,84 @@
-"""Reference of ``embcache.core.eviction.choose_victims``: the rule as first written (issue 14).
+"""Reference of the eviction rule (DESIGN.md, "Eviction that respects contiguity"), by brute force.
 
-For each k (the k first candidates of the eviction order), walk the allocator's blocks around
-the k-th candidate and search that neighbourhood for the best window; the first k with a window
-wins. Obviously the rule of DESIGN.md ("Eviction that respects contiguity"), and O(k * max_batch)
-allocator walks and window searches per call: ``embcache.core.eviction`` must choose exactly the
-same victims while searching only the run of available space that first reaches the size asked
-for. Kept verbatim, so that the equivalence test compares against the code that ran before.
+The rule, as DESIGN.md states it: find the smallest ``k`` such that some contiguous run made
+only of free blocks and of the ``k`` oldest evictable entries can hold the request with at most
+``max_batch`` victims in it; among such runs take the fewest victims, then the fewest bytes,
+then the lowest offset, and evict exactly those. No such ``k``: evict nothing.
+
+This model reads that sentence literally and shares nothing with ``embcache.core.eviction`` (no
+import, no helper; ``tests/test_eviction.py`` checks both): for each ``k`` it tries every
+stretch of consecutive blocks in address order whose blocks are all free or among the ``k``
+first candidates, evicts that stretch's candidates on a copy of the layout, and measures the
+hole they leave (the free blocks that then touch them). Slow on purpose: O(k * n^3) per call
+for n blocks. It takes the whole layout (every block, in address order) and the candidates'
+offsets in eviction order, and returns ``Choice`` or None.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import itertools
+from collections.abc import Sequence
+from typing import NamedTuple
 
-from embcache.allocator import Block
-from embcache.core.eviction import Piece, Window
+
+class Choice(NamedTuple):
+    """The victims' offsets in address order, their bytes, and the hole: start and size."""
+
+    victims: tuple[int, ...]
+    victim_bytes: int
+    offset: int
+    span: int
 
 
-def best_window(pieces: list[Piece], need: int, max_batch: int, must: int) -> Window | None:
-    """Best run of victims containing ``pieces[must]`` whose freed span holds ``need`` bytes.
+def hole_after_evicting(
+    layout: Sequence[tuple[int, int, bool]], victims: set[int]
+) -> tuple[int, int]:
+    """``(start, size)`` of the free stretch that holds every victim once they are freed.
 
-    ``pieces`` are contiguous, in address order, free pieces never adjacent to each other; the
-    blocks just outside the list are not evicted. Cost O(max_batch^2) at worst, usually O(1).
-
-    pre: need > 0 and max_batch > 0 and all(p.size > 0 for p in pieces)
-    pre: 0 <= must < len(pieces) and pieces[must].victim
-    pre: all(a.offset + a.size == b.offset for a, b in zip(pieces, pieces[1:]))
-    post: __return__ is None or len(__return__.victims) <= max_batch
-    post: __return__ is None or __return__.span >= need
-    post: __return__ is None or pieces[must].offset in __return__.victims
+    ``layout`` is every block as ``(offset, size, free)`` in address order; the victims must
+    be blocks of one stretch of free blocks and victims (asserted).
     """
-    victims = [p for p in pieces if p.victim]
-    index_of_must = victims.index(pieces[must])
-    first_start, last_end = pieces[0].offset, pieces[-1].offset + pieces[-1].size
-
-    def span_start(a: int) -> int:
-        return victims[a - 1].offset + victims[a - 1].size if a > 0 else first_start
-
-    def span_end(b: int) -> int:
-        return victims[b + 1].offset if b + 1 < len(victims) else last_end
-
-    for count in range(1, max_batch + 1):
-        best: Window | None = None
-        for a in range(max(0, index_of_must - count + 1), index_of_must + 1):
-            b = a + count - 1
-            if b >= len(victims):
-                break
-            start, end = span_start(a), span_end(b)
-            if end - start < need:
-                continue
-            chosen = victims[a : b + 1]
-            window = Window(
-                tuple(v.offset for v in chosen), sum(v.size for v in chosen), start, end - start
-            )
-            if best is None or (window.victim_bytes, window.offset) < (
-                best.victim_bytes,
-                best.offset,
-            ):
-                best = window
-        if best is not None:
-            return best
-    return None
-
-
-def neighbourhood(
-    candidate: Block,
-    max_batch: int,
-    block_before: Callable[[int], Block | None],
-    block_at: Callable[[int], Block | None],
-    is_candidate: Callable[[int], bool],
-) -> tuple[list[Piece], int]:
-    """Pieces around ``candidate``: up to ``max_batch - 1`` candidates each side, plus free gaps.
-
-    Returns the pieces in address order and the index of ``candidate`` among them.
-    """
-
-    def usable(block: Block | None) -> Piece | None:
-        if block is None:
-            return None
-        if block.free:
-            return Piece(block.offset, block.size, False)
-        if is_candidate(block.offset):
-            return Piece(block.offset, block.size, True)
-        return None
-
-    left: list[Piece] = []
-    victims, cursor = 0, candidate.offset
-    while (piece := usable(block_before(cursor))) is not None:
-        if piece.victim:
-            if victims == max_batch - 1:
-                break
-            victims += 1
-        left.append(piece)
-        cursor = piece.offset
-    right: list[Piece] = []
-    victims, cursor = 0, candidate.offset + candidate.size
-    while (piece := usable(block_at(cursor))) is not None:
-        if piece.victim:
-            if victims == max_batch - 1:
-                break
-            victims += 1
-        right.append(piece)
-        cursor = piece.offset + piece.size
-    left.reverse()
-    return [*left, Piece(candidate.offset, candidate.size, True), *right], len(left)
+    free_after = [free or offset in victims for offset, _, free in layout]
+    index = [i for i, (offset, _, _) in enumerate(layout) if offset in victims]
+    first, last = min(index), max(index)
+    assert all(free_after[first : last + 1]), "the victims are not one stretch"
+    while first > 0 and free_after[first - 1]:
+        first -= 1
+    while last + 1 < len(layout) and free_after[last + 1]:
+        last += 1
+    start = layout[first][0]
+    return start, layout[last][0] + layout[last][1] - start
 
 
 def choose_victims(
     need: int,
-    lru: Iterable[Block],
+    order: Sequence[int],
     max_batch: int,
-    block_before: Callable[[int], Block | None],
-    block_at: Callable[[int], Block | None],
-) -> Window | None:
-    """The eviction rule of DESIGN.md over candidates in LRU order; None when nothing can work.
-
-    Cost: O(k * max_batch * log n) for the k candidates examined, never all entries.
-    """
-    candidates: set[int] = set()
-    for block in lru:
-        candidates.add(block.offset)
-        pieces, must = neighbourhood(
-            block, max_batch, block_before, block_at, candidates.__contains__
-        )
-        window = best_window(pieces, need, max_batch, must)
-        if window is not None:
-            return window
+    layout: Sequence[tuple[int, int, bool]],
+) -> Choice | None:
+    """The rule over ``layout`` (every block as ``(offset, size, free)``, address order) with
+    the candidates' offsets ``order`` in eviction order (first victim first)."""
+    assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(layout)), "layout has gaps"
+    size_of = {offset: size for offset, size, _ in layout}
+    for k in range(1, len(order) + 1):
+        oldest = set(order[:k])
+        best: tuple[tuple[int, int, int], Choice] | None = None
+        for i in range(len(layout)):
+            for j in range(i, len(layout)):
+                stretch = layout[i : j + 1]
+                if not all(free or offset in oldest for offset, _, free in stretch):
+                    break  # every longer stretch from i holds this block too
+                victims = {offset for offset, _, free in stretch if not free}
+                if not victims or len(victims) > max_batch:
+                    continue
+                start, span = hole_after_evicting(layout, victims)
+                if span < need:
+                    continue
+                victim_bytes = sum(size_of[v] for v in victims)
+                choice = Choice(tuple(sorted(victims)), victim_bytes, start, span)
+                cost = (len(victims), victim_bytes, start)
+                if best is None or cost < best[0]:
+                    best = (cost, choice)
+        if best is not None:
+            return best[1]
     return None

@@ -1,17 +1,22 @@
-"""``choose_victims`` chooses exactly the victims of the rule as first written
-(``models.eviction``), on random and on every small layout of free blocks, candidates and
+"""``choose_victims`` chooses exactly the victims of the rule as DESIGN.md states it, read
+literally by brute force (``models.eviction``, which shares no code with
+``embcache.core.eviction``), on random and on every small layout of free blocks, candidates and
 other entries, for every size asked for and every batch limit; and examines candidates only
 until the first feasible run."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from embcache.allocator import Block, RangeAllocator
+from embcache.core import eviction as code
 from embcache.core.eviction import Window, choose_victims, free_around_by_blocks
 from models import eviction as reference
 
@@ -43,10 +48,14 @@ def both(
         need, order, max_batch, lambda o: allocator.block_before(o), lambda o: allocator.block_at(o)
     )
     assert generic == new
-    old = reference.choose_victims(
-        need, order, max_batch, allocator.block_before, allocator.block_at
-    )
-    return new, old
+    old = reference.choose_victims(need, [b.offset for b in order], max_batch, layout(allocator))
+    return new, None if old is None else Window(*old)
+
+
+def layout(allocator: RangeAllocator) -> list[tuple[int, int, bool]]:
+    """Every block of ``allocator`` as ``(offset, size, free)``, in address order."""
+    used = [(offset, size, False) for offset, size in allocator.allocations()]
+    return sorted(used + [(offset, size, True) for offset, size in allocator.free_blocks()])
 
 
 @settings(max_examples=400, deadline=None)
@@ -125,3 +134,70 @@ def test_free_around_is_the_two_block_queries() -> None:
         for block in candidates:
             span = (block.offset, block.offset + block.size)
             assert allocator.free_around(*span) == by_blocks(*span), (kinds, block)
+
+
+def test_the_model_shares_no_code_with_the_code_it_checks() -> None:
+    """No import of embcache at all, no function of the same name, no copied line."""
+    model_source = inspect.getsource(reference)
+    tree = ast.parse(model_source)
+    imported = [
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    ]
+    assert not [m for m in imported if m and m.split(".")[0] == "embcache"], imported
+    code_source = Path(code.__file__).read_text()
+    defined = {
+        node.name
+        for node in ast.walk(ast.parse(code_source))
+        if isinstance(node, ast.FunctionDef | ast.ClassDef)
+    }
+    model_defined = {
+        node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.ClassDef)
+    }
+    assert model_defined & defined <= {"choose_victims"}, model_defined & defined
+
+    def statements(source: str) -> set[str]:
+        """Lines of code: no docstring, import or bare field declaration (the result's shape
+        is the same by design)."""
+        lines = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.AnnAssign) and node.value is None:
+                continue
+            if isinstance(node, ast.stmt) and not isinstance(
+                node, ast.FunctionDef | ast.ClassDef | ast.Expr | ast.Import | ast.ImportFrom
+            ):
+                text = ast.unparse(node).splitlines()[0]
+                if len(text) > 20:
+                    lines.add(text)
+        return lines
+
+    shared = statements(model_source) & statements(code_source)
+    assert not shared, shared
+
+
+PLANTED = {  # one-line bugs in the helpers the model used to copy
+    "best_window wants a span larger than asked": (
+        "best_window",
+        lambda real: lambda pieces, need, max_batch, must: real(pieces, need + 1, max_batch, must),
+    ),
+    "neighbourhood walks one candidate too few each side": (
+        "neighbourhood",
+        lambda real: lambda block, max_batch, *rest: real(block, max(1, max_batch - 1), *rest),
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_the_model_catches_a_bug_in_the_helpers(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    name, plant = PLANTED[bug]
+    monkeypatch.setattr(code, name, plant(getattr(code, name)))
+    for kinds in small_layouts(5):
+        sizes = [1 + (i * 2) % 3 for i in range(len(kinds))]
+        allocator, candidates = build(sizes, kinds)
+        for need in range(1, sum(sizes) + 2):
+            new, old = both(allocator, candidates, need * ALIGN, 3)
+            if new != old:
+                return
+    pytest.fail(f"planted bug not caught: {bug}")

@@ -23,8 +23,8 @@ search. Each candidate costs O(1) dict operations and at most one O(1) allocator
 (``BestFitAllocator.free_around``: the free blocks on both sides), as plain LRU's victims do;
 only a run that merged candidates and spans ``need`` pays for the walk and the window search,
 and in that walk a block is a candidate exactly when it lies inside the run.
-``models.eviction`` keeps the rule as first written (a walk and a search for every k); a test
-compares the two.
+``models.eviction`` reads the rule of DESIGN.md literally, by brute force and with no code in
+common with this module; a test compares the two.
 
 ``best_window`` is the pure core (CrossHair checks its contract); ``neighbourhood`` walks the
 allocator's blocks around a candidate, through free blocks and candidates only.
