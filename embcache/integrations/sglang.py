@@ -44,6 +44,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -158,6 +159,8 @@ class _Controller:
             self._dims[_AUDIO] = audio
         self.dtype = dtype
         self.embedding_store = embedding_store
+        self._warned_modalities: set[str] = set()  # unknown modalities already warned about
+        self._warned_lock = threading.Lock()
         self.prefetch_tp_group = _gloo_group(self.tp_group) if self.tp_world_size > 1 else None
         self._holds = Holds()
         self._ids = itertools.count()
@@ -202,9 +205,8 @@ class _Controller:
         modality: Any = None,
     ) -> None:
         """Pin the hits and start loading the global hits of ``mm_hashes`` for ``req_id``."""
-        dim = self._dim(modality)
+        dim = self._dim_or_warn(modality, "prefetch")
         if dim is None:
-            logger.warning("prefetch: unknown modality %r; every item falls back", modality)
             return
         _check_lengths("expected_tokens", mm_hashes, expected_tokens)
         self._expire()
@@ -277,6 +279,25 @@ class _Controller:
     def _dim(self, modality: Any) -> int | None:
         """The hidden size of ``modality``'s embeddings, as SGLang picks its pool; None if none."""
         return self._dims.get(_modality_name(modality))
+
+    def _dim_or_warn(self, modality: Any, method: str) -> int | None:
+        """``_dim``; for a modality with no pool, one warning per modality and controller (SGLang
+        warns at each call), naming the method that met it first."""
+        dim = self._dim(modality)
+        if dim is None:
+            with self._warned_lock:
+                first = repr(modality) not in self._warned_modalities
+                self._warned_modalities.add(repr(modality))
+            if first:
+                logger.warning(
+                    "%s: unknown modality %r, no pool for it: its items are not cached and fall "
+                    "back to the encoder (warned once per modality; hidden_dims has %s: give "
+                    "its dim there to cache it)",
+                    method,
+                    modality,
+                    sorted(map(str, self.hidden_dims)),
+                )
+        return dim
 
     def _request(self, label: str) -> Request:
         return self.cache.request(f"sglang:{label}#{next(self._ids)}")
@@ -392,7 +413,7 @@ class EmbeddingCacheController(_Controller):
     ) -> list[StoreHandle]:
         """Reserve the absent keys and stage their tensors (CPU or CUDA); items that cannot be
         cached (present, being filled, wrong width, no space) are skipped, as in SGLang."""
-        dim = self._dim(modality)
+        dim = self._dim_or_warn(modality, "store_to_pool_async")
         if dim is None:
             return []
         _check_lengths("tensors", mm_hashes, tensors)
@@ -451,7 +472,8 @@ class EmbeddingCacheController(_Controller):
     def insert_batch(self, mm_hashes: list[str], modality: Any = None) -> None:
         """Publish the READY entries of ``mm_hashes``: ``wait_store_to_pool`` has started every
         publish already (module docstring), so nothing is left to send."""
-        logger.debug("insert_batch: %d hashes, published at wait_store_to_pool", len(mm_hashes))
+        if self._dim_or_warn(modality, "insert_batch") is not None:
+            logger.debug("insert_batch: %d hashes, published at wait_store_to_pool", len(mm_hashes))
 
     def get_embedding_dim(self, modality: Any = None) -> int:
         """The hidden size of ``modality``'s embeddings."""

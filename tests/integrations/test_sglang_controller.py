@@ -4,6 +4,7 @@ requests (``sglang_holds``), single flight, skipped stores, expiry, dtypes, bad 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterator
 
@@ -221,6 +222,32 @@ def test_bad_arguments_raise_and_change_nothing(ctl: EmbeddingCacheController) -
     assert ctl.check_prefetch_progress("r") and not ctl.has_local_embedding("a")
     with pytest.raises(InvalidArgumentError, match="gives no pool"):
         EmbeddingCacheController(InProcessStore(), max_pool_size_gb=0.0, hidden_dims={IMAGE: 8})
+    idle(ctl)
+
+
+def test_an_unknown_modality_warns_once_per_modality_and_caches_nothing(
+    ctl: EmbeddingCacheController, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="embcache.integrations.sglang")
+    multi, other = Modality.MULTI_IMAGES, "POINT_CLOUD"
+    for _ in range(3):
+        ctl.prefetch("r", ["a"], [3], multi)
+        assert ctl.store_to_pool_async(["a"], [embedding("a", 3)], multi) == []
+        ctl.insert_batch(["a"], multi)
+    ctl.store_to_pool_async(["b"], [embedding("b", 3)], other)
+    ctl.prefetch("r2", ["b"], [3], other)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("prefetch: unknown modality <Modality.MULTI_IMAGES")
+    assert warnings[1].startswith("store_to_pool_async: unknown modality 'POINT_CLOUD'")
+    assert all("fall back to the encoder" in w and "IMAGE" in w for w in warnings)
+    assert not ctl.has_local_embedding("a") and not ctl.has_local_embedding("b")
+    assert ctl.cache.stats().entries == 0
+    insert(ctl, ["c"], [2])  # a known modality still caches, and warns about nothing
+    prefetch(ctl, "r3", ["c"], [2])
+    assert ctl.has_local_embedding("c")
+    ctl.release_pool_views(["c"])
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2
     idle(ctl)
 
 
