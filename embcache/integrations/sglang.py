@@ -44,7 +44,6 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ import torch
 from embcache import EmbeddingCache, EntryState, GlobalStore, Item, Status
 from embcache.errors import InvalidArgumentError
 from embcache.integrations.sglang_holds import Holds, Prefetch, Staged
+from embcache.integrations.sglang_modality import ModalityDims
 from embcache.request import Request
 
 __all__ = [
@@ -66,8 +66,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SGLANG_KEY_PREFIX = "emb_"  # MooncakeEmbeddingStore.get_key: objects shared with SGLang's own
-_VISION = ("IMAGE", "VIDEO")
-_AUDIO = "AUDIO"
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,11 +86,6 @@ class LoadHandle:
     def is_complete(self) -> bool:
         """Whether the copy has ended (SGLang's ``AsyncCopyHandle.is_complete``)."""
         return self.event is None or bool(self.event.query())
-
-
-def _modality_name(modality: object) -> str | None:
-    name = getattr(modality, "name", modality)
-    return name if isinstance(name, str) else None
 
 
 def _as_2d(tensor: torch.Tensor) -> torch.Tensor:
@@ -148,19 +141,10 @@ class _Controller:
         cache_options: dict[str, Any],
     ) -> None:
         self.tp_world_size, self.tp_rank, self.tp_group = tp
-        self.hidden_dims = dict(hidden_dims or {})
-        by_name = {_modality_name(m): d for m, d in self.hidden_dims.items()}
-        vision = by_name.get("IMAGE") or by_name.get("VIDEO")
-        self._dims: dict[str | None, int] = {}  # modality name -> dim, as SGLang picks pools
-        if vision:
-            self._dims.update(dict.fromkeys(_VISION, vision))
-        audio = by_name.get(_AUDIO) or vision
-        if audio:
-            self._dims[_AUDIO] = audio
+        self._dims = ModalityDims(hidden_dims or {})
+        self.hidden_dims = self._dims.hidden_dims
         self.dtype = dtype
         self.embedding_store = embedding_store
-        self._warned_modalities: set[str] = set()  # unknown modalities already warned about
-        self._warned_lock = threading.Lock()
         self.prefetch_tp_group = _gloo_group(self.tp_group) if self.tp_world_size > 1 else None
         self._holds = Holds()
         self._ids = itertools.count()
@@ -205,7 +189,7 @@ class _Controller:
         modality: Any = None,
     ) -> None:
         """Pin the hits and start loading the global hits of ``mm_hashes`` for ``req_id``."""
-        dim = self._dim_or_warn(modality, "prefetch")
+        dim = self._dims.dim_or_warn(modality, "prefetch")
         if dim is None:
             return
         _check_lengths("expected_tokens", mm_hashes, expected_tokens)
@@ -276,29 +260,6 @@ class _Controller:
         }
 
     # ------------------------------------------------------------------ helpers
-    def _dim(self, modality: Any) -> int | None:
-        """The hidden size of ``modality``'s embeddings, as SGLang picks its pool; None if none."""
-        return self._dims.get(_modality_name(modality))
-
-    def _dim_or_warn(self, modality: Any, method: str) -> int | None:
-        """``_dim``; for a modality with no pool, one warning per modality and controller (SGLang
-        warns at each call), naming the method that met it first."""
-        dim = self._dim(modality)
-        if dim is None:
-            with self._warned_lock:
-                first = repr(modality) not in self._warned_modalities
-                self._warned_modalities.add(repr(modality))
-            if first:
-                logger.warning(
-                    "%s: unknown modality %r, no pool for it: its items are not cached and fall "
-                    "back to the encoder (warned once per modality; hidden_dims has %s: give "
-                    "its dim there to cache it)",
-                    method,
-                    modality,
-                    sorted(map(str, self.hidden_dims)),
-                )
-        return dim
-
     def _request(self, label: str) -> Request:
         return self.cache.request(f"sglang:{label}#{next(self._ids)}")
 
@@ -413,7 +374,7 @@ class EmbeddingCacheController(_Controller):
     ) -> list[StoreHandle]:
         """Reserve the absent keys and stage their tensors (CPU or CUDA); items that cannot be
         cached (present, being filled, wrong width, no space) are skipped, as in SGLang."""
-        dim = self._dim_or_warn(modality, "store_to_pool_async")
+        dim = self._dims.dim_or_warn(modality, "store_to_pool_async")
         if dim is None:
             return []
         _check_lengths("tensors", mm_hashes, tensors)
@@ -472,16 +433,16 @@ class EmbeddingCacheController(_Controller):
     def insert_batch(self, mm_hashes: list[str], modality: Any = None) -> None:
         """Publish the READY entries of ``mm_hashes``: ``wait_store_to_pool`` has started every
         publish already (module docstring), so nothing is left to send."""
-        if self._dim_or_warn(modality, "insert_batch") is not None:
+        if self._dims.dim_or_warn(modality, "insert_batch") is not None:
             logger.debug("insert_batch: %d hashes, published at wait_store_to_pool", len(mm_hashes))
 
     def get_embedding_dim(self, modality: Any = None) -> int:
         """The hidden size of ``modality``'s embeddings."""
-        dim = self._dim(modality)
+        dim = self._dims.dim(modality)
         if dim is None:
             raise InvalidArgumentError(
                 f"no embedding dim for modality {modality!r}: hidden_dims has "
-                f"{sorted(map(str, self.hidden_dims))}; pass its dim in hidden_dims"
+                f"{self._dims.known()}; pass its dim in hidden_dims"
             )
         return dim
 
