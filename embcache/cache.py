@@ -101,7 +101,10 @@ class EmbeddingCache:
         policy: str | Policy = "lru",
         auto_fence: FencePolicy | None = FencePolicy(),  # noqa: B008 (frozen: shared is fine)
         poison_freed: bool | None = None,
+        pool: torch.Tensor | None = None,
     ) -> None:
+        if pool is not None:
+            _check_pool(pool, capacity_bytes)
         for name, value in (("max_eviction_batch", max_eviction_batch), ("io_workers", io_workers)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidTypeError(f"{name} must be an int, got {value!r}")
@@ -132,7 +135,9 @@ class EmbeddingCache:
         self._owns_store = store is None
         self._store: GlobalStore = InProcessStore() if store is None else store
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._pool = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._pool = (
+            torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin) if pool is None else pool
+        )
         self._typed_pools: dict[torch.dtype, torch.Tensor] = {}  # the pool viewed as each dtype
         lock = HierarchyLock(CACHE_LEVEL, "cache lock")
         poison = poison_requested() if poison_freed is None else poison_freed
@@ -489,3 +494,19 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= dim
     return tuple(reversed(strides))
+
+
+def _check_pool(pool: object, capacity_bytes: object) -> None:
+    """``InvalidTypeError``/``InvalidArgumentError`` unless ``pool`` can be the cache's pool."""
+    if not isinstance(pool, torch.Tensor):
+        raise InvalidTypeError(f"pool must be a torch.Tensor or None, got {type(pool).__name__}")
+    if pool.dtype != torch.uint8 or pool.dim() != 1 or not pool.is_contiguous():
+        raise InvalidArgumentError(
+            f"pool must be a contiguous 1-D uint8 tensor, got {pool.dtype} of shape "
+            f"{tuple(pool.shape)}: pass torch.empty(capacity_bytes, dtype=torch.uint8) or a view"
+        )
+    if pool.device.type != "cpu" or pool.numel() != capacity_bytes:
+        raise InvalidArgumentError(
+            f"pool must be a CPU tensor of capacity_bytes={capacity_bytes!r} bytes, got "
+            f"{pool.numel()} bytes on {pool.device}"
+        )

@@ -1,0 +1,157 @@
+"""``EmbcacheECConnector``: vLLM's encoder-cache connector interface over embcache.
+
+vLLM builds it twice: with ``ECConnectorRole.SCHEDULER`` in the engine core (the methods of
+``SchedulerSide``) and with ``WORKER`` in every rank (``WorkerSide``); each method checks that
+it runs in its role. Loaded with::
+
+    --ec-transfer-config '{"ec_connector": "EmbcacheECConnector",
+        "ec_connector_module_path": "embcache.integrations.vllm", "ec_role": "ec_both"}'
+
+Options come from ``ec_connector_extra_config`` (``embcache.integrations.vllm.options``).
+At import time only vLLM's ``ec_connector/base.py`` is needed; the rest of vLLM's config is
+read from the ``vllm_config`` object at construction.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+    ECConnectorWorkerMetadata,
+)
+
+from embcache.errors import InvalidArgumentError, InvalidTypeError
+from embcache.integrations.vllm.options import parse_options
+from embcache.integrations.vllm.protocol import EmbcacheECMetadata, EmbcacheECWorkerMetadata
+from embcache.integrations.vllm.scheduler import Feature, SchedulerSide, SchedulerStats
+from embcache.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ECConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["EmbcacheECConnector"]
+
+
+class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
+    """The connector (module docstring); ``role`` picks which half runs here."""
+
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
+        super().__init__(vllm_config, role)
+        ec_config = vllm_config.ec_transfer_config
+        options = parse_options(ec_config.ec_connector_extra_config)
+        self._dtype: torch.dtype = vllm_config.model_config.dtype
+        self._widths: dict[str, int] = dict(getattr(ec_config, "mm_encoder_output_widths", {}))
+        self._width = options.embed_width
+        self._hidden = vllm_config.model_config.get_hidden_size
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        parallel = vllm_config.parallel_config
+        if role == ECConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                options,
+                parallel.world_size,
+                consumer=self.is_consumer,
+                producer=self.is_producer,
+            )
+        else:
+            self._worker = WorkerSide(parallel.rank, torch.device(vllm_config.device_config.device))
+
+    # -- scheduler role ------------------------------------------------------------------
+    def has_cache_item(self, identifier: str) -> bool:
+        """True only for an item the request being scheduled holds pinned READY."""
+        return self._scheduler_side("has_cache_item").has_item(identifier)
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        """Look the request's items up (once); False defers it while a store read runs."""
+        side = self._scheduler_side("ensure_cache_available")
+        return side.ensure(request.request_id, self._features(request), self._dtype)
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        """Item ``index`` of ``request`` is scheduled: a load if held, else maybe a save."""
+        self._scheduler_side("update_state_after_alloc").alloc(request.request_id, index)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        """This step's loads and saves, for every rank."""
+        return self._scheduler_side("build_connector_meta").build()
+
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        """The ranks' merged acks."""
+        acks = connector_output.ec_connector_worker_meta
+        if isinstance(acks, EmbcacheECWorkerMetadata):
+            self._scheduler_side("update_connector_output").absorb(acks)
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Release the request's pins now or when its last ack comes; vLLM frees at once."""
+        self._scheduler_side("request_finished").finish(request.request_id)
+        return False, None
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler role's counters (``SchedulerStats``)."""
+        return self._scheduler_side("stats").stats()
+
+    def check_invariants(self) -> None:
+        """The cache's and the connector's invariants (``SchedulerSide.check_invariants``)."""
+        self._scheduler_side("check_invariants").check_invariants()
+
+    # -- worker role ---------------------------------------------------------------------
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        """Copy this step's loads from the shared pool into ``encoder_cache``."""
+        side = self._worker_side("start_load_caches")
+        side.load(self._step_metadata(), encoder_cache)
+
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
+    ) -> None:
+        """Rank 0: copy a fresh output into the staging range this step reserved for it."""
+        side = self._worker_side("save_caches")
+        side.save(self._step_metadata(), encoder_cache, mm_hash)
+
+    def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
+        """This rank's acks since the last step."""
+        return self._worker_side("build_connector_worker_meta").acks()
+
+    def shutdown(self) -> None:
+        """Scheduler: release everything, close the cache, store and shared pool."""
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    # -- helpers -------------------------------------------------------------------------
+    def _features(self, request: Request) -> list[Feature]:
+        return [
+            (f.identifier, request.get_num_encoder_embeds(i), self._width_of(f.modality))
+            for i, f in enumerate(request.mm_features)
+        ]
+
+    def _width_of(self, modality: str) -> int:
+        width = self._width or self._widths.get(modality) or self._hidden()
+        return int(width)
+
+    def _step_metadata(self) -> EmbcacheECMetadata:
+        meta = self._connector_metadata
+        if not isinstance(meta, EmbcacheECMetadata):
+            raise InvalidTypeError(
+                f"the bound connector metadata is {type(meta).__name__}, not EmbcacheECMetadata: "
+                "bind_connector_metadata with what this connector's scheduler built"
+            )
+        return meta
+
+    def _scheduler_side(self, method: str) -> SchedulerSide:
+        if self._scheduler is None:
+            raise InvalidArgumentError(
+                f"{method} is a scheduler-role method, called on the {self.role} connector"
+            )
+        return self._scheduler
+
+    def _worker_side(self, method: str) -> WorkerSide:
+        if self._worker is None:
+            raise InvalidArgumentError(
+                f"{method} is a worker-role method, called on the {self.role} connector"
+            )
+        return self._worker

@@ -1,0 +1,249 @@
+"""``EmbcacheECConnector`` against vLLM 0.33.0's real interface (``benchmarks.vllm_wheel``):
+signatures, pickled metadata, both roles in one process over hundreds of requests, the pin
+held until every rank acked, lost acks, options and wrong-role calls.
+
+The steps and names are embcache/DESIGN.md's "vLLM: the scheduler/worker split".
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from embcache import InvalidArgumentError, InvalidTypeError
+from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
+from tests.integrations.vllm_replay import (
+    DTYPE,
+    WIDTH,
+    FakeRequest,
+    LocalRank,
+    Replay,
+    embedding,
+    requests,
+)
+
+__all__ = ["make_scheduler", "vllm_base"]
+pytestmark = pytest.mark.timeout(300)
+SMALL = {"pool_bytes": 48 * 1024, "staging_bytes": 16 * 1024}
+
+
+def shape(fn: Any) -> list[tuple[str, inspect._ParameterKind, str]]:
+    """Parameters as names, kinds and defaults (annotations are each module's own objects)."""
+    return [(p.name, p.kind, repr(p.default)) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_every_method_we_define_has_the_signature_of_vllms_base(vllm_base: Any) -> None:
+    from embcache.integrations.vllm import EmbcacheECConnector
+
+    base = vllm_base.ECConnectorBase
+    theirs = dict(inspect.getmembers(base, inspect.isfunction))
+    ours = {n: f for n, f in vars(EmbcacheECConnector).items() if inspect.isfunction(f)}
+    shared = sorted(ours.keys() & theirs.keys())
+    assert set(base.__abstractmethods__) <= set(shared)
+    assert not EmbcacheECConnector.__abstractmethods__
+    assert {"ensure_cache_available", "update_connector_output", "request_finished"} <= set(shared)
+    for name in shared:
+        assert shape(ours[name]) == shape(theirs[name]), name
+    extra = sorted(n for n in ours.keys() - theirs.keys() if not n.startswith("_"))
+    assert extra == ["check_invariants", "stats"]
+
+
+def _one_step(sched: Any, request: FakeRequest) -> Any:
+    assert sched.ensure_cache_available(request, 0)
+    for index in range(len(request.keys)):
+        sched.has_cache_item(request.keys[index])
+        sched.update_state_after_alloc(request, index)
+    from benchmarks.vllm_wheel import SchedulerOutput
+
+    return sched.build_connector_meta(SchedulerOutput())
+
+
+def _insert(sched: Any, key: str, rows: int) -> None:
+    """Put ``key`` in the scheduler's cache through a finished request of its own."""
+    cache = sched._scheduler.cache  # the test reaches in only to seed the cache
+    with cache.request(f"seed-{key}") as r:
+        r.insert([key], [embedding(key, rows)])
+
+
+def test_the_metadata_and_the_acks_survive_pickling(make_scheduler: Callable[..., Any]) -> None:
+    sched = make_scheduler(SMALL)
+    _insert(sched, "a", 8)
+    meta = _one_step(sched, FakeRequest("r1", ["a", "b"], {"a": 8, "b": 16}, 1))
+    again = pickle.loads(pickle.dumps(meta))
+    assert type(again) is type(meta)
+    assert (again.step, again.pool, again.loads, again.saves) == (
+        meta.step,
+        meta.pool,
+        meta.loads,
+        meta.saves,
+    )
+    assert [t.key for t in meta.loads] == ["a"] and [t.key for t in meta.saves] == ["b"]
+    assert meta.loads[0].shape == (8, WIDTH) and meta.loads[0].dtype == DTYPE
+    from embcache.integrations.vllm import EmbcacheECWorkerMetadata
+
+    acks = EmbcacheECWorkerMetadata({0: [(0, "a")]}, {(0, "b"): True})
+    merged = acks.aggregate(EmbcacheECWorkerMetadata({1: [(0, "a")]}))
+    assert pickle.loads(pickle.dumps(merged)) == merged
+    assert merged.loaded == {0: [(0, "a")], 1: [(0, "a")]} and acks.loaded == {0: [(0, "a")]}
+
+
+def test_both_roles_in_one_process_hundreds_of_requests_under_eviction(
+    make_scheduler: Callable[..., Any],
+) -> None:
+    sched = make_scheduler(SMALL)
+    ranks = [LocalRank("ec_both", SMALL, 2, r) for r in range(2)]
+    replay = Replay(sched, ranks)
+    for request in requests(300, 40, seed=1):
+        replay.add(request)
+    while replay.waiting or replay.running:
+        replay.step()
+        sched.check_invariants()
+    assert replay.report.errors == []
+    stats, cache = sched.stats(), sched._scheduler.cache.stats()
+    assert replay.report.declared > 50 and cache.evictions > 20 and stats.inserts > 20
+    assert stats.open_requests == 0 and cache.open_requests == 0
+    assert cache.pinned_entries == 0 and stats.quarantined_requests == 0
+    assert stats.outstanding_loads == stats.outstanding_saves == 0
+
+
+def test_has_cache_item_is_true_only_for_an_item_the_request_pins(
+    make_scheduler: Callable[..., Any],
+) -> None:
+    sched = make_scheduler(SMALL)
+    _insert(sched, "a", 8)
+    assert not sched.has_cache_item("a")  # READY, but no request holds it
+    request = FakeRequest("r1", ["a", "b"], {"a": 8, "b": 8}, 1)
+    assert sched.ensure_cache_available(request, 0)
+    assert sched.has_cache_item("a") and not sched.has_cache_item("b")
+    other = FakeRequest("r2", ["b"], {"b": 8}, 1)
+    assert sched.ensure_cache_available(other, 0)
+    assert not sched.has_cache_item("a")  # pinned, but for r1, not for the request asked about
+    producer = make_scheduler(SMALL, role="ec_producer")
+    _insert(producer, "a", 8)
+    assert producer.ensure_cache_available(FakeRequest("p1", ["a"], {"a": 8}, 1), 0)
+    assert not producer.has_cache_item("a")  # a producer's ranks never load
+
+
+def test_a_pin_ends_only_when_every_rank_acked_and_the_request_finished(
+    make_scheduler: Callable[..., Any],
+) -> None:
+    from vllm.v1.outputs import ECConnectorOutput
+
+    from embcache.integrations.vllm import EmbcacheECWorkerMetadata
+
+    sched = make_scheduler(SMALL)
+    _insert(sched, "a", 8)
+    request = FakeRequest("r1", ["a"], {"a": 8}, 1)
+    meta = _one_step(sched, request)
+    cache = sched._scheduler.cache
+    load = (meta.step, "a")
+    sched.update_connector_output(
+        ECConnectorOutput(ec_connector_worker_meta=EmbcacheECWorkerMetadata({0: [load]}))
+    )
+    sched.request_finished(request)
+    assert cache.stats().pinned_entries == 1 and sched.stats().open_requests == 1
+    assert cache.clear() == 1 and cache.entry_state("a").name == "READY"  # doomed, not freed
+    sched.check_invariants()
+    sched.update_connector_output(
+        ECConnectorOutput(ec_connector_worker_meta=EmbcacheECWorkerMetadata({1: [load]}))
+    )
+    assert cache.stats().pinned_entries == 0 and sched.stats().open_requests == 0
+    assert cache.entry_state("a").name == "ABSENT"
+    sched.check_invariants()
+
+
+def test_a_lost_ack_quarantines_the_range_for_good_and_a_late_one_ends_it(
+    make_scheduler: Callable[..., Any],
+) -> None:
+    from vllm.v1.outputs import ECConnectorOutput
+
+    from embcache.integrations.vllm import EmbcacheECWorkerMetadata
+
+    sched = make_scheduler({**SMALL, "hold_timeout_s": 0.01})
+    _insert(sched, "a", 8)
+    request = FakeRequest("r1", ["a"], {"a": 8}, 1)
+    meta = _one_step(sched, request)
+    sched.request_finished(request)
+    time.sleep(0.02)
+    sched.update_connector_output(
+        ECConnectorOutput(
+            ec_connector_worker_meta=EmbcacheECWorkerMetadata({0: [(meta.step, "a")]})
+        )
+    )
+    stats = sched.stats()
+    assert stats.quarantined_requests == 1 and stats.quarantined_bytes == 8 * WIDTH * 2
+    cache = sched._scheduler.cache
+    for i in range(30):  # pressure: every other entry is evicted, the held one stays
+        with cache.request(f"fill-{i}") as r:
+            r.insert([f"f{i}"], [torch.zeros(64, WIDTH, dtype=DTYPE)], publish=False)
+    assert cache.entry_state("a").name == "READY" and cache.stats().evictions > 0
+    sched.check_invariants()
+    late = EmbcacheECWorkerMetadata({1: [(meta.step, "a")]})
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=late))
+    assert sched.stats().quarantined_requests == 0 and cache.stats().pinned_entries == 0
+    sched.check_invariants()
+
+
+def test_a_store_read_defers_the_request_until_it_ends(make_scheduler: Callable[..., Any]) -> None:
+    from embcache import InProcessStore
+
+    sched = make_scheduler(SMALL)
+    store = sched._scheduler.cache.store
+    assert isinstance(store, InProcessStore)
+    key = "stored"
+    with sched._scheduler.cache.request("seed") as r:
+        r.insert([key], [embedding(key, 8)])  # published to the store, then evicted below
+    sched._scheduler.cache.clear()
+    deadline = time.monotonic() + 10
+    while not store.exists([key])[0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    request = FakeRequest("r1", [key], {key: 8}, 1)
+    while not sched.ensure_cache_available(request, 0):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert sched.has_cache_item(key)
+
+
+@pytest.mark.parametrize(
+    ("extra", "error", "words"),
+    [
+        ({"pool_bytes": 0}, InvalidArgumentError, "pool_bytes must be > 0, got 0"),
+        ({"pool_bytes": "1G"}, InvalidTypeError, "pool_bytes must be an int, got '1G'"),
+        ({"staging_bytes": -1}, InvalidArgumentError, "staging_bytes must be > 0, got -1"),
+        ({"hold_timeout_s": 0}, InvalidArgumentError, "hold_timeout_s must be finite and > 0"),
+        ({"hold_timeout_s": "5"}, InvalidTypeError, "hold_timeout_s must be seconds, got '5'"),
+        ({"mooncake_master": "nohost"}, InvalidArgumentError, "mooncake_master='nohost'"),
+        ({"policy": "fifo"}, InvalidArgumentError, "fifo"),
+        ({"pool_size": 1}, InvalidArgumentError, "unknown ec_connector_extra_config"),
+        ({"key_prefix": ""}, InvalidTypeError, "key_prefix must be a non-empty str"),
+    ],
+)
+def test_each_option_is_checked_with_a_clear_error(
+    make_scheduler: Callable[..., Any], extra: dict[str, Any], error: type, words: str
+) -> None:
+    with pytest.raises(error, match=words.replace("(", r"\(").replace("[", r"\[")):
+        make_scheduler({**SMALL, **extra})
+
+
+def test_without_options_it_runs_on_the_embedded_store(make_scheduler: Callable[..., Any]) -> None:
+    from embcache import InProcessStore
+
+    sched = make_scheduler()
+    assert isinstance(sched._scheduler.cache.store, InProcessStore)
+    assert sched._scheduler.cache.capacity == 1 << 30
+
+
+def test_a_method_of_the_other_role_raises(make_scheduler: Callable[..., Any]) -> None:
+    sched = make_scheduler(SMALL)
+    with pytest.raises(InvalidArgumentError, match="start_load_caches is a worker-role method"):
+        sched.start_load_caches({})
+    worker = LocalRank("ec_both", SMALL, 2, 0).connector
+    with pytest.raises(InvalidArgumentError, match="has_cache_item is a scheduler-role method"):
+        worker.has_cache_item("a")

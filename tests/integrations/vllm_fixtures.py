@@ -1,0 +1,61 @@
+"""Fixtures of the vLLM tests: vLLM's interface from its wheel, and connectors made by vLLM's
+own factory (closed at the end).
+
+The wheel (336 MB) is downloaded when it is missing only in CI (``CI`` set) or with
+``EMBCACHE_VLLM_DOWNLOAD=1``; elsewhere the tests skip, saying how to get it. In CI a wheel
+that cannot be had fails the tests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from benchmarks import vllm_wheel
+from tests.integrations.vllm_replay import vllm_config
+
+
+def _have_vllm() -> None:
+    wheel_there = any(vllm_wheel.cache_dir().glob(f"vllm-{vllm_wheel.VERSION}-*.whl"))
+    if not wheel_there and not (os.environ.get("CI") or os.environ.get("EMBCACHE_VLLM_DOWNLOAD")):
+        pytest.skip(
+            f"vLLM {vllm_wheel.VERSION}'s wheel is not in {vllm_wheel.cache_dir()}: set "
+            "EMBCACHE_VLLM_DOWNLOAD=1 to let the tests fetch it (336 MB), or run "
+            "`python -m benchmarks.vllm_wheel`"
+        )
+    try:
+        vllm_wheel.install()
+    except vllm_wheel.VLLMUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"the vllm {vllm_wheel.VERSION} wheel must be had in CI: {exc}")
+        pytest.skip(f"vLLM {vllm_wheel.VERSION}'s wheel cannot be had here: {exc}")
+
+
+@pytest.fixture(scope="session")
+def vllm_base() -> Any:
+    """vLLM's real ``ec_connector/base.py`` module (and the rest of its interface installed)."""
+    _have_vllm()
+    return vllm_wheel.install()
+
+
+@pytest.fixture
+def make_scheduler(vllm_base: Any) -> Iterator[Callable[..., Any]]:
+    """Makes scheduler-role connectors through vLLM's ``ECConnectorFactory``; shut down at the
+    end."""
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    made: list[Any] = []
+
+    def make(extra: dict[str, Any] | None = None, *, role: str = "ec_both", world: int = 2) -> Any:
+        config = vllm_config(role, extra or {}, world)
+        connector = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+        made.append(connector)
+        return connector
+
+    yield make
+    for connector in made:
+        connector.shutdown()
