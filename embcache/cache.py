@@ -52,6 +52,7 @@ from embcache.fencing import FencePolicy, Fencer
 from embcache.item import Item, check_key
 from embcache.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
 from embcache.poison import PoisoningLock, poison_requested
+from embcache.pool import make_pool
 from embcache.request import Request
 from embcache.store.base import GlobalStore, get_outcome, put_outcome
 from embcache.store.inprocess import InProcessStore
@@ -82,7 +83,8 @@ class EmbeddingCache:
     ``Policy`` object). ``auto_fence`` says when the cache fences by itself
     (``embcache.fencing``; None: only ``fence()`` does). ``poison_freed`` (default: the
     ``EMBCACHE_POISON`` environment variable) is a debug mode that overwrites every freed range
-    (``embcache.poison``).
+    (``embcache.poison``). ``pool``, when given, is the pool itself instead of a new tensor
+    (``embcache.pool.make_pool``: for example shared memory that other processes map).
     """
 
     _new_event = threading.Event  # how a waiting request's Event is made (tests schedule it)
@@ -103,8 +105,6 @@ class EmbeddingCache:
         poison_freed: bool | None = None,
         pool: torch.Tensor | None = None,
     ) -> None:
-        if pool is not None:
-            _check_pool(pool, capacity_bytes)
         for name, value in (("max_eviction_batch", max_eviction_batch), ("io_workers", io_workers)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidTypeError(f"{name} must be an int, got {value!r}")
@@ -132,12 +132,10 @@ class EmbeddingCache:
             policy=make_policy(policy) if isinstance(policy, str) else policy,
         )
         self._closed = False
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._pool = make_pool(capacity_bytes, pin, pool)
         self._owns_store = store is None
         self._store: GlobalStore = InProcessStore() if store is None else store
-        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._pool = (
-            torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin) if pool is None else pool
-        )
         self._typed_pools: dict[torch.dtype, torch.Tensor] = {}  # the pool viewed as each dtype
         lock = HierarchyLock(CACHE_LEVEL, "cache lock")
         poison = poison_requested() if poison_freed is None else poison_freed
@@ -494,19 +492,3 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= dim
     return tuple(reversed(strides))
-
-
-def _check_pool(pool: object, capacity_bytes: object) -> None:
-    """``InvalidTypeError``/``InvalidArgumentError`` unless ``pool`` can be the cache's pool."""
-    if not isinstance(pool, torch.Tensor):
-        raise InvalidTypeError(f"pool must be a torch.Tensor or None, got {type(pool).__name__}")
-    if pool.dtype != torch.uint8 or pool.dim() != 1 or not pool.is_contiguous():
-        raise InvalidArgumentError(
-            f"pool must be a contiguous 1-D uint8 tensor, got {pool.dtype} of shape "
-            f"{tuple(pool.shape)}: pass torch.empty(capacity_bytes, dtype=torch.uint8) or a view"
-        )
-    if pool.device.type != "cpu" or pool.numel() != capacity_bytes:
-        raise InvalidArgumentError(
-            f"pool must be a CPU tensor of capacity_bytes={capacity_bytes!r} bytes, got "
-            f"{pool.numel()} bytes on {pool.device}"
-        )

@@ -68,7 +68,7 @@ def _insert(sched: Any, key: str, rows: int) -> None:
     """Put ``key`` in the scheduler's cache through a finished request of its own."""
     cache = sched._scheduler.cache  # the test reaches in only to seed the cache
     with cache.request(f"seed-{key}") as r:
-        r.insert([key], [embedding(key, rows)])
+        r.insert([key], [embedding(key, rows)], publish=False)
 
 
 def test_the_metadata_and_the_acks_survive_pickling(make_scheduler: Callable[..., Any]) -> None:

@@ -318,20 +318,34 @@ class Replay:
                 time.sleep(0.001)  # a store read is running; let it end
 
 
+def rows_of(key: str) -> int:
+    """How many embedding rows ``key``'s image has (8 to 32, a function of the key alone)."""
+    return 8 * (1 + hashlib.sha256(key.encode()).digest()[0] % 4)
+
+
 def requests(count: int, keys: int, *, seed: int, prefix: str = "img") -> list[FakeRequest]:
     """``count`` requests of 1-3 items each over ``keys`` keys (popular keys come back often),
     each running 1-3 steps."""
     rng = random.Random(seed)
-    rows = {f"{prefix}-{k}": rng.choice((8, 16, 24, 32)) for k in range(keys)}
-    names = list(rows)
+    names = [f"{prefix}-{k}" for k in range(keys)]
     weights = [1 / (i + 1) for i in range(keys)]
     out = []
     for i in range(count):
         chosen = list(dict.fromkeys(rng.choices(names, weights, k=rng.randint(1, 3))))
-        out.append(
-            FakeRequest(f"req-{seed}-{i}", chosen, {k: rows[k] for k in chosen}, rng.randint(1, 3))
-        )
+        rows = {k: rows_of(k) for k in chosen}
+        out.append(FakeRequest(f"req-{seed}-{i}", chosen, rows, rng.randint(1, 3)))
     return out
+
+
+def settle(cache: Any, timeout: float = 30.0) -> Any:
+    """``cache.stats()`` once no publish runs (a publish pins its entry while it runs)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = cache.stats()
+        ended = stats.publishes_ok + stats.publishes_failed + stats.publishes_unknown
+        if ended == stats.publishes_started or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.005)
 
 
 def pool_owner_main(conn: Connection, extra: dict[str, Any]) -> None:

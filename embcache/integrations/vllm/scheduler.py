@@ -235,13 +235,17 @@ class SchedulerSide:
     def stats(self) -> SchedulerStats:
         """A snapshot of the counters. O(requests)."""
         quarantined = [self._held[r] for r in self._quarantined]
+        pinned = {
+            it.key: it.nbytes for h in quarantined for it in h.items if it.key in (h.present or ())
+        }
+        staged = sum(self._save_acks[k][1].nbytes for h in quarantined for k in h.saves)
         return SchedulerStats(
             steps=self._step,
             open_requests=len(self._held),
             outstanding_loads=len(self._load_acks),
             outstanding_saves=len(self._save_acks),
             quarantined_requests=len(quarantined),
-            quarantined_bytes=sum(self._held_bytes(h) for h in quarantined),
+            quarantined_bytes=sum(pinned.values()) + staged,
             **self._counts,
         )
 
