@@ -19,6 +19,7 @@ import time
 from typing import Any, Protocol
 
 from benchmarks.baselines import MinimalBestFit, NaiveAllocator
+from benchmarks.common import growth_row, make_row, print_rows
 from embcache import RangeAllocator
 
 ALIGN = 256
@@ -129,70 +130,6 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         )
     rows.append(growth_row("allocator", sizes, ours_at, "blocks", 3.0))
     return rows + best_fit_rows(quick)
-
-
-def make_row(
-    name: str,
-    ours: float,
-    base: float | None,
-    unit: str,
-    ratio: float,
-    target: str,
-    met: bool | None,
-) -> dict[str, Any]:
-    """One row of ``benchmarks/run.py``'s table and JSON."""
-    return {
-        "name": name,
-        "ours": ours,
-        "baseline": base,
-        "unit": unit,
-        "ratio": ratio,
-        "target": target,
-        "met": met,
-    }
-
-
-def skipped_row(name: str, why: str, target: str = "") -> dict[str, Any]:
-    """A row for a benchmark that could not run here (a peer or a service missing): ``why``."""
-    return {
-        "name": f"{name} (skipped: {why})",
-        "ours": None,
-        "baseline": None,
-        "unit": "",
-        "ratio": None,
-        "target": target,
-        "met": None,
-    }
-
-
-def growth_row(
-    what: str, sizes: list[int], cost_at: dict[int, float], unit: str, limit: float
-) -> dict[str, Any]:
-    """The row judging flatness: cost at the largest size over cost at the smallest."""
-    growth = cost_at[sizes[-1]] / cost_at[sizes[0]]
-    return make_row(
-        f"{what} growth {sizes[-1]} vs {sizes[0]} {unit}",
-        growth,
-        None,
-        "x",
-        growth,
-        f"<= {limit:g}x",
-        growth <= limit,
-    )
-
-
-def print_rows(rows: list[dict[str, Any]]) -> None:
-    print(f"{'benchmark':44} {'ours':>12} {'baseline':>12} {'unit':>8} {'ratio':>9}  target")
-
-    def number(value: float | None, width: int, digits: int) -> str:
-        return " " * width if value is None else f"{value:{width}.{digits}f}"
-
-    for r in rows:
-        met = {True: "met", False: "MISSED", None: ""}[r["met"]]
-        print(
-            f"{r['name']:44} {number(r['ours'], 12, 2)} {number(r['baseline'], 12, 2)} "
-            f"{r['unit']:>8} {number(r['ratio'], 9, 2)}  {r['target']} {met}"
-        )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Any
 
-from benchmarks.bench_allocator import print_rows
+from benchmarks.common import print_rows
 from embcache.tools.demo import DemoConfig, run_demo
 
 THREADS = (1, 2, 4, 8)

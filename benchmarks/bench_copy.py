@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_allocator import print_rows
+from benchmarks.common import print_rows
 from embcache import EmbeddingCache, Item, Status
 
 MB = 1 << 20

@@ -33,21 +33,13 @@ from typing import Any
 import torch
 
 from benchmarks import bench_peers
-from benchmarks.bench_allocator import growth_row, make_row, print_rows
-from embcache import EmbeddingCache, RangeAllocator, Request
+from benchmarks.common import growth_row, insert_all, make_row, print_rows, skipped_row
+from embcache import EmbeddingCache, RangeAllocator
 
 ENTRY_BYTES = 256
 SHAPE = (ENTRY_BYTES // 2,)  # bf16
 FLAT_PINNED = 1.5  # cost with N/2 pinned over cost with none pinned, at the same N
 FLAT_GROWTH = 3.0  # cost at the largest N over the smallest (the allocator is O(log n))
-
-
-def insert_all(request: Request, keys: list[str], tensor: torch.Tensor, chunk: int = 256) -> None:
-    """Insert ``tensor`` under every key, in batches: ``insert`` checks each key of a batch
-    against the ones before it (quadratic in the batch length)."""
-    for start in range(0, len(keys), chunk):
-        batch = keys[start : start + chunk]
-        assert all(request.insert(batch, [tensor] * len(batch), publish=False))
 
 
 class ScanLRUCache:
@@ -201,7 +193,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     for n in sizes:
         name = f"evicting insert, {n} entries, half pinned, vs {bench_peers.SGLANG}"
         if why is not None:
-            rows.append(bench_peers.skipped_row(name, why, ">= 1.0x"))
+            rows.append(skipped_row(name, why, ">= 1.0x"))
             continue
         ours_t, peer_t = ours[n].median(), sglang[n].median()
         ok = peer_t >= ours_t

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from benchmarks.baselines import NaiveAllocator
-from benchmarks.bench_allocator import print_rows
+from benchmarks.common import print_rows
 from embcache import EmbeddingCache, Item, Request, Status
 
 HIDDEN = 3584

@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_allocator import growth_row, make_row, print_rows
-from benchmarks.bench_eviction import insert_all
+from benchmarks.common import growth_row, insert_all, make_row, print_rows
 from embcache import EmbeddingCache, Item, Status
 
 ENTRY_BYTES = 256

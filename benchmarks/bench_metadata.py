@@ -14,40 +14,17 @@ Run from the repository root: python -m benchmarks.bench_metadata [--quick]
 from __future__ import annotations
 
 import argparse
-import gc
-import hashlib
-import tracemalloc
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from benchmarks.bench_allocator import print_rows
-from benchmarks.bench_eviction import insert_all
+from benchmarks.common import hex_keys, insert_all, print_rows, traced_bytes
 from embcache import EmbeddingCache
 
 ENTRY_BYTES = 256
 SHAPE = (1, ENTRY_BYTES // 2)  # bf16
 TARGET = 512
-
-
-def _keys(count: int) -> list[str]:
-    return [hashlib.sha256(str(i).encode()).hexdigest() for i in range(count)]
-
-
-def _traced(build: Callable[[], Any]) -> tuple[int, Any]:
-    """Bytes still allocated after ``build()`` (whose result is kept alive), and the result."""
-    gc.collect()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        kept = build()
-        gc.collect()
-        after = tracemalloc.get_traced_memory()[0]
-    finally:
-        tracemalloc.stop()
-    return after - before, kept
 
 
 def ours_bytes(entries: int) -> int:
@@ -58,10 +35,10 @@ def ours_bytes(entries: int) -> int:
             entries * ENTRY_BYTES, alignment=ENTRY_BYTES, pin_memory=False, io_workers=1
         )
         with cache.request("fill") as fill:
-            insert_all(fill, _keys(entries), source)
+            insert_all(fill, hex_keys(entries), source)
         return cache
 
-    used, cache = _traced(build)
+    used, cache = traced_bytes(build)
     with cache:
         stats = cache.stats()
         assert stats.entries == entries and stats.pinned_entries == 0
@@ -73,11 +50,11 @@ def baseline_bytes(entries: int) -> int:
 
     def build() -> OrderedDict[str, tuple[int, int, tuple[int, ...], torch.dtype]]:
         table: OrderedDict[str, tuple[int, int, tuple[int, ...], torch.dtype]] = OrderedDict()
-        for i, key in enumerate(_keys(entries)):
+        for i, key in enumerate(hex_keys(entries)):
             table[key] = (i * ENTRY_BYTES, ENTRY_BYTES, tuple(source.shape), source.dtype)
         return table
 
-    used, table = _traced(build)
+    used, table = traced_bytes(build)
     assert len(table) == entries
     return used
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from benchmarks import bench_fragmentation as frag
-from benchmarks.bench_allocator import print_rows
+from benchmarks.common import print_rows
 
 PAGE = 256 * 1024
 MODE = "paged 256 KiB"

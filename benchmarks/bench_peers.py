@@ -43,7 +43,7 @@ import torch
 from benchmarks import bench_fragmentation as frag
 from benchmarks import sglang_wheel
 from benchmarks.baselines import OriginalPRController
-from benchmarks.bench_allocator import make_row, print_rows, skipped_row
+from benchmarks.common import hex_keys, make_row, print_rows, skipped_row, traced_bytes
 from embcache import EmbeddingCache, Item, Request, Status
 
 MIXED_POOL = 4 << 20
@@ -492,15 +492,13 @@ if __name__ == "__main__":
 def metadata_rows(quick: bool, ours_per_entry: float) -> list[dict[str, Any]]:
     """Bytes per entry (tracemalloc) of each peer holding N idle 256 B entries, keyed by 64-hex
     digests made inside the traced region, against ``ours_per_entry`` (bench_metadata's)."""
-    from benchmarks.bench_metadata import _keys, _traced
-
     entries = 20_000 if quick else 100_000
     source = torch.zeros(ENTRY_BYTES // 2, dtype=torch.bfloat16)
     rows = []
     pr = OriginalPRController(entries * ENTRY_BYTES, ENTRY_BYTES)
 
     def fill_pr() -> OriginalPRController:
-        for key in _keys(entries):
+        for key in hex_keys(entries):
             assert pr.insert(key, source)
         return pr
 
@@ -510,7 +508,7 @@ def metadata_rows(quick: bool, ours_per_entry: float) -> list[dict[str, Any]]:
         peer = SGLangPeer(entries * ENTRY_BYTES, ENTRY_BYTES // 2, torch.bfloat16, ENTRY_BYTES)
 
         def fill_sglang() -> SGLangPeer:
-            for key in _keys(entries):
+            for key in hex_keys(entries):
                 assert peer.insert(key, source)
             return peer
 
@@ -520,7 +518,7 @@ def metadata_rows(quick: bool, ours_per_entry: float) -> list[dict[str, Any]]:
         if peer_name not in peers:
             rows.append(skipped_row(name, why or "", ""))
             continue
-        used, _ = _traced(peers[peer_name])
+        used, _ = traced_bytes(peers[peer_name])
         per_entry = used / entries
         rows.append(
             make_row(

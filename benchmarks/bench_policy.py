@@ -56,8 +56,7 @@ from sortedcontainers import SortedList
 
 from benchmarks import bench_fragmentation as frag
 from benchmarks import bench_hitpath, bench_paged
-from benchmarks.bench_allocator import make_row, print_rows
-from benchmarks.bench_eviction import insert_all
+from benchmarks.common import insert_all, make_row, print_rows
 from embcache import EmbeddingCache, Item, Request, Status
 from embcache.allocator import Block, RangeAllocator
 from embcache.core.eviction import choose_victims
@@ -757,7 +756,7 @@ if __name__ == "__main__":
     rows = [*rows_of(results), cost_row(args.quick), hit_request_row(args.quick)]
     print_rows(rows)
     if args.plot is not None:
-        from benchmarks.plots import require_matplotlib
+        from benchmarks.common import require_matplotlib
 
         args.plot.mkdir(parents=True, exist_ok=True)
         print(plot(require_matplotlib(), rows, args.plot))

@@ -40,8 +40,7 @@ from typing import Any
 import torch
 
 from benchmarks import sglang_wheel
-from benchmarks.bench_allocator import make_row, print_rows
-from benchmarks.bench_peers import skipped_row
+from benchmarks.common import make_row, print_rows, skipped_row
 from embcache.core.outcomes import TransferOutcome
 from embcache.integrations.sglang import EmbeddingCacheController
 

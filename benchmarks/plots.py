@@ -10,26 +10,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from benchmarks.run import Section
-
-Row = dict[str, Any]
-
-
-def require_matplotlib() -> Any:
-    """Import matplotlib with a headless backend, or raise a clear error."""
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise SystemExit(
-            "--plots needs matplotlib: pip install matplotlib (or the dev extra)"
-        ) from exc
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+from benchmarks.common import Row, Section, require_matplotlib
 
 
 def _series(rows: Sequence[Row], pattern: str) -> list[tuple[float, Row]]:

@@ -52,22 +52,9 @@ import subprocess  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
-Row = dict[str, Any]
-ROW_KEYS = ("name", "ours", "baseline", "unit", "ratio", "target", "met")
-
-
-@dataclass
-class Section:
-    """One item of the suite and what it produced."""
-
-    number: int
-    title: str
-    rows: list[Row] = field(default_factory=list)
-    seconds: float = 0.0
-    error: str | None = None
+from benchmarks.common import ROW_KEYS, Row, Section, skipped_row  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- the items
@@ -128,8 +115,6 @@ def _mooncake(quick: bool) -> list[Row]:
         except ImportError as exc:  # the mooncake extra, or pytest (its master helper)
             why = f"cannot import: {exc}"
     if why is not None:
-        from benchmarks.bench_allocator import skipped_row
-
         return [skipped_row("mooncake load vs raw batch_get_into", why, ">= 0.9x raw")]
     return bench_mooncake.run(quick)
 

@@ -4,6 +4,7 @@ missed target is a result, not a failure."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import random
@@ -146,6 +147,69 @@ def test_a_benchmark_that_raises_becomes_an_error_row(monkeypatch: pytest.Monkey
     bench_run.check_row(row)
     assert row["met"] is False
     assert "MISSED" in bench_run.table([section])
+
+
+# ---------------------------------------------------------------------------- the layout
+def benchmark_imports(folder: Path) -> dict[str, set[str]]:
+    """Each module of ``folder`` (a ``benchmarks/``) -> the modules of it that it imports,
+    wherever the import stands (top level, in a function, under TYPE_CHECKING)."""
+    modules = {path.stem for path in folder.glob("*.py")} - {"__init__"}
+    graph: dict[str, set[str]] = {}
+    for name in sorted(modules):
+        imported: set[str] = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+                imported.add(node.module.split(".")[1])  # type: ignore[union-attr]
+            elif isinstance(node, ast.Import):
+                imported |= {
+                    a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")
+                }
+        graph[name] = imported & modules
+    return graph
+
+
+def import_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of imports in ``graph`` (its modules in order, the first repeated), or None."""
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        if name in path:
+            return [*path[path.index(name) :], name]
+        if name in done:
+            return None
+        for target in sorted(graph[name]):
+            circle = visit(target, [*path, name])
+            if circle:
+                return circle
+        done.add(name)
+        return None
+
+    for name in sorted(graph):
+        circle = visit(name, [])
+        if circle:
+            return circle
+    return None
+
+
+def test_benchmark_imports_form_no_circle() -> None:
+    graph = benchmark_imports(ROOT / "benchmarks")
+    assert {"common", "run", "plots", "bench_peers", "bench_metadata"} <= set(graph)
+    assert import_circle(graph) is None, " -> ".join(import_circle(graph) or [])
+    assert graph["common"] == set()  # the shared helpers depend on no benchmark
+
+
+def test_import_circle_finds_a_circle_through_a_function_level_import(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("from benchmarks import b\n")
+    (tmp_path / "b.py").write_text("def f() -> None:\n    from benchmarks.c import g\n")
+    (tmp_path / "c.py").write_text("import benchmarks.a\n")
+    (tmp_path / "d.py").write_text("from benchmarks import a\n")
+    graph = benchmark_imports(tmp_path)
+    assert graph == {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_circle(graph) == ["a", "b", "c", "a"]
+    graph["c"].clear()
+    assert import_circle(graph) is None
 
 
 # ---------------------------------------------------------------------------- the baselines
