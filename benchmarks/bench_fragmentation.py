@@ -163,6 +163,7 @@ class Tally:
     failures_with_bytes: int = 0  # free + idle bytes sufficed
     evictions: int = 0
     evicted_bytes: int = 0
+    inserted_bytes: int = 0  # of the allocations that succeeded
     wasted_bytes: int = 0  # evicted, and the allocation did not use the range
     seconds: float = 0.0
 
@@ -273,12 +274,13 @@ def run_ours(workload: Workload) -> Tally:
 
 
 # ---------------------------------------------------------------------------- baselines
-def run_baseline(workload: Workload, mode: str) -> Tally:
-    """Replay ``workload`` over first fit with plain LRU (``mode`` in ``BASELINES``)."""
+def run_baseline(workload: Workload, mode: str, pool_bytes: int = POOL_BYTES) -> Tally:
+    """Replay ``workload`` over first fit of ``pool_bytes`` with plain LRU (``mode`` in
+    ``BASELINES``)."""
     tally = Tally()
     start = time.perf_counter()
-    allocator = NaiveAllocator(POOL_BYTES, ALIGN)
-    free_bytes = POOL_BYTES
+    allocator = NaiveAllocator(pool_bytes, ALIGN)
+    free_bytes = pool_bytes
     entries: dict[int, tuple[int, int]] = {}
     pins: Counter[int] = Counter()
     lru: OrderedDict[int, None] = OrderedDict()  # idle entries, oldest first
@@ -311,7 +313,7 @@ def run_baseline(workload: Workload, mode: str) -> Tally:
             evicted: list[tuple[int, int]] = []
             if offset is None:
                 idle = set(lru)
-                blocks = layout([(o, s, i in idle) for i, (o, s) in entries.items()], POOL_BYTES)
+                blocks = layout([(o, s, i in idle) for i, (o, s) in entries.items()], pool_bytes)
             while offset is None and lru:
                 if mode == "LRU-to-bytes" and free_bytes >= size:
                     break
@@ -326,6 +328,7 @@ def run_baseline(workload: Workload, mode: str) -> Tally:
                 tally.judge_failure(blocks, size)
                 continue
             free_bytes -= size
+            tally.inserted_bytes += size
             entries[index] = (offset, size)
             pin(index)
             held.append(index)

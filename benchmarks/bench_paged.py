@@ -35,15 +35,18 @@ MODE = "paged 256 KiB"
 GATHER_POOL = 256 << 20
 
 
-def pages_for(nbytes: int) -> int:
-    return -(-nbytes // PAGE)
+def pages_for(nbytes: int, page: int = PAGE) -> int:
+    return -(-nbytes // page)
 
 
-def run_paged(workload: frag.Workload) -> frag.Tally:
-    """Replay ``workload`` over a paged pool of ``frag.POOL_BYTES`` with plain LRU."""
+def run_paged(
+    workload: frag.Workload, pool_bytes: int = frag.POOL_BYTES, page: int = PAGE
+) -> frag.Tally:
+    """Replay ``workload`` over a paged pool of ``pool_bytes`` (``page`` bytes a page) with
+    plain LRU."""
     tally = frag.Tally()
     start = time.perf_counter()
-    free_pages = list(range(frag.POOL_BYTES // PAGE - 1, -1, -1))  # a stack: lowest page on top
+    free_pages = list(range(pool_bytes // page - 1, -1, -1))  # a stack: lowest page on top
     entries: dict[int, list[int]] = {}
     pins: Counter[int] = Counter()
     lru: OrderedDict[int, None] = OrderedDict()  # idle entries, oldest first
@@ -76,11 +79,11 @@ def run_paged(workload: frag.Workload) -> frag.Tally:
         tally.hit_tokens += sum(workload.specs[i].tokens for i in held)
         for index in (i for i in indices if i not in entries):
             nbytes = workload.specs[index].nbytes
-            need = pages_for(nbytes)
+            need = pages_for(nbytes, page)
             tally.attempts += 1
             if len(free_pages) + idle_pages < need:
                 tally.failures += 1
-                tally.failures_with_bytes += (len(free_pages) + idle_pages) * PAGE >= nbytes
+                tally.failures_with_bytes += (len(free_pages) + idle_pages) * page >= nbytes
                 continue
             victims: list[tuple[int, list[int]]] = []
             free_before = len(free_pages)
@@ -101,10 +104,11 @@ def run_paged(workload: frag.Workload) -> frag.Tally:
             used = set(taken)
             tally.evictions += len(victims)
             for _, pages in victims:
-                tally.evicted_bytes += len(pages) * PAGE
+                tally.evicted_bytes += len(pages) * page
                 if used.isdisjoint(pages):
-                    tally.wasted_bytes += len(pages) * PAGE
+                    tally.wasted_bytes += len(pages) * page
             entries[index] = taken
+            tally.inserted_bytes += need * page
             pin(index)
             held.append(index)
         open_requests.append(held)
@@ -112,7 +116,7 @@ def run_paged(workload: frag.Workload) -> frag.Tally:
             release(open_requests.popleft())
     while open_requests:
         release(open_requests.popleft())
-    assert len(free_pages) + idle_pages == frag.POOL_BYTES // PAGE and not pins
+    assert len(free_pages) + idle_pages == pool_bytes // page and not pins
     tally.seconds = time.perf_counter() - start
     return tally
 

@@ -69,6 +69,7 @@ SCAN_EVERY = 3
 REAL = ("lru", CHOSEN)  # run through the real EmbeddingCache (and checked against simulate)
 QUICK_CHECK = 400  # requests of the scan mix run through the real cache in quick mode
 LRU_MARGIN = 3.0  # points of tokens saved over our LRU on the steady and scan mixes
+COSTED = (CHOSEN, "adaptive")  # the policies whose record + admit and hit request are timed
 
 
 @dataclass
@@ -83,6 +84,8 @@ class Result:
     failed: int = 0  # no run of free blocks and victims fits (or too few bytes idle)
     refused: int = 0  # not admitted by the policy
     evictions: int = 0
+    inserted_bytes: int = 0  # of the inserts that took a range
+    evicted_bytes: int = 0
     seconds: float = 0.0
 
     @property
@@ -259,6 +262,7 @@ CONTENDERS: dict[str, Callable[[], Any]] = {
     "lru": lambda: make_policy("lru"),
     CHOSEN: lambda: make_policy(CHOSEN),
     "tinylfu-no-shift": lambda: make_policy(CHOSEN, shift_drop=0),
+    "adaptive": lambda: make_policy("adaptive"),
     "s3fifo": S3FifoLike,
     "gdsf": Gdsf,
 }
@@ -270,6 +274,7 @@ class Simulated:
     ``policy`` decides the order and admission. ``calls`` logs record/admit when not None."""
 
     def __init__(self, capacity: int, policy: Policy, calls: list[tuple[Any, ...]] | None) -> None:
+        self.inserted_bytes = self.evicted_bytes = 0
         self.allocator = RangeAllocator(capacity, frag.ALIGN)
         self.policy = policy
         self.order = policy.order()
@@ -328,6 +333,7 @@ class Simulated:
             offset = allocator.allocate(size)
             assert offset == window.offset, (offset, window)
         assert offset is not None
+        self.inserted_bytes += size
         self.entries[key] = (offset, size)
         self.by_offset[offset] = key
         self.pins[key] += 1
@@ -337,6 +343,7 @@ class Simulated:
         offset, size = self.entries.pop(key)
         self.order.discard(key)
         self.evictable_bytes -= size
+        self.evicted_bytes += size
         del self.by_offset[offset]
         self.allocator.free(offset)
         self.policy.forget(key)
@@ -344,13 +351,16 @@ class Simulated:
 
 
 def simulate(
-    workload: frag.Workload, policy: Policy, calls: list[tuple[Any, ...]] | None = None
+    workload: frag.Workload,
+    policy: Policy,
+    calls: list[tuple[Any, ...]] | None = None,
+    capacity: int = frag.POOL_BYTES,
 ) -> Result:
-    """Replay ``workload`` as ``bench_fragmentation.run_ours`` drives the cache, with ``policy``
-    (the pins of a request go when it closes, in the order it looked the keys up, as the cache
-    releases them)."""
+    """Replay ``workload`` as ``bench_fragmentation.run_ours`` drives the cache (a pool of
+    ``capacity`` bytes), with ``policy`` (the pins of a request go when it closes, in the order
+    it looked the keys up, as the cache releases them)."""
     result = Result()
-    cache = Simulated(frag.POOL_BYTES, policy, calls)
+    cache = Simulated(capacity, policy, calls)
     open_requests: deque[list[str]] = deque()
     started = time.perf_counter()
     for indices in workload.requests:
@@ -384,6 +394,7 @@ def simulate(
     assert not cache.pins and len(cache.order) == len(cache.entries)
     cache.allocator.check_invariants()
     result.evictions = cache.evictions
+    result.inserted_bytes, result.evicted_bytes = cache.inserted_bytes, cache.evicted_bytes
     result.seconds = time.perf_counter() - started
     return result
 
@@ -467,6 +478,8 @@ def from_tally(tally: frag.Tally) -> Result:
         inserts=tally.attempts,
         failed=tally.failures,
         evictions=tally.evictions,
+        evicted_bytes=tally.evicted_bytes,
+        inserted_bytes=tally.inserted_bytes,
         seconds=tally.seconds,
     )
 
@@ -507,12 +520,12 @@ def replay(policy: Any, calls: list[tuple[Any, ...]]) -> float:
     return time.thread_time() - started
 
 
-def cost_row(quick: bool) -> dict[str, Any]:
-    """What the chosen policy's record + admit add to LRU's (the same calls replayed on both),
+def cost_row(quick: bool, policy: str = CHOSEN) -> dict[str, Any]:
+    """What ``policy``'s record + admit add to LRU's (the same calls replayed on both),
     per looked-up item, against a hit's cost per item in an 8-item all-hit request through
     the real cache. Chunks alternate; medians."""
     calls: list[tuple[Any, ...]] = []
-    simulate(make_mix("steady", quick), make_policy(CHOSEN), calls)
+    simulate(make_mix("steady", quick), make_policy(policy), calls)
     lookups = sum(len(call) == 1 for call in calls)
     chunks = 5 if quick else 15
     with contextlib.ExitStack() as stack:
@@ -521,7 +534,7 @@ def cost_row(quick: bool) -> dict[str, Any]:
             hit(n, batch)
         added_us, hit_us = [], []
         for c in range(chunks):
-            chosen, lru = replay(make_policy(CHOSEN), calls), replay(make_policy("lru"), calls)
+            chosen, lru = replay(make_policy(policy), calls), replay(make_policy("lru"), calls)
             added_us.append(1e6 * (chosen - lru) / lookups)
             chunk = batches[c * 200 : (c + 1) * 200]
             started = time.thread_time()
@@ -530,7 +543,7 @@ def cost_row(quick: bool) -> dict[str, Any]:
             hit_us.append(1e6 * (time.thread_time() - started) / (200 * bench_hitpath.BATCH))
     ours, base = statistics.median(added_us), statistics.median(hit_us)
     return make_row(
-        f"{CHOSEN} record+admit over lru's, per item, vs a hit",
+        f"{policy} record+admit over lru's, per item, vs a hit",
         ours,
         base,
         "us/item",
@@ -540,7 +553,7 @@ def cost_row(quick: bool) -> dict[str, Any]:
     )
 
 
-def hit_request_row(quick: bool, entries: int = 1000) -> dict[str, Any]:
+def hit_request_row(quick: bool, entries: int = 1000, policy: str = CHOSEN) -> dict[str, Any]:
     """An 8-item all-hit request (lookup, views, close) per item through a cache with the
     chosen policy against one with LRU: the whole request, where ``record`` runs per item.
     Chunks alternate; medians, and the ratio is the median of the ratios of adjacent chunks
@@ -551,7 +564,7 @@ def hit_request_row(quick: bool, entries: int = 1000) -> dict[str, Any]:
     chunks, per_chunk = (40, 50) if quick else (100, 100)
     batches = [[rng.choice(items) for _ in range(batch)] for _ in range(chunks * per_chunk)]
     source = torch.zeros(bench_hitpath.SHAPE, dtype=torch.bfloat16)
-    times: dict[str, list[float]] = {CHOSEN: [], "lru": []}
+    times: dict[str, list[float]] = {policy: [], "lru": []}
     with contextlib.ExitStack() as stack:
         caches = {}
         for name in times:
@@ -582,12 +595,12 @@ def hit_request_row(quick: bool, entries: int = 1000) -> dict[str, Any]:
             serve(cache, batches[:50])
         for c in range(chunks):
             chunk = batches[c * per_chunk : (c + 1) * per_chunk]
-            for name in (CHOSEN, "lru") if c % 2 else ("lru", CHOSEN):
+            for name in (policy, "lru") if c % 2 else ("lru", policy):
                 times[name].append(serve(caches[name], chunk))
-    ours, base = statistics.median(times[CHOSEN]), statistics.median(times["lru"])
-    ratio = statistics.median(a / b for a, b in zip(times[CHOSEN], times["lru"], strict=True))
+    ours, base = statistics.median(times[policy]), statistics.median(times["lru"])
+    ratio = statistics.median(a / b for a, b in zip(times[policy], times["lru"], strict=True))
     return make_row(
-        f"all-hit request per item, policy {CHOSEN} vs lru",
+        f"all-hit request per item, policy {policy} vs lru",
         ours,
         base,
         "us/item",
@@ -697,7 +710,8 @@ def table(results: dict[str, dict[str, Result]]) -> str:
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
     """Rows ``{name, ours, baseline, unit, ratio, target, met}`` for ``benchmarks/run.py``."""
-    return [*rows_of(measure(quick)), cost_row(quick), hit_request_row(quick)]
+    costs = [row(quick, policy=name) for name in COSTED for row in (cost_row, hit_request_row)]
+    return [*rows_of(measure(quick)), *costs]
 
 
 # ---------------------------------------------------------------------------- plot
@@ -706,7 +720,7 @@ def plot(plt: Any, rows: list[dict[str, Any]], out: Path) -> Path | None:
     values: dict[str, dict[str, float]] = {}
     for row in rows:
         mix, sep, rest = row["name"].partition(": tokens saved, ")
-        if not sep or row["ours"] is None:
+        if not sep or row["ours"] is None or mix.startswith("grid "):  # bench_policy_grid's
             continue
         name, _, base = rest.partition(" vs ")
         values.setdefault(mix, {})[base] = row["baseline"]
@@ -753,7 +767,8 @@ if __name__ == "__main__":
     results = measure(args.quick)
     print(table(results))
     print()
-    rows = [*rows_of(results), cost_row(args.quick), hit_request_row(args.quick)]
+    costs = [row(args.quick, policy=p) for p in COSTED for row in (cost_row, hit_request_row)]
+    rows = [*rows_of(results), *costs]
     print_rows(rows)
     if args.plot is not None:
         from benchmarks.common import require_matplotlib

@@ -190,8 +190,9 @@ def _concurrency(plt: Any, rows: list[Row], out: Path) -> Path | None:
 
 
 def _policy(plt: Any, rows: list[Row], out: Path) -> Path | None:
-    from benchmarks import bench_policy
+    from benchmarks import bench_policy, bench_policy_grid
 
+    bench_policy_grid.plot(plt, rows, out)
     return bench_policy.plot(plt, rows, out)
 
 

@@ -126,9 +126,9 @@ def _concurrency(quick: bool) -> list[Row]:
 
 
 def _policy(quick: bool) -> list[Row]:
-    from benchmarks import bench_policy
+    from benchmarks import bench_policy, bench_policy_grid
 
-    return bench_policy.run(quick)
+    return bench_policy.run(quick) + bench_policy_grid.run(quick)
 
 
 ITEMS: list[tuple[int, str, Callable[[bool], list[Row]]]] = [

@@ -128,4 +128,82 @@ class ModelTinyLfu:
         self.resident.discard(key)
 
 
-MODELS = {"lru": ModelLru, "tinylfu": ModelTinyLfu}
+class ModelAdaptive(ModelTinyLfu):
+    """The adaptive policy as its docstring says it: TinyLFU's counts and filter; a refused
+    candidate is admitted when ``window`` x the bytes refused since the last such admission
+    (minus the bytes that admission spent) reach its bytes; regrets are a list of
+    (key, last lookup, bytes, side), searched newest first and pruned once per period."""
+
+    name = "adaptive"
+
+    def __init__(
+        self,
+        sample_factor: int = 10,
+        min_entries: int = 16,
+        max_count: int = 15,
+        shift_block: int = 50,
+        shift_drop: float = 0.6,
+        window: float = 0.5,
+        step: float = 0.05,
+        low: float = 0.02,
+        high: float = 0.98,
+        horizon: int = 1,
+    ) -> None:
+        super().__init__(sample_factor, min_entries, max_count, shift_block, shift_drop)
+        self.window, self.step, self.low, self.high = window, step, low, high
+        self.horizon = horizon
+        self.credit = 0.0
+        self.now = 0
+        self.ghosts: list[tuple[str, int, float, bool]] = []
+        self.decided: list[tuple[bool, int]] = []  # (refused?, bytes) this period
+        self.regrets: list[tuple[bool, float]] = []  # (refused?, bytes) settled this period
+        self.period = min_entries
+
+    def record(self, key: str) -> None:
+        super().record(key)
+        self.now += 1
+        mine = [g for g in self.ghosts if g[0] == key]
+        if mine:
+            _, last, nbytes, refused = mine[-1]
+            self.ghosts = [g for g in self.ghosts if g[0] != key]
+            if last >= self.now:
+                self.regrets.append((refused, nbytes))
+        self.period -= 1
+        if self.period == 0:
+            self.move()
+
+    def move(self) -> None:
+        refused = sum(n for side, n in self.decided if side)
+        admitted = sum(n for side, n in self.decided if not side)
+        if refused or admitted:
+            against_filter = (
+                sum(n for side, n in self.regrets if side) / refused if refused else 0.0
+            )
+            against_window = (
+                sum(n for side, n in self.regrets if not side) / admitted if admitted else 0.0
+            )
+            if against_filter > against_window:
+                self.window = min(self.window + self.step, self.high)
+            elif against_filter < against_window:
+                self.window = max(self.window - self.step, self.low)
+        self.decided, self.regrets = [], []
+        self.ghosts = [g for g in self.ghosts if g[1] >= self.now]
+        self.period = max(len(self.resident), self.min_entries)
+
+    def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
+        if super().admit(key, nbytes, victims):
+            return True
+        self.credit += self.window * nbytes
+        last = self.now + self.horizon * max(len(self.resident), self.min_entries)
+        if self.credit < nbytes:
+            self.decided.append((True, nbytes))
+            self.ghosts.append((key, last, nbytes, True))
+            return False
+        self.credit -= nbytes
+        self.decided.append((False, nbytes))
+        for victim in victims:
+            self.ghosts.append((victim, last, nbytes / len(victims), False))
+        return True
+
+
+MODELS = {"lru": ModelLru, "tinylfu": ModelTinyLfu, "adaptive": ModelAdaptive}

@@ -388,3 +388,38 @@ def test_minimal_best_fit_gives_the_offsets_of_the_range_allocator() -> None:
             if a is not None:
                 live.append((a, b))  # type: ignore[arg-type]
     assert pair_cost(base, 10, seed=1) > 0
+
+
+def test_grid_optimum_evicts_the_entry_needed_furthest_ahead() -> None:
+    """Room for two entries of 256 B. Lookups a b c a b c a: c is next needed (at 5) later
+    than a (3) and b (4), so it is not cached (refused) and a, b keep hitting; the last c is
+    never needed again (bypassed). Lookups a b c b c a: c (next at 4) evicts a (next at 5)."""
+    from benchmarks import bench_policy_grid as grid
+
+    specs = [grid.SmallSpec(k, 64, torch.bfloat16, 4) for k in "abc"]  # 256 B each
+    load = grid.frag.Workload(specs, [[0], [1], [2], [0], [1], [2], [0]], inflight=0)
+    result = grid.optimum(load, 512)
+    assert (result.hits, result.refused, result.evictions) == (3, 1, 0)
+    load = grid.frag.Workload(specs, [[0], [1], [2], [1], [2], [0]], inflight=0)
+    result = grid.optimum(load, 512)
+    assert (result.hits, result.refused, result.evictions) == (2, 0, 1)
+
+
+def test_tiny_grid_reports_every_cell() -> None:
+    """The CI smoke run of the grid: a target row per cell, the optimum's and the churn rows,
+    and the heatmap's values read back from the rows."""
+    from benchmarks import bench_policy_grid as grid
+
+    summaries = grid.measure(tiny=True)
+    assert list(summaries) == grid.cells(tiny=True)
+    rows = grid.rows_of(summaries)
+    for row in rows:
+        bench_run.check_row(row)
+    targets = [r for r in rows if "vs best baseline" in r["name"]]
+    assert len(targets) == len(summaries)
+    for summary in summaries.values():
+        assert all(0 <= v <= 100 for v in summary.saved.values())
+        assert set(summary.saved) == {*grid.BASELINES, *grid.OURS, grid.OPTIMUM}
+    heat = grid.heat(rows)["4MiB"]
+    steady = summaries[grid.cells(tiny=True)[-2]]
+    assert heat[("steady / scan", 0.0)][0] == pytest.approx(steady.margin())

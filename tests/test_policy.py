@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embcache.core.policy import LruPolicy, Policy, TinyLfuPolicy, make_policy
+from embcache.core.policy import AdaptivePolicy, LruPolicy, Policy, TinyLfuPolicy, make_policy
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 from models.policy import MODELS
 
@@ -23,7 +23,7 @@ OPS = st.lists(
         st.tuples(st.just("add"), KEYS),
         st.tuples(st.just("discard"), KEYS),
         st.tuples(st.just("forget"), KEYS),
-        st.tuples(st.just("admit"), KEYS, st.integers(1, 4)),
+        st.tuples(st.just("admit"), KEYS, st.integers(1, 4), st.integers(1, 9)),
     ),
     max_size=200,
 )
@@ -57,15 +57,17 @@ def drive(name: str, knobs: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
             model_order.discard(key)
             model.forget(key)
         else:
-            victims = list(model_order)[: op[2]]
-            assert policy.admit(key, 1 << 20, victims) == model.admit(key, 1 << 20, victims), op
+            victims, nbytes = list(model_order)[: op[2]], op[3] << 20
+            assert policy.admit(key, nbytes, victims) == model.admit(key, nbytes, victims), op
         assert list(order) == list(model_order), op
         assert len(order) == len(model_order)
         assert all((k in order) == (k in model_order) for k in "abcdefg")
-        if name == "tinylfu":
+        if name != "lru":
             assert {k: policy.estimate(k) for k in "abcdefg"} == {
                 k: model.estimate(k) for k in "abcdefg"
             }, op
+        if name == "adaptive":
+            assert policy.window == model.window, op
 
 
 @given(OPS)
@@ -76,6 +78,81 @@ def test_lru_matches_its_model(ops: list[tuple[Any, ...]]) -> None:
 @given(SMALL_KNOBS, OPS)
 def test_tinylfu_matches_its_model(knobs: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
     drive("tinylfu", knobs, ops)
+
+
+@given(
+    SMALL_KNOBS,
+    st.fixed_dictionaries(
+        {
+            "window": st.sampled_from([0.0, 0.3, 0.5, 1.0]),
+            "step": st.sampled_from([0.0, 0.25, 0.5]),
+            "horizon": st.integers(1, 3),
+        }
+    ),
+    OPS,
+)
+def test_adaptive_matches_its_model(
+    knobs: dict[str, Any], window: dict[str, Any], ops: list[tuple[Any, ...]]
+) -> None:
+    drive("adaptive", {**knobs, **window, "low": 0.0, "high": 1.0}, ops)
+
+
+def test_adaptive_admits_a_window_share_of_the_refused_bytes() -> None:
+    """The filter refuses a never-seen key against a counted victim; with ``window`` 0.5 every
+    second refusal of equal size is admitted anyway, with 0 none is, with 1 all are (LRU)."""
+    answers = {}
+    for window in (0.0, 0.5, 1.0):
+        policy = AdaptivePolicy(window=window, low=0, high=1, step=0, shift_drop=0)
+        policy.record("hot")
+        answers[window] = [policy.admit(f"new{n}", 100, ["hot"]) for n in range(6)]
+    assert answers[0.0] == [False] * 6
+    assert answers[0.5] == [False, True] * 3
+    assert answers[1.0] == [True] * 6
+
+
+def adaptive_period(policy: AdaptivePolicy, comes_back: str) -> None:
+    """One period (16 lookups): two refusals and two window admissions against the counted
+    victim ``hot``; then ``comes_back`` (``refused``: the refused keys, ``evicted``: the
+    victims) is looked up again within the horizon."""
+    for n in range(4):
+        policy.admit(f"new{n}", 100, [f"victim{n}", "hot"])  # refused, admitted, ...
+    back = ["new0", "new2"] if comes_back == "refused" else ["victim1", "victim3"]
+    for key in [*back, *["hot"] * (16 - len(back))]:
+        policy.record(key)
+
+
+def test_adaptive_window_moves_toward_the_side_that_regrets_less() -> None:
+    """Refused candidates that come back move the window up a step (the filter was wrong);
+    victims of window admissions that come back move it down (the window was wrong)."""
+    policy = AdaptivePolicy(window=0.5, step=0.125, shift_drop=0, sample_factor=100)
+    policy.order()
+    policy.record("hot")
+    for _ in range(15):  # the first period ends with no decision: no move
+        policy.record("hot")
+    assert (policy.window, policy.moves) == (0.5, 0)
+    adaptive_period(policy, "refused")
+    assert (policy.window, policy.moves) == (0.625, 1)
+    adaptive_period(policy, "evicted")
+    assert (policy.window, policy.moves) == (0.5, 2)
+    for _ in range(8):  # bounded by high
+        adaptive_period(policy, "refused")
+    assert policy.window == 0.98
+
+
+def test_adaptive_regret_expires_after_its_horizon() -> None:
+    """A key refused at lookup 1 regrets only when looked up again by lookup 1 + 16 (the
+    horizon: 1 x 16 lookups). Looked up at 17 the window moves up at the end of that period;
+    at 18 it does not move (the period's other refusal never comes back)."""
+    for back_at, window in ((17, 0.375), (18, 0.25)):
+        policy = AdaptivePolicy(window=0.25, step=0.125, shift_drop=0, sample_factor=100)
+        policy.order()
+        policy.record("hot")
+        assert not policy.admit("late", 100, ["hot"])
+        for n in range(2, 33):
+            policy.record("late" if n == back_at else "hot")
+            if n == 20:
+                assert not policy.admit("other", 100, ["hot"])
+        assert (policy.window, policy.moves) == (window, window != 0.25), back_at
 
 
 @given(st.lists(st.tuples(st.booleans(), KEYS), max_size=100))
@@ -230,8 +307,9 @@ def test_tinylfu_detector_stays_quiet_on_a_steady_mix() -> None:
     assert policy.shifts == 0 and policy.halvings > 0
 
 
-def test_a_tinylfu_policy_serves_one_cache() -> None:
-    policy = make_policy("tinylfu")
+@pytest.mark.parametrize("name", ["tinylfu", "adaptive"])
+def test_a_counting_policy_serves_one_cache(name: str) -> None:
+    policy = make_policy(name)
     policy.order()
     with pytest.raises(InvalidArgumentError, match="already serves a cache"):
         policy.order()
@@ -251,6 +329,11 @@ def test_a_tinylfu_policy_serves_one_cache() -> None:
         ("tinylfu", {"shift_drop": "0.5"}, InvalidTypeError, "'0.5'"),
         ("tinylfu", {"min_entries": True}, InvalidTypeError, "True"),
         ("tinylfu", {"window": 3}, InvalidArgumentError, "window"),
+        ("adaptive", {"window": 1.5}, InvalidArgumentError, "[0, 1], got 1.5"),
+        ("adaptive", {"window": 0.99}, InvalidArgumentError, "[low, high], got 0.99"),
+        ("adaptive", {"low": 0.6, "high": 0.4}, InvalidArgumentError, "low 0.6 > high 0.4"),
+        ("adaptive", {"horizon": 0}, InvalidArgumentError, ">= 1, got 0"),
+        ("adaptive", {"step": "x"}, InvalidTypeError, "'x'"),
     ],
 )
 def test_bad_policy_or_knob_is_named(
@@ -260,7 +343,7 @@ def test_bad_policy_or_knob_is_named(
         make_policy(name, **knobs)
 
 
-@pytest.mark.parametrize("policy", ["lru", "tinylfu"])
+@pytest.mark.parametrize("policy", ["lru", "tinylfu", "adaptive"])
 def test_simulation_replays_the_real_cache_exactly(policy: str) -> None:
     """The policy benchmark's ``simulate`` makes the same hits, refusals and evictions as a
     real ``EmbeddingCache(policy=...)`` on a mix that evicts (so the candidates that run only
@@ -271,4 +354,4 @@ def test_simulation_replays_the_real_cache_exactly(policy: str) -> None:
     workload.requests[:] = workload.requests[:400]
     real = bench_policy.checked_real(workload, policy)  # raises if the two depart
     assert real.evictions > 0 and real.hits > 0
-    assert (real.refused > 0) == (policy == "tinylfu")
+    assert (real.refused > 0) == (policy != "lru")

@@ -33,8 +33,12 @@ CANONICAL = {
 }
 ALTERNATE = ((8,), torch.float16)
 REQUESTS = ["r0", "r1", "r2"]
-# Small tinylfu knobs, so halvings and shift resets happen within a run.
-KNOBS: dict[str, dict[str, Any]] = {"lru": {}, "tinylfu": {"min_entries": 1, "shift_block": 4}}
+# Small knobs, so halvings, shift resets and window moves happen within a run.
+KNOBS: dict[str, dict[str, Any]] = {
+    "lru": {},
+    "tinylfu": {"min_entries": 1, "shift_block": 4},
+    "adaptive": {"min_entries": 1, "shift_block": 4, "step": 0.25},
+}
 FAULTS = {"fail": Fault.FAIL, "unknown": Fault.UNKNOWN, "short": Fault.SHORT, "raise": Fault.RAISE}
 
 
@@ -83,7 +87,7 @@ class CacheMachine(RuleBasedStateMachine):
         units=st.integers(3, 12),
         max_batch=st.integers(1, 4),
         eviction=st.booleans(),
-        policy=st.sampled_from(["lru", "tinylfu"]),
+        policy=st.sampled_from(list(KNOBS)),
     )
     def setup(self, units: int, max_batch: int, eviction: bool, policy: str) -> None:
         self.store = InProcessStore()

@@ -196,7 +196,8 @@ def test_refusals_and_release_orders_are_validated() -> None:
 
 @pytest.mark.tla
 @pytest.mark.timeout(120)
-def test_a_trace_of_the_cache_with_refusals_and_admissions_is_accepted() -> None:
+@pytest.mark.parametrize("policy", ["tinylfu", "adaptive"])
+def test_a_trace_of_the_cache_with_refusals_and_admissions_is_accepted(policy: str) -> None:
     import torch
 
     from embcache import EmbeddingCache, Item
@@ -214,7 +215,7 @@ def test_a_trace_of_the_cache_with_refusals_and_admissions_is_accepted() -> None
     log = TraceLog()
     cache = EmbeddingCache(
         2 * UNIT, alignment=UNIT, max_eviction_batch=2, pin_memory=False, io_workers=1,
-        trace=log, policy="tinylfu",
+        trace=log, policy=policy,
     )  # fmt: skip
     try:
         assert insert("a") and insert("b")
@@ -228,5 +229,5 @@ def test_a_trace_of_the_cache_with_refusals_and_admissions_is_accepted() -> None
     assert attempts[0] is False and True in attempts, attempts
     outcomes = [e["outcome"] for e in log.events if e["action"] == "BeginLoad"]
     assert "NOT_ADMITTED" in outcomes and any(e["action"] == "Evict" for e in log.events)
-    [verdict] = trace_mod.validate(traces=[("tinylfu", list(log.events))], workers=1)
+    [verdict] = trace_mod.validate(traces=[(policy, list(log.events))], workers=1)
     assert verdict.accepted, verdict.describe()
