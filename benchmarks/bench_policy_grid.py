@@ -47,8 +47,8 @@ from tqdm import tqdm
 
 from benchmarks import bench_fragmentation as frag
 from benchmarks import bench_paged
-from benchmarks.bench_allocator import make_row, print_rows
 from benchmarks.bench_policy import Result, from_tally, simulate
+from benchmarks.common import make_row, print_rows
 from embcache.core.policy import make_policy
 
 PERIODS = (100, 250, 500, 1000, 2000)
@@ -429,7 +429,7 @@ if __name__ == "__main__":
     rows = rows_of(results)
     print_rows(rows)
     if args.plot is not None:
-        from benchmarks.plots import require_matplotlib
+        from benchmarks.common import require_matplotlib
 
         args.plot.mkdir(parents=True, exist_ok=True)
         print(plot(require_matplotlib(), rows, args.plot))
