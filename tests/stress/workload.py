@@ -138,6 +138,11 @@ class Workload:
     def where(self) -> str:
         return f"seed {self.seed}: rerun with EMBCACHE_STRESS_SEED={self.seed}"
 
+    def counts(self) -> tuple[int, int, int, int]:
+        """So far: (operations, requests, views checked, invariant checks)."""
+        with self._count_lock:
+            return self._operations, self._requests, self._views, self._checks
+
     def item(self, key: str, rng: random.Random) -> Item:
         return self.variant[key] if rng.random() < self.mix.variant else self.canonical[key]
 
