@@ -2,8 +2,9 @@
 """Run TLC on every model and mutant of tla/ and compare with tla/expected.json.
 
 Models must pass with the distinct state count the manifest records; mutants
-(tla/mutants/*.mutant, each a patch of EmbeddingCache.tla) must be rejected
-with the property their header declares.  One table at the end; the exit
+(tla/mutants/*.mutant, each a patch of a spec: EmbeddingCache.tla unless its
+header names another) must be rejected with the property their header
+declares.  One table at the end; the exit
 status is non-zero on any unexpected result.  See tla/README.md.
 """
 
@@ -26,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SPEC = "EmbeddingCache.tla"
-MC_MODULE = "MCEmbeddingCache.tla"
+SPEC = "EmbeddingCache.tla"  # the default spec; a model or mutant may name another
 MANIFEST = HERE / "expected.json"
 MUTANTS = HERE / "mutants"
 # Long runs (models) want the full JIT; the many short runs (mutants) start faster without it.
@@ -81,7 +81,7 @@ def find_java() -> str:
 
 @dataclasses.dataclass
 class Job:
-    """One TLC run: a model of the real spec, or a mutant of it."""
+    """One TLC run: a model of a spec, or a mutant of it."""
 
     name: str
     kind: str  # "model" or "mutant"
@@ -91,6 +91,11 @@ class Job:
     distinct: int | None = None  # the manifest's count, models only
     patches: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     summary: str = ""
+    spec: str = SPEC  # the spec's file; TLC runs the module "MC" + spec
+
+    @property
+    def mc_module(self) -> str:
+        return "MC" + self.spec
 
 
 @dataclasses.dataclass
@@ -118,6 +123,7 @@ def load_models(manifest: dict[str, Any]) -> list[Job]:
                 expect=model["result"],
                 distinct=model["distinct"],
                 summary=model.get("summary", ""),
+                spec=model.get("spec", SPEC),
             )
             for name, model in manifest["models"].items()
         ]
@@ -130,7 +136,7 @@ def parse_mutant(path: Path) -> Job:
 
     Each patch is a block
         <<<<<<<
-        text of EmbeddingCache.tla (must occur exactly once)
+        text of the spec (must occur exactly once)
         =======
         replacement
         >>>>>>>
@@ -167,6 +173,9 @@ def parse_mutant(path: Path) -> Job:
             raise CheckError(f"{path}: missing the '{key}:' header")
     if not patches:
         raise CheckError(f"{path}: no patch block")
+    spec = header.get("spec", SPEC.removesuffix(".tla")) + ".tla"
+    if not (HERE / spec).is_file():
+        raise CheckError(f"{path}: 'spec: {header['spec']}' names no module tla/{spec}")
     return Job(
         name=path.stem,
         kind="mutant",
@@ -175,6 +184,7 @@ def parse_mutant(path: Path) -> Job:
         expect=header["expect"],
         patches=patches,
         summary=" ".join(summary),
+        spec=spec,
     )
 
 
@@ -184,7 +194,7 @@ def mutate(spec_text: str, job: Job) -> str:
         count = spec_text.count(old)
         if count != 1:
             raise CheckError(
-                f"mutant {job.name}: the text to replace occurs {count} times in {SPEC} "
+                f"mutant {job.name}: the text to replace occurs {count} times in {job.spec} "
                 f"(must be exactly once); update mutants/{job.name}.mutant:\n{old}"
             )
         spec_text = spec_text.replace(old, new)
@@ -215,13 +225,13 @@ class Run:
 
 
 def run_tlc(java: str, jar: Path, job: Job, workdir: Path, config: Path) -> Run:
-    """Run TLC on MC_MODULE in workdir with this config."""
+    """Run TLC on the job's MC module in workdir with this config."""
     metadir = Path(tempfile.mkdtemp(prefix="meta-", dir=workdir))  # fresh, never shared
     cmd = [
         # TLC copies its standard modules to java.io.tmpdir: one per run, or parallel runs collide.
         java, *JVM_OPTS[job.kind], f"-Djava.io.tmpdir={workdir}", "-cp", str(jar), "tlc2.TLC",
         "-workers", str(job.workers), "-metadir", str(metadir),
-        "-config", str(config), MC_MODULE,
+        "-config", str(config), job.mc_module,
     ]  # fmt: skip
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -476,11 +486,11 @@ def verdict(job: Job, outcome: Outcome) -> list[str]:
 
 def prepare(job: Job, workdir: Path) -> None:
     """A private copy of the modules (the spec patched, for a mutant), so runs do not collide."""
-    spec_text = (HERE / SPEC).read_text()
+    spec_text = (HERE / job.spec).read_text()
     if job.kind == "mutant":
         spec_text = mutate(spec_text, job)
-    (workdir / SPEC).write_text(spec_text)
-    shutil.copy(HERE / MC_MODULE, workdir / MC_MODULE)
+    (workdir / job.spec).write_text(spec_text)
+    shutil.copy(HERE / job.mc_module, workdir / job.mc_module)
 
 
 def report(
@@ -544,10 +554,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{job.kind:7} {job.name:32} expect {job.expect:16} {job.summary}")
             return 0
         jar, java = find_jar(), find_java()
-        spec_text = (HERE / SPEC).read_text()
         for job in jobs:
             if job.kind == "mutant":
-                mutate(spec_text, job)  # fail early on a stale patch
+                mutate((HERE / job.spec).read_text(), job)  # fail early on a stale patch
             elif args.workers:
                 job.workers = args.workers
     except CheckError as error:

@@ -28,6 +28,7 @@ def _load_check() -> ModuleType:
 
 
 check = _load_check()
+VLLM_SPEC = "VllmConnector.tla"
 
 VIOLATION = """\
 Error: Invariant NoUseAfterFree is violated.
@@ -53,14 +54,46 @@ def test_models_pass_and_mutants_are_rejected() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.mark.tla
+@pytest.mark.timeout(600)
+def test_vllm_mutants_break_declared_is_pinned(tmp_path: Path) -> None:
+    """On VllmSmall (every invariant) the design's own property, DeclaredIsPinned, rejects each
+    vLLM mutant, before any rank fails (check.py shows the failing rank on VllmEngine)."""
+    java, jar = check.find_java(), check.find_jar()
+    jobs = [check.parse_mutant(path) for path in sorted((TLA / "mutants").glob("*.mutant"))]
+    vllm = [job for job in jobs if job.spec == VLLM_SPEC]
+    assert len(vllm) >= 3
+    for job in vllm:
+        job.config = TLA / "models" / "VllmSmall.cfg"
+        workdir = tmp_path / job.name
+        workdir.mkdir()
+        check.prepare(job, workdir)
+        outcome = check.check_one(java, jar, job, workdir)
+        assert outcome.result == "DeclaredIsPinned", (job.name, outcome.output[-3000:])
+
+
 def test_every_mutant_patch_applies_exactly_once() -> None:
-    spec = (TLA / check.SPEC).read_text()
     mutants = sorted((TLA / "mutants").glob("*.mutant"))
     assert len(mutants) >= 8
     for path in mutants:
         job = check.parse_mutant(path)
+        spec = (TLA / job.spec).read_text()
         assert check.mutate(spec, job) != spec, path.name
         assert job.config.is_file(), f"{path.name}: no model {job.config}"
+
+
+def test_a_mutant_of_another_spec_runs_that_spec(tmp_path: Path) -> None:
+    job = check.parse_mutant(TLA / "mutants" / "vllm_release_on_first_ack.mutant")
+    assert (job.spec, job.mc_module) == (VLLM_SPEC, "MC" + VLLM_SPEC)
+    check.prepare(job, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([VLLM_SPEC, "MC" + VLLM_SPEC])
+    assert (tmp_path / VLLM_SPEC).read_text() != (TLA / VLLM_SPEC).read_text()
+    bad = tmp_path / "bad.mutant"
+    bad.write_text(
+        "spec: NoSuchSpec\nmodel: Small\nexpect: TypeOK\n<<<<<<<\na\n=======\nb\n>>>>>>>\n"
+    )
+    with pytest.raises(check.CheckError, match="names no module"):
+        check.parse_mutant(bad)
 
 
 def test_a_stale_patch_is_an_error() -> None:
