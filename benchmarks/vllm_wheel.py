@@ -20,7 +20,9 @@ Their heavy imports get stand-ins: ``vllm.logger.init_logger`` is ``logging.getL
 ``vllm.config.utils.config`` is a plain dataclass (vLLM's is a pydantic one);
 ``SchedulerOutput`` is a plain object with the attributes the mixin reads
 (``ec_connector_metadata``, ``finished_req_ids``); ``CUDAGraphStat`` is an empty class,
-``PIN_MEMORY`` False, ``is_list_of`` an isinstance check. Nothing of vLLM is copied here.
+``PIN_MEMORY`` False, ``is_list_of`` an isinstance check. ``vllm_config`` and ``FakeRequest``
+stand in for the ``VllmConfig`` and ``Request`` objects a connector reads (around vLLM's real
+``ECTransferConfig``). Nothing of vLLM is copied here.
 
     python -m benchmarks.vllm_wheel   # fetch the wheel and list the modules it runs
 """
@@ -34,11 +36,15 @@ import subprocess
 import sys
 import threading
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
+import torch
+
 VERSION = "0.33.0"
+WIDTH = 64  # the hidden size of the stand-in model
 CACHE_ENV = "EMBCACHE_VLLM_CACHE"
 REAL_MODULES = (
     "vllm.v1.outputs",
@@ -184,6 +190,42 @@ def install() -> ModuleType:
             module.__file__ = f"{wheel}/{_path_of(name)}"
             exec(compile(sources[name], module.__file__, "exec"), module.__dict__)
         return sys.modules[REAL_MODULES[2]]
+
+
+def vllm_config(role: str, extra: dict[str, Any], world_size: int, rank: int = 0) -> Any:
+    """A ``VllmConfig`` stand-in holding vLLM's real ``ECTransferConfig``."""
+    install()
+    from vllm.config.ec_transfer import ECTransferConfig
+
+    ec = ECTransferConfig(
+        ec_connector="EmbcacheECConnector",
+        ec_connector_module_path="embcache.integrations.vllm",
+        ec_role=role,
+        ec_connector_extra_config=dict(extra),
+    )
+    return SimpleNamespace(
+        ec_transfer_config=ec,
+        model_config=SimpleNamespace(dtype=torch.float16, get_hidden_size=lambda: WIDTH),
+        parallel_config=SimpleNamespace(world_size=world_size, rank=rank),
+        device_config=SimpleNamespace(device="cpu"),
+    )
+
+
+@dataclass
+class FakeRequest:
+    """What the connector reads of vLLM's ``Request``."""
+
+    request_id: str
+    keys: list[str]
+    rows: dict[str, int]
+    steps_left: int
+    mm_features: list[SimpleNamespace] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.mm_features = [SimpleNamespace(identifier=k, modality="image") for k in self.keys]
+
+    def get_num_encoder_embeds(self, index: int) -> int:
+        return self.rows[self.keys[index]]
 
 
 if __name__ == "__main__":

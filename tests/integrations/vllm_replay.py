@@ -26,34 +26,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from benchmarks import vllm_wheel
+from benchmarks.vllm_wheel import WIDTH, FakeRequest, vllm_config
 
-WIDTH = 64
 DTYPE = torch.float16
-
-
-def vllm_config(role: str, extra: dict[str, Any], world_size: int, rank: int = 0) -> Any:
-    """A ``VllmConfig`` stand-in holding vLLM's real ``ECTransferConfig``."""
-    vllm_wheel.install()
-    from vllm.config.ec_transfer import ECTransferConfig
-
-    ec = ECTransferConfig(
-        ec_connector="EmbcacheECConnector",
-        ec_connector_module_path="embcache.integrations.vllm",
-        ec_role=role,
-        ec_connector_extra_config=dict(extra),
-    )
-    return SimpleNamespace(
-        ec_transfer_config=ec,
-        model_config=SimpleNamespace(dtype=DTYPE, get_hidden_size=lambda: WIDTH),
-        parallel_config=SimpleNamespace(world_size=world_size, rank=rank),
-        device_config=SimpleNamespace(device="cpu"),
-    )
+__all__ = ["WIDTH", "FakeRequest", "vllm_config"]  # re-exported for the tests
 
 
 def embedding(key: str, rows: int) -> torch.Tensor:
@@ -61,23 +42,6 @@ def embedding(key: str, rows: int) -> torch.Tensor:
     seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(rows, WIDTH, generator=gen).to(DTYPE)
-
-
-@dataclass
-class FakeRequest:
-    """What the connector reads of vLLM's ``Request``."""
-
-    request_id: str
-    keys: list[str]
-    rows: dict[str, int]
-    steps_left: int
-    mm_features: list[SimpleNamespace] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.mm_features = [SimpleNamespace(identifier=k, modality="image") for k in self.keys]
-
-    def get_num_encoder_embeds(self, index: int) -> int:
-        return self.rows[self.keys[index]]
 
 
 @dataclass
