@@ -228,7 +228,9 @@ def markdown(
         "for times against a baseline or a peer (below 1: ours is slower), a slowdown (ours / "
         "baseline) for the hit path against a bare dict, ours / baseline for bandwidths, bytes, "
         "counts and percentages. What each benchmark does and "
-        "why is in the docstring of its `benchmarks/bench_*.py`.",
+        "why is in the docstring of its `benchmarks/bench_*.py`. Instruction counts against "
+        "SGLang's controller (callgrind: repeatable where a time is not) are recorded in "
+        "[INSTRUCTIONS.md](INSTRUCTIONS.md) (`benchmarks/bench_instructions.py`).",
         "",
         "## Machine",
         "",

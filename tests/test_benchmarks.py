@@ -212,6 +212,43 @@ def test_import_circle_finds_a_circle_through_a_function_level_import(tmp_path: 
     assert import_circle(graph) is None
 
 
+# ---------------------------------------------------------------------------- instruction counts
+def test_callgrind_totals_are_read_from_its_output(tmp_path: Path) -> None:
+    from benchmarks import bench_instructions
+
+    dump = tmp_path / "cg.1.1-01"
+    dump.write_text("version: 1\nevents: Ir\nfn=(1) f\n3 5\ntotals: 1234\n")
+    assert bench_instructions.total(dump) == 1234
+    dump.write_text("version: 1\nevents: Ir\nsummary: 99\n")
+    assert bench_instructions.total(dump) == 99
+    dump.write_text("version: 1\nevents: Ir\n")
+    with pytest.raises(bench_instructions.Unavailable, match="no totals"):
+        bench_instructions.total(dump)
+
+
+def test_instruction_count_is_the_difference_over_the_extra_operations() -> None:
+    from benchmarks.bench_instructions import per_operation
+
+    order = ["ours hit", "ours hit", "sglang hit", "sglang hit"]
+    per_op = per_operation(order, [5_000, 105_000, 7_000, 57_000], 100)
+    assert per_op == {"ours hit": 1_000.0, "sglang hit": 500.0}
+
+
+def test_both_sides_of_the_instruction_count_do_their_work(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The counted process's own run, outside valgrind (the toggles do nothing there): every
+    side is set up, runs, and passes its check of the work done (hits, evictions, pins)."""
+    from benchmarks import bench_instructions, bench_peers
+
+    bench_instructions.child(entries=64, low=1, high=3)
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    sides = ["ours hit", "ours evicting insert"]
+    if bench_peers.sglang_missing() is None:
+        sides += ["sglang hit", "sglang evicting insert"]
+    assert report["order"] == [side for side in sides for _ in range(2)]
+
+
 # ---------------------------------------------------------------------------- the baselines
 def test_scan_lru_baseline_evicts_the_oldest_idle_entry() -> None:
     cache = ScanLRUCache(3 * ENTRY_BYTES)
