@@ -54,6 +54,24 @@ def test_an_image_encodes_the_same_alone_or_in_a_batch(vit: TinyViT) -> None:
     assert torch.equal(vit([a])[0], vit([b, a])[1])
 
 
+def test_windowed_attention_stays_within_runs_of_patches() -> None:
+    image = synthetic_image(6, 56, 84)  # 4 x 6 patches of 14 px; merge 1: a token per patch
+    changed = image.clone()
+    changed[:, :14, :14] = 255 - changed[:, :14, :14]  # the first patch only
+    rows = TinyViT(hidden_size=8, width=16, depth=1, heads=2, merge=1, window=6)
+    moved = (rows([image])[0] != rows([changed])[0]).any(dim=1).view(4, 6)
+    assert moved[0].all() and not moved[1:].any()  # the first run of 6 patches: row 0
+    whole = TinyViT(hidden_size=8, width=16, depth=1, heads=2, merge=1)
+    assert (whole([image])[0] != whole([changed])[0]).any(dim=1).all()
+    uneven = TinyViT(hidden_size=8, width=16, depth=1, heads=2, merge=1, window=5)
+    moved = (uneven([image])[0] != uneven([changed])[0]).any(dim=1)  # runs of 5, then one of 4
+    assert moved[:5].all() and not moved[5:].any()
+    last = synthetic_image(6, 56, 84)
+    last[:, 42:, 70:] = 255 - last[:, 42:, 70:]  # the last patch: in the short run
+    moved = (uneven([image])[0] != uneven([last])[0]).any(dim=1)
+    assert moved[20:].all() and not moved[:20].any()
+
+
 def test_float32_output_when_asked() -> None:
     vit = TinyViT(hidden_size=8, width=16, depth=1, heads=2, dtype=torch.float32)
     assert vit([synthetic_image(0, 28, 28)])[0].dtype == torch.float32
@@ -95,6 +113,8 @@ def test_bad_input_is_refused(vit: TinyViT) -> None:
         TinyViT(width=30, heads=4)
     with pytest.raises(InvalidTypeError):
         TinyViT(dtype=torch.int8)
+    with pytest.raises(InvalidArgumentError, match="window"):
+        TinyViT(window=0)
 
 
 def test_through_the_pipeline_cached_equals_fresh(vit: TinyViT) -> None:

@@ -130,6 +130,7 @@ class _Controller:
 
     hold_timeout_s = 300.0  # SGLang waits 60 s for a prefetch; MMEncoder reads right after
     all_rank_get = False
+    cache_policy = "lru"  # EmbeddingCache(policy=...); SGLang passes none: set it on a subclass
 
     def _setup(
         self,
@@ -150,7 +151,7 @@ class _Controller:
         self._ids = itertools.count()
         self._streams: dict[str, Any] = {}
         self._make_cache: Callable[[], EmbeddingCache] = lambda: EmbeddingCache(
-            pool_bytes, store=self._store(), **cache_options
+            pool_bytes, store=self._store(), policy=self.cache_policy, **cache_options
         )
         self._owned_store: GlobalStore | None = None
         self._cache_or_none = self._make_cache() if self.tp_rank == 0 else None

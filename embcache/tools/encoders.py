@@ -2,8 +2,10 @@
 
 ``TinyViT`` is a vision transformer in the shape of the encoders multimodal LLMs use (Qwen2-VL
 style): 14x14 patches embedded by a linear layer, 2-D sin-cos positions, a few pre-norm
-attention blocks, then a patch merger that concatenates each ``merge x merge`` square of
-patches and projects it to the LLM's hidden size. So an image of ``H x W`` pixels gives
+attention blocks (over every patch, or with ``window=w`` within consecutive runs of ``w``
+patches in raster order, so that the cost grows linearly with the image, as in the windowed
+layers of Qwen2.5-VL's encoder), then a patch merger that concatenates each ``merge x merge``
+square of patches and projects it to the LLM's hidden size. So an image of ``H x W`` pixels gives
 ``(H / patch) * (W / patch) / merge**2`` tokens, like the real thing. Each image is encoded on
 its own (images differ in size), so an image's embedding does not depend on what it was batched
 with: the bytes a cache serves are the bytes a fresh encode would give.
@@ -68,9 +70,10 @@ def synthetic_image(seed: int, height: int, width: int) -> torch.Tensor:
 class _Block(nn.Module):
     """A pre-norm transformer block: self-attention then an MLP, both residual."""
 
-    def __init__(self, width: int, heads: int, mlp_ratio: int) -> None:
+    def __init__(self, width: int, heads: int, mlp_ratio: int, window: int | None) -> None:
         super().__init__()
         self.heads = heads
+        self.window = window
         self.norm1 = nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
@@ -79,12 +82,24 @@ class _Block(nn.Module):
         self.fc2 = nn.Linear(mlp_ratio * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens, width = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(tokens, 3, self.heads, -1).permute(1, 2, 0, 3)
-        attended = F.scaled_dot_product_attention(q, k, v)  # heads x tokens x head_dim
-        x = x + self.proj(attended.transpose(0, 1).reshape(tokens, width))
+        tokens = x.shape[0]
+        qkv = self.qkv(self.norm1(x))
+        run = self.window or tokens
+        full = tokens // run * run
+        parts = [self._attend(qkv[:full], run)] if full else []
+        if full < tokens:
+            parts.append(self._attend(qkv[full:], tokens - full))
+        x = x + self.proj(torch.cat(parts) if len(parts) > 1 else parts[0])
         out: torch.Tensor = x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
         return out
+
+    def _attend(self, qkv: torch.Tensor, run: int) -> torch.Tensor:
+        """Self-attention within each run of ``run`` consecutive rows of ``qkv``."""
+        tokens = qkv.shape[0]
+        width = qkv.shape[1] // 3
+        q, k, v = qkv.view(tokens // run, run, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v)  # runs x heads x run x head_dim
+        return attended.transpose(1, 2).reshape(tokens, width)
 
 
 class TinyViT(nn.Module):
@@ -93,7 +108,8 @@ class TinyViT(nn.Module):
     Call it with a sequence of images (``3 x H x W``, uint8 0..255 or float 0..1, ``H`` and
     ``W`` multiples of ``patch_size * merge``); it returns one tensor per image, of
     ``token_count(H, W) x hidden_size`` elements, ``dtype``, on ``device``. This is the encoder
-    protocol ``EncodePipeline`` calls.
+    protocol ``EncodePipeline`` calls. ``window``: each block attends within consecutive runs
+    of that many patches (raster order); None attends over every patch of the image.
     """
 
     def __init__(
@@ -109,6 +125,7 @@ class TinyViT(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         seed: int = 0,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -119,6 +136,7 @@ class TinyViT(nn.Module):
             ("depth", depth),
             ("heads", heads),
             ("mlp_ratio", mlp_ratio),
+            ("window", 1 if window is None else window),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
@@ -134,7 +152,7 @@ class TinyViT(nn.Module):
         self.width = width
         self.dtype = dtype
         self.patch_embed = nn.Linear(3 * patch_size * patch_size, width)
-        self.blocks = nn.ModuleList(_Block(width, heads, mlp_ratio) for _ in range(depth))
+        self.blocks = nn.ModuleList(_Block(width, heads, mlp_ratio, window) for _ in range(depth))
         self.merge_norm = nn.LayerNorm(width)
         self.merger = nn.Sequential(
             nn.Linear(merge * merge * width, merge * merge * width),

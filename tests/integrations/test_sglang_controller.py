@@ -318,6 +318,27 @@ def test_concurrent_requests_over_shared_keys_serve_the_right_bytes(
         ctl.close()
 
 
+@pytest.mark.parametrize("policy", ["lru", "tinylfu"])
+def test_a_subclass_picks_the_cache_policy(store: InProcessStore, policy: str) -> None:
+    class Controller(EmbeddingCacheController):
+        cache_policy = policy
+
+    two = 2 * 8 * DIM * DTYPE.itemsize  # a pool of two 8-token entries
+    ctl = Controller(store, max_pool_size_gb=two / (1 << 30), hidden_dims={IMAGE: DIM}, dtype=DTYPE)
+    try:
+        insert(ctl, ["a", "b"], [8, 8])
+        for n in range(3):
+            prefetch(ctl, f"r{n}", ["a", "b"], [8, 8])
+            ctl.release_pool_views(["a", "b"])
+        insert(ctl, ["c"], [8])  # evicts a read entry under lru, refused under tinylfu
+        held = {k for k in "abc" if ctl.cache.entry_state(k) is EntryState.READY}
+        assert held == ({"b", "c"} if policy == "lru" else {"a", "b"})
+        assert ctl.cache.stats().admissions_refused == (policy == "tinylfu")
+        idle(ctl)
+    finally:
+        ctl.close()
+
+
 def test_legacy_insert_batch_pushes_present_keys_too(store: InProcessStore) -> None:
     from embcache.integrations.sglang_legacy import LegacyEmbeddingCacheController
 
