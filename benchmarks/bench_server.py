@@ -81,7 +81,7 @@ SIZES = {
     "tiny": Config(  # one client: a smoke run, deterministic
         hidden=32,
         hot=24,
-        requests=24,
+        requests=16,
         clients=1,
         segments=2,
         pool_fraction=0.4,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from embcache import Item
-from embcache.encoders import TinyViT, image_key, synthetic_image
+from embcache.tools.encoders import TinyViT, image_key, synthetic_image
 
 TOKENS = (64, 144, 256, 576, 1024, 2304, 4096)  # square images: (side / 4) ** 2 tokens
 TOKEN_WEIGHTS = (0.24, 0.2, 0.2, 0.16, 0.1, 0.06, 0.04)
