@@ -50,44 +50,21 @@ from benchmarks.server_contenders import (
     adapter_server,
     sglang_server,
 )
-from benchmarks.server_workload import MIXES, Image, MeteredEncoder, make_encoder, make_workload
+from benchmarks.server_fleet import run_fleet
+from benchmarks.server_scale import run_scale
+from benchmarks.server_workload import (
+    MIXES,
+    SIZES,
+    Config,
+    Image,
+    MeteredEncoder,
+    make_encoder,
+    make_workload,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PARTS = ("mixes", "scale", "fleet")
 SGLANG = "SGLang 0.5.23"
-
-
-@dataclass(frozen=True)
-class Config:
-    """The run's sizes (``SIZES``)."""
-
-    hidden: int = 1024  # the encoder's output width (bf16)
-    hot: int = 1200  # Zipf catalog images
-    requests: int = 600  # per mix
-    clients: int = 4
-    segments: int = 6  # the first warms up
-    zipf_s: float = 0.9
-    pool_fraction: float = 0.25  # pool bytes / the hot images' bytes
-    best_policy: str = "tinylfu"
-    sglang_page_bytes: int = sglang_wheel.DEFAULT_PAGE_BYTES  # 128 tokens of 1024 bf16
-    seed: int = 0
-    mixes: tuple[str, ...] = MIXES
-
-
-SIZES = {
-    "full": Config(),
-    "quick": Config(
-        hidden=64, hot=80, requests=60, clients=2, segments=3, sglang_page_bytes=128 * 64 * 2
-    ),
-    "tiny": Config(  # one client: a smoke run, deterministic
-        hidden=32,
-        hot=24,
-        requests=16,
-        clients=1,
-        segments=2,
-        pool_fraction=0.4,
-        sglang_page_bytes=128 * 32 * 2,
-    ),
-}
 
 
 def contender_names(best_policy: str) -> tuple[str, ...]:
@@ -273,6 +250,29 @@ def ratios(mixes: dict[str, dict[str, dict[str, Any]]], best: str) -> dict[str, 
 
 def table(result: dict[str, Any]) -> str:
     """The rows as a plain-text table."""
+    lines = mix_table(result) if "mixes" in result else []
+    for name, rows in result.get("scale", {}).items():
+        for r in rows:
+            lines.append(
+                f"scale {name:28} pool {r['pool_bytes'] / 2**30:6.3f} GiB {r['entries']:6d} "
+                f"entries {r['requests_per_s']:7.1f} req/s p50 {r['p50_ms']:7.1f} ms p99 "
+                f"{r['p99_ms']:7.1f} ms cache {r['cache_ms_per_request']:6.2f} ms/request "
+                f"{r['cache_us_per_item']:7.1f} us/item {100 * r['cache_share']:5.2f}%"
+            )
+    fleet = result.get("fleet", {})
+    for name, r in fleet.get("rows", {}).items():
+        lines.append(
+            f"fleet of 2, {name:20} {r['requests_per_s']:7.1f} req/s p99 {r['p99_ms']:7.1f} ms "
+            f"encoded {r['encoded_images']:6d} images, global hits {r['global_hits']:5d}, "
+            f"publishes ok {r['publishes_ok']}, failed {r['publishes_failed']}"
+        )
+    for name, why in fleet.get("skipped", {}).items():
+        lines.append(f"fleet: skipped {name}: {why}")
+    return "\n".join(lines)
+
+
+def mix_table(result: dict[str, Any]) -> list[str]:
+    """The side-by-side rows of every mix."""
     lines = [
         f"pool {result['pool_bytes'] / 2**20:.0f} MiB for {result['hot_bytes'] / 2**20:.0f} MiB "
         "of hot images"
@@ -301,7 +301,7 @@ def table(result: dict[str, Any]) -> str:
             )
     for name, why in result.get("skipped", {}).items():
         lines.append(f"skipped {name}: {why}")
-    return "\n".join(lines)
+    return lines
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -368,6 +368,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--best-policy", default=None, help="embcache's policy besides lru")
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
     parser.add_argument("--plot", type=Path, default=None, help="write the plot here (PNG)")
+    parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS),
+        help="mixes: the contenders side by side; scale: embcache at each pool size; "
+        "fleet: two server processes with and without one mooncake_master",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     config = SIZES["quick" if args.quick else args.size]
     config = replace(config, mixes=tuple(args.mixes))
@@ -375,12 +380,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = replace(config, requests=args.requests)
     if args.best_policy:
         config = replace(config, best_policy=args.best_policy)
-    result = {"machine": machine(), **measure(config)}
+    size = "quick" if args.quick else args.size
+    result: dict[str, Any] = {"machine": machine(), "size": size}
+    if "mixes" in args.parts:
+        result.update(measure(config))
+    if "scale" in args.parts:
+        result["scale"] = run_scale(config)
+    if "fleet" in args.parts:
+        result["fleet"] = run_fleet(config)
     print(table(result))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
-    if args.plot:
+    if args.plot and "mixes" in result:
         plot(result, args.plot)
     return 0
 

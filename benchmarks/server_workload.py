@@ -191,3 +191,51 @@ class MeteredEncoder:
         if counts is None:
             counts = self._local.counts = _Counts()
         return counts
+
+
+@dataclass(frozen=True)
+class Config:
+    """The run's sizes (``SIZES``)."""
+
+    hidden: int = 1024  # the encoder's output width (bf16)
+    hot: int = 1200  # Zipf catalog images
+    requests: int = 600  # per mix
+    clients: int = 4
+    segments: int = 6  # the first warms up
+    zipf_s: float = 0.9
+    pool_fraction: float = 0.25  # pool bytes / the hot images' bytes
+    best_policy: str = "tinylfu"
+    sglang_page_bytes: int = 256 * 1024  # SGLang's default: 128 tokens of 1024 bf16
+    seed: int = 0
+    mixes: tuple[str, ...] = MIXES
+    scale_pools: tuple[int, ...] = (1 << 30, 4 << 30, 8 << 30)
+    scale_hot: int = 300  # images; about 0.35 GiB, so the hot set fits every pool
+    scale_requests: int = 400
+
+
+SIZES = {
+    "full": Config(),
+    "quick": Config(
+        hidden=64,
+        hot=80,
+        requests=60,
+        clients=2,
+        segments=3,
+        sglang_page_bytes=128 * 64 * 2,
+        scale_pools=(8 << 20, 16 << 20, 32 << 20),
+        scale_hot=40,
+        scale_requests=60,
+    ),
+    "tiny": Config(  # one client: a smoke run, deterministic
+        hidden=32,
+        hot=24,
+        requests=16,
+        clients=1,
+        segments=2,
+        pool_fraction=0.4,
+        sglang_page_bytes=128 * 32 * 2,
+        scale_pools=(2 << 20, 4 << 20, 8 << 20),
+        scale_hot=12,
+        scale_requests=16,
+    ),
+}

@@ -14,6 +14,7 @@ import torch
 
 from benchmarks import bench_server
 from benchmarks.server_contenders import Lane
+from benchmarks.server_fleet import run_fleet
 from benchmarks.server_workload import MAX_IMAGES, TOKENS, make_encoder, make_workload
 
 TINY = bench_server.SIZES["tiny"]
@@ -82,7 +83,7 @@ def test_every_contender_answers_with_the_encoders_bytes(encoder: torch.nn.Modul
 
 def test_a_tiny_run_gives_every_row_json_and_a_plot(tmp_path: Path) -> None:
     code = bench_server.main(
-        ["--size", "tiny", "--json", str(tmp_path / "r.json")]
+        ["--size", "tiny", "--parts", "mixes", "scale", "--json", str(tmp_path / "r.json")]
         + (["--plot", str(tmp_path / "r.png")] if HAS_MATPLOTLIB else [])
     )
     assert code == 0
@@ -99,6 +100,23 @@ def test_a_tiny_run_gives_every_row_json_and_a_plot(tmp_path: Path) -> None:
                 assert row["failed_requests"] == 0, row["errors"]
         assert rows["no cache"]["encoder_tokens_saved"] == 0
         assert rows["no cache"]["bytes_copied"] == 0
+    for name, rows in result["scale"].items():
+        assert [r["pool_bytes"] for r in rows] == list(TINY.scale_pools), name
+        entries = [r["entries"] for r in rows]
+        assert entries == sorted(entries) and entries[0] < entries[-1], "bigger pools hold more"
+        assert all(r["placeholders"] > 0 and r["requests"] > 0 for r in rows)
     assert result["machine"]["date"]
     if HAS_MATPLOTLIB:
         assert (tmp_path / "r.png").stat().st_size > 0
+
+
+@pytest.mark.mooncake
+@pytest.mark.timeout(600)
+def test_two_server_processes_share_one_mooncake_master() -> None:
+    result = run_fleet(TINY)
+    alone, shared = result["rows"]["alone"], result["rows"]["one mooncake_master"]
+    for row in (alone, shared):
+        assert row["requests"] == TINY.requests and row["publishes_failed"] == 0
+    assert alone["global_hits"] == 0
+    assert shared["global_hits"] > 0 and shared["loads_failed"] == 0, shared
+    assert set(result["skipped"]) == {"original PR", "SGLang 0.5.23"}
