@@ -190,14 +190,15 @@ class EmbeddingCache:
             return sum(self._core.remove(key) for key in list(self._core.entries))
 
     def fence(self) -> int:
-        """Fence the store, then free every range quarantined before the call; returns how many."""
+        """Fence the store, then free every range quarantined before the call (the very
+        entries, not their keys: fences may overlap); returns how many."""
         with self._lock:
             self._check_open()
-            quarantined = self._core.quarantined()
+            snap = self._core.begin_fence()
         assert_unlocked("store fence")
         self._store.fence()
         with self._lock:
-            return self._core.fence(quarantined)
+            return self._core.fence(snap)
 
     def close(self) -> None:
         """Stop taking requests, finish transfers in flight, close a store this cache created."""

@@ -5,8 +5,10 @@ event, ``Init``, records ``capacity``, ``alignment``, ``max_eviction_batch`` and
 ``enable_eviction``. Each later event
 is a dict with ``seq``, ``action`` (a DESIGN.md action name), ``request``, ``key``, ``outcome``
 and, when the action touched an entry, the entry's post-state: ``size``, ``offset`` (bytes),
-``state``, ``holders``, ``waiters``, ``doomed``, ``tainted``. ``Fence`` carries the freed
-``keys``; a failed ``BeginLoad`` carries the requested ``size`` and the reason as its outcome.
+``state``, ``holders``, ``waiters``, ``doomed``, ``tainted``. A fence is two events with the
+same ``fence`` id (fences may overlap): ``BeginFence`` carries its snapshot's ``keys`` (the
+QUARANTINED entries), ``Fence`` the ``keys`` it freed; a failed ``BeginLoad`` carries the
+requested ``size`` and the reason as its outcome.
 ``tla/check.py --trace FILE`` checks a trace against the TLA+ spec.
 """
 

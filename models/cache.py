@@ -7,7 +7,9 @@ Victims are found by brute force over every run of free blocks and candidates, w
 real code's neighbourhood shortcut, so the two implementations check each other.
 
 Vocabulary (DESIGN.md): Lookup, BeginLoad, EndLoad, Release, Evict, Remove, Publish,
-EndPublish, Fence, OpenRequest, CloseRequest.
+EndPublish, BeginFence, Fence, OpenRequest, CloseRequest. Every entry has a generation (a number
+no other entry ever had); a fence's snapshot is a list of (key, generation), so a fence that
+overlaps another frees only the entries it saw, never a key QUARANTINED again since.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class MEntry:
     doomed: bool = False
     tainted: bool = False
     publishing: bool = False
+    gen: int = 0  # which entry of this key: unique over the model's life
 
 
 @dataclass
@@ -78,6 +81,9 @@ class ModelCache:
         self.faults: dict[str, str] = {}  # key -> fail / unknown / short / raise
         self.tasks: list[Task] = []
         self.counts: Counter[str] = Counter()
+        self.generations = 0  # entries made so far
+        self.fences = 0  # fences begun so far: the id of the last one
+        self.snapshots: dict[int, list[tuple[str, int]]] = {}  # fences in flight
 
     # -- requests --
     def open_request(self, r: str) -> None:
@@ -173,7 +179,9 @@ class ModelCache:
         if offset is None:
             self.counts["alloc_fail:no_space"] += 1
             return "no_space"
+        self.generations += 1
         e = MEntry(key, shape, dtype, nbytes, offset, size, from_store, waiters={r})
+        e.gen = self.generations
         e.filler = None if from_store else r
         self.entries[key] = e
         self.requests[r].waits.add(key)
@@ -364,10 +372,26 @@ class ModelCache:
         return sum(self.remove(k) for k in list(self.entries))
 
     def fence(self) -> int:
-        quarantined = [e for e in self.entries.values() if e.state == "QUARANTINED"]
-        for e in quarantined:
-            self.free(e)
-        return len(quarantined)
+        return self.end_fence(self.begin_fence())
+
+    def begin_fence(self) -> int:
+        """A fence begins: it will free what is QUARANTINED now. Returns its id."""
+        self.fences += 1
+        self.snapshots[self.fences] = [
+            (e.key, e.gen) for e in self.entries.values() if e.state == "QUARANTINED"
+        ]
+        return self.fences
+
+    def end_fence(self, fence: int) -> int:
+        """Fence ``fence`` ends: free its snapshot's entries that are still the same ones."""
+        freed = 0
+        for key, gen in self.snapshots.pop(fence):
+            e = self.entries.get(key)
+            if e is not None and e.gen == gen:
+                assert e.state == "QUARANTINED"  # only a fence ends a quarantine
+                self.free(e)
+                freed += 1
+        return freed
 
     def free(self, e: MEntry) -> None:
         self.alloc.free(e.offset)

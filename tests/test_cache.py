@@ -58,6 +58,7 @@ ACTIONS = {
     "Remove",
     "Publish",
     "EndPublish",
+    "BeginFence",
     "Fence",
 }
 
@@ -1060,6 +1061,7 @@ def test_trace_has_one_event_per_action_in_order(
         ("BeginLoad", "r5", "E", "OK"),
         ("EndLoad", None, "E", "UNKNOWN"),
         ("CloseRequest", "r5", None, None),
+        ("BeginFence", None, None, None),
         ("Fence", None, None, None),
     ]
     by_seq = {e["seq"]: e for e in trace}
@@ -1067,7 +1069,8 @@ def test_trace_has_one_event_per_action_in_order(
     assert by_seq[11]["state"] == "ABSENT"  # the last release freed the removed entry
     assert by_seq[21]["offset"] == 0 and by_seq[22]["offset"] == 0  # D reuses B's range
     assert by_seq[36]["state"] == "QUARANTINED"
-    assert by_seq[38]["keys"] == ["E"]
+    assert (by_seq[38]["fence"], by_seq[38]["keys"]) == (1, ["E"])  # BeginFence: the snapshot
+    assert (by_seq[39]["fence"], by_seq[39]["keys"]) == (1, ["E"])  # Fence: what it freed
     assert_clean(cache)
 
 

@@ -190,7 +190,7 @@ def test_an_illegal_action_raises_and_changes_nothing() -> None:
     with pytest.raises(TransitionError, match=r"EndLoad .* not allowed in state QUARANTINED"):
         core.end_load(entry, OK, None)  # a second EndLoad of the same load
     assert core.entries["a"].state is QUARANTINED
-    core.fence(core.quarantined())
+    core.fence(core.begin_fence())
     with pytest.raises(InvariantError, match="whose entry is gone"):
         core.end_load(entry, OK, None)  # a load that ended long ago
     assert core.entries == {} and core.allocator.allocated_bytes == 0
@@ -249,8 +249,8 @@ def test_a_publish_pin_and_an_unknown_publish_quarantine_then_fence_frees() -> N
     assert core.publish(r1, "a") is None  # one publish at a time
     core.end_publish("r1", entry, UNKNOWN)
     core.release(r1, "a")
-    assert entry.state is QUARANTINED and core.quarantined() == [entry]
-    assert core.fence(core.quarantined()) == 1
+    assert entry.state is QUARANTINED and core.quarantine == {entry.key: core.quarantine[entry.key]}
+    assert core.fence(core.begin_fence()) == 1
     assert entry.state is ABSENT and core.allocator.allocated_bytes == 0
     core.check_invariants()
 
@@ -300,5 +300,5 @@ def test_fence_is_due_past_the_byte_bound_or_at_the_age_bound() -> None:
     assert core.fence_due(15.0, ALIGN, 5.0) is True  # exactly max_age old
     assert core.fence_due(10.0, ALIGN - 1, 1e9) is True  # more bytes than the bound
     assert core.fence_due(10.0, ALIGN, 1e9) is False  # exactly the bound is not more
-    core.fence(core.quarantined())
+    core.fence(core.begin_fence())
     assert core.quarantine == {} and core.fence_due(1e9, 0, 0.0) is False

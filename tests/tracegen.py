@@ -1,8 +1,10 @@
 """Traces of real cache runs, for validation against the TLA+ spec (``tla/check.py --trace``).
 
-Two sources: the Hypothesis state machine of ``tests/stateful/test_cache_model.py`` (every
-example's trace), and multi-threaded runs against an ``InProcessStore`` whose faults make loads
-complete out of order, fail, raise and end UNKNOWN, with removes and fences in between.
+Three sources: the Hypothesis state machine of ``tests/stateful/test_cache_model.py`` (every
+example's trace, fences begun and ended as separate steps), multi-threaded runs against an
+``InProcessStore`` whose faults make loads complete out of order, fail, raise and end UNKNOWN,
+with removes and fences in between, and the overlapping fences of issue 25 (two fences in
+flight, a key freed by one and QUARANTINED again before the other ends).
 ``python -m tests.tracegen OUT_DIR --machine N --threaded M`` writes them as JSON lines.
 """
 
@@ -89,6 +91,32 @@ def threaded_trace(seed: int, threads: int = 4, steps: int = 40) -> Trace:
     cache.fence()
     cache.close()
     return trace.events
+
+
+def overlapping_fence_traces() -> list[Trace]:
+    """The schedule of ``tests.overlap.requarantine_between_fences``, with a manual first fence
+    and with the cache's own."""
+    from embcache.fencing import FencePolicy
+    from tests.helpers import raw
+    from tests.overlap import UNIT, LimboStore, requarantine_between_fences, tensor
+
+    eager = FencePolicy(max_fraction=0.0, max_age_s=1e9, min_interval_s=0.01,
+                        check_interval_s=0.01)  # fmt: skip
+    traces = []
+    for manual in (True, False):
+        store = LimboStore()
+        store.put_object("k", raw(tensor(0)))
+        trace = TraceLog()
+        cache = EmbeddingCache(2 * UNIT, store=store, alignment=UNIT, pin_memory=False,
+                               auto_fence=None if manual else eager, trace=trace)  # fmt: skip
+        try:
+            requarantine_between_fences(cache, store, manual=manual)
+        finally:
+            store.open_all()
+            cache.fence()
+            cache.close()
+        traces.append(trace.events)
+    return traces
 
 
 def write(traces: list[Trace], out: Path, prefix: str) -> list[Path]:

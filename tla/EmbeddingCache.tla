@@ -44,6 +44,7 @@ CONSTANTS
     Requests,         \* request slots: the most requests open at once
     Sizes,            \* entry sizes (in units) a BeginLoad may ask for
     MaxEvictionBatch, \* the most victims one BeginLoad may evict
+    Fences,           \* fence slots: the most fences in flight at once
     NoRequest         \* a model value: "no request"
 
 ASSUME /\ Units \in Nat \ {0}
@@ -68,16 +69,18 @@ VARIABLES
     order,     \* the eviction order: evictable keys, first victim first
     transfers, \* live transfers: [kind, req, key, units]
     zombies,   \* transfers that ended UNKNOWN: [key, units], until their entry is fenced
-    request    \* request[r] \in {"closed", "open"}
+    request,   \* request[r] \in {"closed", "open"}
+    fencing,   \* the fences in flight (begun, not yet ended)
+    snapshot   \* snapshot[f]: the keys fence f found QUARANTINED when it began ({} if idle)
 
-vars == <<entry, free, order, transfers, zombies, request>>
+vars == <<entry, free, order, transfers, zombies, request, fencing, snapshot>>
 
 Pool == 0..(Units - 1)
 Run(o, n) == o..(o + n - 1)
 
 NoEntry == [state |-> ABSENT, off |-> 0, size |-> 0, holders |-> {},
             waiters |-> {}, pins |-> 0, doomed |-> FALSE,
-            publisher |-> NoRequest, quarantinePending |-> FALSE]
+            publisher |-> NoRequest, quarantinePending |-> FALSE, fences |-> {}]
 
 Owned(k) == IF entry[k].state = ABSENT THEN {}
             ELSE Run(entry[k].off, entry[k].size)
@@ -151,27 +154,29 @@ Init ==
     /\ transfers = {}
     /\ zombies = {}
     /\ request = [r \in Requests |-> "closed"]
+    /\ fencing = {}
+    /\ snapshot = [f \in Fences |-> {}]
 
 OpenRequest(r) ==
     /\ request[r] = "closed"
     /\ request' = [request EXCEPT ![r] = "open"]
-    /\ UNCHANGED <<entry, free, order, transfers, zombies>>
+    /\ UNCHANGED <<entry, free, order, transfers, zombies, fencing, snapshot>>
 
 CloseRequest(r) ==
     /\ request[r] = "open"
     /\ \A k \in Keys : r \notin entry[k].holders \cup entry[k].waiters
     /\ request' = [request EXCEPT ![r] = "closed"]
-    /\ UNCHANGED <<entry, free, order, transfers, zombies>>
+    /\ UNCHANGED <<entry, free, order, transfers, zombies, fencing, snapshot>>
 
 Pin(r, k) ==
     /\ entry' = [entry EXCEPT ![k].holders = @ \cup {r}, ![k].pins = @ + 1]
     /\ order' = Without(order, k)
     /\ transfers' = transfers \cup {ReadBy(r, k)}
-    /\ UNCHANGED <<free, zombies, request>>
+    /\ UNCHANGED <<free, zombies, request, fencing, snapshot>>
 
 Wait(r, k) ==
     /\ entry' = [entry EXCEPT ![k].waiters = @ \cup {r}]
-    /\ UNCHANGED <<free, order, transfers, zombies, request>>
+    /\ UNCHANGED <<free, order, transfers, zombies, request, fencing, snapshot>>
 
 \* A hit pins (READY), a join waits (LOADING).  Every other lookup (a miss,
 \* or a repeat) changes nothing: see LookupIsNoOp.
@@ -196,7 +201,7 @@ BeginLoad(r, k, n) ==
              /\ free' = EvictUnits(V) \ R
              /\ order' = EvictOrder(V)
              /\ transfers' = transfers \cup {LoadInto(k, R)}
-             /\ UNCHANGED <<zombies, request>>
+             /\ UNCHANGED <<zombies, request, fencing, snapshot>>
 
 \* Admission may refuse any BeginLoad (DESIGN.md, "Eviction order and
 \* admission"): a refused BeginLoad allocates nothing, evicts nothing and
@@ -235,7 +240,7 @@ EndLoad(k, outcome) ==
     /\ IF outcome = OK /\ ~entry[k].doomed THEN HandOff(k)
        ELSE IF outcome = UNKNOWN THEN QuarantineLoad(k)
        ELSE DiscardLoad(k)
-    /\ UNCHANGED request
+    /\ UNCHANGED <<request, fencing, snapshot>>
 
 \* Entry k after one of its pins is dropped (e: the record without that pin).
 \* At zero pins a pending quarantine wins over doomed: a zombie publish may
@@ -254,10 +259,10 @@ Release(r, k) ==
     /\ r \in entry[k].holders \cup entry[k].waiters
     /\ IF r \in entry[k].waiters
          THEN /\ entry' = [entry EXCEPT ![k].waiters = @ \ {r}]
-              /\ UNCHANGED <<free, order, transfers, zombies, request>>
+              /\ UNCHANGED <<free, order, transfers, zombies, request, fencing, snapshot>>
          ELSE /\ Unpin(k, [entry[k] EXCEPT !.holders = @ \ {r}, !.pins = @ - 1])
               /\ transfers' = transfers \ {ReadBy(r, k)}
-              /\ UNCHANGED <<zombies, request>>
+              /\ UNCHANGED <<zombies, request, fencing, snapshot>>
 
 \* Idle (READY, no pins): freed.  Busy: doomed.  A Remove of a doomed or a
 \* QUARANTINED entry (only a Fence frees it) changes nothing: RemoveIsNoOp.
@@ -268,9 +273,9 @@ Remove(k) ==
          THEN /\ entry' = [entry EXCEPT ![k] = NoEntry]
               /\ free' = free \cup Owned(k)
               /\ order' = Without(order, k)
-              /\ UNCHANGED <<transfers, zombies, request>>
+              /\ UNCHANGED <<transfers, zombies, request, fencing, snapshot>>
          ELSE /\ entry' = [entry EXCEPT ![k].doomed = TRUE]
-              /\ UNCHANGED <<free, order, transfers, zombies, request>>
+              /\ UNCHANGED <<free, order, transfers, zombies, request, fencing, snapshot>>
 
 \* A write of k's range to the global store, under its own pin.
 Publish(r, k) ==
@@ -278,7 +283,7 @@ Publish(r, k) ==
     /\ entry[k].publisher = NoRequest
     /\ entry' = [entry EXCEPT ![k].publisher = r, ![k].pins = @ + 1]
     /\ transfers' = transfers \cup {PublishBy(r, k)}
-    /\ UNCHANGED <<free, order, zombies, request>>
+    /\ UNCHANGED <<free, order, zombies, request, fencing, snapshot>>
 
 EndPublish(r, k, outcome) ==
     /\ entry[k].publisher = r
@@ -286,28 +291,57 @@ EndPublish(r, k, outcome) ==
     /\ transfers' = transfers \ {PublishBy(r, k)}
     /\ Unpin(k, [entry[k] EXCEPT !.publisher = NoRequest, !.pins = @ - 1,
                                  !.quarantinePending = @ \/ outcome = UNKNOWN])
-    /\ UNCHANGED request
+    /\ UNCHANGED <<request, fencing, snapshot>>
 
-\* The store was fenced after the entries Q were QUARANTINED: their zombies
-\* can no longer land, and their ranges are freed.  The code snapshots Q,
-\* fences the store without the lock, then takes this step; entries that
-\* became QUARANTINED meanwhile wait for the next Fence, and so does every
-\* other zombie (the spec cannot tell whether the fence stopped it).
-Fence(Q) ==
-    /\ Q \subseteq Quarantine
-    /\ zombies' = {z \in zombies : z.key \notin Q}
-    /\ entry' = [k \in Keys |-> IF k \in Q THEN NoEntry ELSE entry[k]]
-    /\ free' = free \cup UnitsOf(Q)
+\* A fence is two steps, with the store's fence between them and no lock
+\* held: any number may be in flight at once (a manual fence() while the
+\* cache's own one runs, or two manual ones), and meanwhile an entry may be
+\* freed by another fence, loaded again, end UNKNOWN and be QUARANTINED again.
+\*
+\* BeginFence(f): the snapshot, taken just before the store's fence begins: the
+\* QUARANTINED entries now.  Each of them is marked with f (entry[k].fences:
+\* the spec's identity of an entry, which an entry made later under the same
+\* key does not have).
+BeginFence(f) ==
+    /\ f \notin fencing
+    /\ fencing' = fencing \cup {f}
+    /\ snapshot' = [snapshot EXCEPT ![f] = Quarantine]
+    /\ entry' = [k \in Keys |-> IF k \in Quarantine
+                                  THEN [entry[k] EXCEPT !.fences = @ \cup {f}]
+                                  ELSE entry[k]]
+    /\ UNCHANGED <<free, order, transfers, zombies, request>>
+
+\* The entries of f's snapshot that are still the very entries it took.
+Snapshotted(f) == {k \in snapshot[f] : f \in entry[k].fences}
+
+\* Fence(f): the store's fence f returned.  What the store guarantees: the
+\* zombies of the entries f snapshotted can no longer land (they are all older
+\* than f, since a QUARANTINED entry starts no transfer); every other zombie
+\* may (the spec cannot tell whether f stopped it: the conservative choice).
+\* What the cache does: free the entries f snapshotted, and only those; not a
+\* key of its snapshot that was freed meanwhile and is QUARANTINED again, whose
+\* zombie began after f and may still land (mutant fence_frees_by_key).
+Fence(f) ==
+    /\ f \in fencing
+    /\ LET Q == Snapshotted(f) IN
+       /\ zombies' = {z \in zombies : z.key \notin Q}
+       /\ entry' = [k \in Keys |-> IF k \in Q THEN NoEntry ELSE entry[k]]
+       /\ free' = free \cup UnitsOf(Q)
+    /\ fencing' = fencing \ {f}
+    /\ snapshot' = [snapshot EXCEPT ![f] = {}]
     /\ UNCHANGED <<order, transfers, request>>
 
-\* The cache fences by itself (DESIGN.md, "Fencing"): one fence step frees a
-\* non-empty snapshot Q of the quarantine.
-FenceStep == \E Q \in SUBSET Quarantine : Q # {} /\ Fence(Q)
+\* The cache fences by itself (DESIGN.md, "Fencing") when something is
+\* QUARANTINED.  fence() may also be called by hand when nothing is: such a
+\* fence snapshots nothing, ends no zombie and frees nothing, so Next leaves
+\* it out (it would only occupy a slot); the trace spec takes BeginFence(f)
+\* in any state.
+BeginFenceStep(f) == Quarantine # {} /\ BeginFence(f)
 
 \* The code's events that change nothing.  They are stuttering steps, so Next
 \* leaves them out; the trace spec (issue 5) checks that each was legal.  (A
 \* Lookup that misses on a shape or dtype mismatch, which the spec does not
-\* model, is a no-op in any state.)  Fence({}) is a no-op too.
+\* model, is a no-op in any state.)
 LookupIsNoOp(r, k) ==
     /\ request[r] = "open"
     /\ \/ r \in entry[k].holders \cup entry[k].waiters
@@ -330,26 +364,24 @@ Next ==
     \/ \E k \in Keys, o \in Outcomes : EndLoad(k, o)
     \/ \E r \in Requests, k \in Keys, o \in {OK, UNKNOWN} : EndPublish(r, k, o)
     \/ \E k \in Keys : Remove(k)
-    \/ FenceStep
+    \/ \E f \in Fences : BeginFenceStep(f) \/ Fence(f)
 
 \* Per key: loads and publishes complete, a pinned entry is released by some
-\* holder, and the cache fences by itself: while k is QUARANTINED, a fence
-\* step whose snapshot holds k eventually happens (FenceOf is enabled exactly
-\* when k \in Quarantine; nobody has to call fence()).  This is weak fairness
-\* of FenceStep while the quarantine is non-empty, per entry: the code's
-\* snapshot holds every entry quarantined before the fence began.  Plain
-\* WF_vars(FenceStep) is enough for NoLeak but not for DoomedFreed: while
-\* requests go on, fences of other entries could starve one (README).  A
-\* waiter does not give up on its own (EndLoad serves it), and closes need
-\* no fairness: NoLeak assumes that requests stop.  The fewer the fairness
-\* conditions, the stronger the properties, and the faster TLC checks them.
-FenceOf(k) == \E Q \in SUBSET Quarantine : k \in Q /\ Fence(Q)
+\* holder.  The cache fences by itself: while something is QUARANTINED, a
+\* fence eventually begins (its snapshot holds every QUARANTINED entry), and
+\* every fence in flight ends.  A waiter does not give up on its own (EndLoad
+\* serves it), and closes need no fairness: NoLeak assumes that requests
+\* stop.  The fewer the fairness conditions, the stronger the properties, and
+\* the faster TLC checks them.  (Before fences had two steps the fence
+\* fairness was per key, WF_vars(FenceOf(k)): a one-step fence of any subset
+\* of the quarantine could starve one entry; a snapshot is now all of it.)
 Fairness ==
-    \A k \in Keys :
+    /\ \A k \in Keys :
         /\ WF_vars(\E o \in Outcomes : EndLoad(k, o))
         /\ WF_vars(\E r \in Requests, o \in Outcomes : EndPublish(r, k, o))
         /\ WF_vars(\E r \in entry[k].holders : Release(r, k))
-        /\ WF_vars(FenceOf(k))
+    /\ WF_vars(\E f \in Fences : BeginFenceStep(f))
+    /\ \A f \in Fences : WF_vars(Fence(f))
 
 Spec == Init /\ [][Next]_vars
 LiveSpec == Spec /\ Fairness
@@ -362,7 +394,8 @@ Transfer == [kind : {"load", "read", "publish"}, req : Requests \cup {NoRequest}
 Entry == [state : States, off : 0..Units, size : 0..Units,
           holders : SUBSET Requests, waiters : SUBSET Requests,
           pins : 0..(Cardinality(Requests) + 1), doomed : BOOLEAN,
-          publisher : Requests \cup {NoRequest}, quarantinePending : BOOLEAN]
+          publisher : Requests \cup {NoRequest}, quarantinePending : BOOLEAN,
+          fences : SUBSET Fences]
 
 TypeOK ==
     /\ entry \in [Keys -> Entry]
@@ -372,6 +405,8 @@ TypeOK ==
     /\ transfers \subseteq Transfer
     /\ zombies \subseteq [key : Keys, units : SUBSET Pool]
     /\ request \in [Requests -> {"closed", "open"}]
+    /\ fencing \subseteq Fences
+    /\ snapshot \in [Fences -> SUBSET Keys]
 
 \* Allocated ranges are disjoint and inside the pool.
 NoOverlap ==
@@ -429,6 +464,9 @@ QuarantineHolds ==
     /\ \A k \in Keys : entry[k].state = QUARANTINED =>
                            /\ entry[k].pins = 0 /\ entry[k].waiters = {}
                            /\ ~entry[k].doomed /\ entry[k].publisher = NoRequest
+    /\ \A k \in Keys : \A f \in entry[k].fences :
+           /\ entry[k].state = QUARANTINED
+           /\ f \in fencing /\ k \in snapshot[f]
 
 \* Eviction that respects contiguity, as a property of steps: a step that
 \* starts a load frees only READY entries its new range overlaps (none is
@@ -446,6 +484,14 @@ NoWastedEviction ==
 RefusalChangesNothing ==
     [][\A r \in Requests, k \in Keys, n \in Sizes :
            RefuseBeginLoad(r, k, n) => UNCHANGED <<entry, free, order, transfers>>]_vars
+
+\* Overlapping fences: a QUARANTINED entry is freed only by the end of a fence
+\* whose snapshot holds that very entry (its key, and the entry itself: not an
+\* entry quarantined again under the same key after the fence began).
+FenceFreesSnapshot ==
+    [][\A k \in Keys :
+         entry[k].state = QUARANTINED /\ entry'[k].state = ABSENT =>
+             \E f \in fencing \ fencing' : k \in snapshot[f] /\ f \in entry[k].fences]_vars
 
 -----------------------------------------------------------------------------
 (* Liveness, checked under LiveSpec (never with symmetry). *)

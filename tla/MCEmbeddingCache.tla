@@ -4,5 +4,5 @@ EXTENDS EmbeddingCache, TLC
 
 \* Keys and requests are interchangeable (the spec never CHOOSEs among them).
 \* Safety models only: symmetry is unsound for liveness.
-Symmetry == Permutations(Keys) \cup Permutations(Requests)
+Symmetry == Permutations(Keys) \cup Permutations(Requests) \cup Permutations(Fences)
 =============================================================================

@@ -29,7 +29,8 @@
 (*   at   where the key enters the eviction order, if it does: -1 at    *)
 (*        the tail (LRU, and any policy that logs no position), else the   *)
 (*        number of entries ahead of it (the event's position)             *)
-(*   Q    Fence: the keys it freed                                         *)
+(*   f    BeginFence, Fence: the fence slot (the code's fence id, mapped)  *)
+(*   Q    BeginFence: the keys of its snapshot; Fence: the keys it freed   *)
 (*   x    diagnostics only: take the step whatever the logged post-state   *)
 (*                                                                         *)
 (* The code's Evict events come right before the BeginLoad that needed     *)
@@ -89,7 +90,8 @@ Act(e) ==
           [] e.a = "Remove"                     -> Remove(k) \/ NoOp(RemoveIsNoOp(k))
           [] e.a = "Publish"                    -> Publish(r, k)
           [] e.a = "EndPublish"                 -> EndPublish(r, k, e.out)
-          [] e.a = "Fence"                      -> Fence(e.Q)
+          [] e.a = "BeginFence"                 -> BeginFence(e.f)
+          [] e.a = "Fence"                      -> Fence(e.f)
           [] OTHER                              -> FALSE
 
 \* An entry that becomes evictable in this step (its last pin released, a
@@ -102,7 +104,8 @@ EnteredAsLogged(e) ==
 
 \* What the event says beyond the action's parameters: the outcome of a
 \* Lookup, the placement and victims of a BeginLoad (none if it failed or
-\* was refused), the victim of an Evict, where an entry entered the order.
+\* was refused), the victim of an Evict, the snapshot of a BeginFence and the
+\* keys a Fence freed, where an entry entered the order.
 Match(e) ==
     /\ CASE e.a = "Lookup" /\ e.out = "HIT"  -> e.r \in entry'[e.k].holders
          [] e.a = "Lookup" /\ e.out \in {"LOADING", "RESERVED"} -> e.r \in entry'[e.k].waiters
@@ -112,6 +115,9 @@ Match(e) ==
          [] e.a = "BeginLoad" /\ e.out = "TOO_LARGE" -> e.n > Units /\ e.V = {}
          [] e.a = "BeginLoad" -> e.V = {}
          [] e.a = "Evict" -> entry[e.k].off = e.o /\ entry[e.k].size = e.n
+         [] e.a = "BeginFence" -> snapshot'[e.f] = e.Q
+         [] e.a = "Fence" ->
+                {j \in Keys : entry[j].state # ABSENT /\ entry'[j].state = ABSENT} = e.Q
          [] OTHER -> TRUE
     /\ EnteredAsLogged(e)
 

@@ -20,7 +20,7 @@ passes in.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from embcache.core.allocator import BestFitAllocator, Block
@@ -31,6 +31,7 @@ from embcache.core.entries import (
     NOBODY,
     RESERVED_STATUS,
     Entry,
+    FenceSnapshot,
     Holder,
     ItemLike,
     RequestState,
@@ -76,6 +77,7 @@ class CacheCore:
         self.requests: dict[str, RequestState] = {}
         self.counts: Counter[str] = Counter()
         self.quarantine: dict[str, float] = {}  # QUARANTINED keys -> when (core clock)
+        self.fences_begun = 0  # the id of the last BeginFence
         self.freed: list[tuple[int, int]] | None = None  # a list: every freed range is queued
         self._emit(
             "Init",
@@ -294,21 +296,28 @@ class CacheCore:
         self._drop_pin(entry, ("publish", request_id), Step.END_PUBLISH)
         self._emit("EndPublish", request_id, entry.key, entry, outcome=outcome.name)
 
-    def fence(self, quarantined: Sequence[Entry]) -> int:
-        """Fence(): free the ranges of ``quarantined`` (taken before the store fence began)."""
+    def begin_fence(self) -> FenceSnapshot:
+        """BeginFence(f): the QUARANTINED entries now, taken just before the store's fence
+        begins (that fence stops their transfers, not later ones). O(q)."""
+        self.fences_begun += 1
+        entries = self.entries
+        snap = FenceSnapshot(self.fences_begun, tuple(entries[key] for key in self.quarantine))
+        self._emit("BeginFence", None, fence=snap.fence, keys=[e.key for e in snap.entries])
+        return snap
+
+    def fence(self, snap: FenceSnapshot) -> int:
+        """Fence(f): the store's fence ``snap.fence`` returned: free the entries of ``snap``
+        that are still those very entries. Fences may overlap: a key another fence freed and
+        that was QUARANTINED again since (by a transfer this fence does not cover) stays."""
         freed = []
-        for entry in quarantined:
+        for entry in snap.entries:
             if self.entries.get(entry.key) is entry:
                 entry.state = transition(entry.state, Step.FENCE)
                 self._free(entry)
                 freed.append(entry.key)
         self.counts["fences"] += 1
-        self._emit("Fence", None, None, None, keys=freed)
+        self._emit("Fence", None, None, None, fence=snap.fence, keys=freed)
         return len(freed)
-
-    def quarantined(self) -> list[Entry]:
-        """The QUARANTINED entries now (a fence frees those taken before it began). O(q)."""
-        return [self.entries[key] for key in self.quarantine]
 
     def fence_due(self, now: float, max_bytes: int, max_age: float) -> bool:
         """Whether the automatic fence should run: more than ``max_bytes`` quarantined, or a

@@ -1,4 +1,5 @@
-"""What the core keeps per key and per request: ``Entry`` and ``RequestState``.
+"""What the core keeps per key, per request and per fence: ``Entry``, ``RequestState`` and
+``FenceSnapshot``.
 
 Both are plain records, changed only by ``embcache.core.cache_core.CacheCore`` under its
 driver's lock.
@@ -82,3 +83,14 @@ class RequestState:
     def pending(self) -> bool:
         """Whether it waits on a load that someone else fills (a store read or another's insert)."""
         return bool(self.waits) and not self.waits <= self.reserved
+
+
+@dataclass(frozen=True, slots=True)
+class FenceSnapshot:
+    """What a fence in flight took at ``BeginFence``: its id and the QUARANTINED entries then.
+
+    The entries themselves, not their keys: a key may be freed by another fence and be
+    QUARANTINED again before this one ends, and that new entry is not this fence's to free."""
+
+    fence: int
+    entries: tuple[Entry, ...]

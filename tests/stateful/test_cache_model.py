@@ -2,7 +2,10 @@
 
 The asynchronous parts are separate rules: the cache's I/O pool is replaced by a queue that a
 rule runs one task at a time (a batch of loads, or of publishes), so Hypothesis explores the
-interleavings of lookups, completions, releases, removes and fences deterministically. Store
+interleavings of lookups, completions, releases, removes and fences deterministically. A fence
+is also two rules (issue 25): ``begin_fence`` runs ``fence()`` on a thread whose store fence
+waits, ``end_fence`` lets one of those in flight end, so fences overlap with loads, UNKNOWN
+outcomes, removes and each other, and the model says what each must free. Store
 faults (fail, unknown, short, raise) and other workers' puts and deletes are rules too. After
 every step the whole observable state is compared, ``check_invariants()`` runs, and every view a
 request holds must carry exactly the bytes that were stored for its key.
@@ -11,6 +14,7 @@ request holds must carry exactly the bytes that were stored for its key.
 from __future__ import annotations
 
 import hashlib
+import threading
 from typing import Any, ClassVar
 
 import hypothesis.strategies as st
@@ -75,6 +79,54 @@ class ManualExecutor:
             self.run(0)
 
 
+class GatedStore(InProcessStore):
+    """An ``InProcessStore`` whose next ``fence()`` after ``hold_next()`` waits for its gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: list[threading.Event] = []
+        self._hold = False
+        self._cv = threading.Condition()
+
+    def hold_next(self) -> int:
+        """Hold the next store fence; returns the index of its gate."""
+        with self._cv:
+            self._hold = True
+            return len(self.gates)
+
+    def gate(self, index: int) -> threading.Event:
+        with self._cv:
+            assert self._cv.wait_for(lambda: len(self.gates) > index, 10), "no fence began"
+            return self.gates[index]
+
+    def fence(self) -> None:
+        with self._cv:
+            held, self._hold = self._hold, False
+            gate = threading.Event()
+            if held:
+                self.gates.append(gate)
+                self._cv.notify_all()
+        if held:
+            assert gate.wait(10), "a held store fence was never let through"
+        super().fence()
+
+
+class FenceThread:
+    """``cache.fence()`` on a thread of its own: a fence in flight."""
+
+    def __init__(self, cache: EmbeddingCache) -> None:
+        self.freed: int | None = None
+        self._thread = threading.Thread(target=self._run, args=(cache,), daemon=True)
+        self._thread.start()
+
+    def _run(self, cache: EmbeddingCache) -> None:
+        self.freed = cache.fence()
+
+    def join(self) -> int | None:
+        self._thread.join(10)
+        return self.freed
+
+
 def as_tuple(status: Any) -> tuple[str, str | None]:
     return (status.status.name, None if status.reason is None else status.reason.value)
 
@@ -90,7 +142,8 @@ class CacheMachine(RuleBasedStateMachine):
         policy=st.sampled_from(list(KNOBS)),
     )
     def setup(self, units: int, max_batch: int, eviction: bool, policy: str) -> None:
-        self.store = InProcessStore()
+        self.store = GatedStore()
+        self.fencing: list[tuple[FenceThread, threading.Event, int]] = []  # fences in flight
         self.trace = TraceLog()
         self.cache = EmbeddingCache(
             units * ALIGN,
@@ -112,6 +165,10 @@ class CacheMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "cache"):
             return
+        for _, gate, _ in self.fencing:
+            gate.set()  # after a failure too: no fence thread is left waiting
+        while self.fencing:
+            self.end_fence(0)
         while self.io.tasks:
             self.run_task(0)
         for r in list(self.handles):
@@ -190,6 +247,18 @@ class CacheMachine(RuleBasedStateMachine):
         model = self.model.insert(r, [self.model_item(it) for it in items], publish)
         assert real == model, (real, model)
 
+    @rule(r=st.sampled_from(REQUESTS), key=st.sampled_from(KEYS))
+    def load_unknown(self, r: str, key: str) -> None:
+        """A store read of ``key`` that ends UNKNOWN (three rules in one: the fault, the
+        lookup, the completion), so that a key is QUARANTINED again within a few steps."""
+        if r not in self.handles or key in self.model.entries:
+            return
+        self.store_put(key, 0)
+        self.store_fault(key, "unknown")
+        self.lookup(r, [(key, 0)], prefetch=True, reserve=False)
+        if self.io.tasks:
+            self.run_task(len(self.io.tasks) - 1)
+
     # -- asynchronous completions --
     @precondition(lambda self: bool(getattr(self, "io", None) and self.io.tasks))
     @rule(data=st.data())
@@ -233,6 +302,24 @@ class CacheMachine(RuleBasedStateMachine):
     @rule()
     def fence(self) -> None:
         assert self.cache.fence() == self.model.fence()
+
+    @precondition(lambda self: len(getattr(self, "fencing", ())) < 2)
+    @rule()
+    def begin_fence(self) -> None:
+        """A fence begins (its snapshot taken, its store fence waiting) and stays in flight."""
+        index = self.store.hold_next()
+        fencing = FenceThread(self.cache)
+        self.fencing.append((fencing, self.store.gate(index), self.model.begin_fence()))
+
+    @precondition(lambda self: bool(getattr(self, "fencing", ())))
+    @rule(data=st.data())
+    def end_fence(self, data: st.DataObject | int) -> None:
+        """One fence in flight ends: it frees what it snapshotted, if still the same entries."""
+        n = len(self.fencing)
+        index = data if isinstance(data, int) else data.draw(st.integers(0, n - 1))
+        fencing, gate, fence = self.fencing.pop(index)
+        gate.set()
+        assert fencing.join() == self.model.end_fence(fence)
 
     # -- comparison --
     @invariant()

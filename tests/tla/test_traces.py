@@ -18,7 +18,7 @@ import torch
 
 from embcache import EmbeddingCache, Fault, InProcessStore, Item, TransferOutcome
 from embcache.core.cache_core import CacheCore
-from embcache.core.lifecycle import ABSENT
+from embcache.core.lifecycle import ABSENT, QUARANTINED
 from embcache.trace import TraceLog
 from tests.tla.tla_modules import load_trace
 
@@ -39,6 +39,7 @@ def test_generated_traces_are_behaviours_of_the_spec(tmp_path: Path) -> None:
 
     paths = tracegen.write(tracegen.machine_traces(150), tmp_path, "machine")
     paths += tracegen.write([tracegen.threaded_trace(s) for s in range(50)], tmp_path, "threaded")
+    paths += tracegen.write(tracegen.overlapping_fence_traces(), tmp_path, "overlapping")
     assert len(paths) >= 200
     verdicts = trace_mod.validate(paths)
     rejected = [v.describe() for v in verdicts if not v.accepted]
@@ -172,6 +173,33 @@ def test_freeing_on_an_unknown_load_is_rejected_at_the_end_load(
 
 @pytest.mark.tla
 @pytest.mark.timeout(120)
+def test_a_fence_freeing_by_key_is_rejected_at_that_fence(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The bug (issue 25): the fence frees the keys of its snapshot that are QUARANTINED when it
+    # ends, so an overlapping fence frees a key QUARANTINED again after it began.
+    from tests import tracegen
+
+    def fence_by_key(self: CacheCore, snap: Any) -> int:
+        freed = []
+        for old in snap.entries:
+            entry = self.entries.get(old.key)
+            if entry is not None and entry.state is QUARANTINED:
+                entry.state = ABSENT
+                self._free(entry)
+                freed.append(entry.key)
+        self._emit("Fence", None, None, None, fence=snap.fence, keys=freed)
+        return len(freed)
+
+    monkeypatch.setattr(CacheCore, "fence", fence_by_key)
+    for events in tracegen.overlapping_fence_traces():
+        [verdict] = trace_mod.validate(traces=[("buggy", events)], workers=1)
+        assert not verdict.accepted, "the spec accepted a fence that freed by key"
+        ends = [e for e in events if e["action"] == "Fence" and e["keys"] == ["k"]]
+        assert verdict.seq == ends[1]["seq"], verdict.describe()  # the second fence freeing k
+        assert verdict.why == "ActionMatches", verdict.describe()  # it may free nothing
+
+
+@pytest.mark.tla
+@pytest.mark.timeout(120)
 def test_skipping_the_waiter_hand_off_is_rejected_at_the_end_load(
     traced: Callable[..., tuple[EmbeddingCache, TraceLog]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -239,10 +267,32 @@ def test_an_evict_without_its_begin_load_is_not_explained() -> None:
          "max_eviction_batch": 1, "enable_eviction": True},
         {"seq": 2, "action": "Evict", "request": None, "key": "k", "size": 256, "offset": 0,
          "state": "ABSENT", "holders": [], "waiters": [], "doomed": False, "tainted": False},
-        {"seq": 3, "action": "Fence", "request": None, "key": None, "keys": []},
+        {"seq": 3, "action": "BeginFence", "request": None, "key": None, "fence": 1, "keys": []},
+        {"seq": 4, "action": "Fence", "request": None, "key": None, "fence": 1, "keys": []},
     ]  # fmt: skip
     converted = trace_mod.convert(events, "t")
-    assert [e["a"] for e in converted.events] == ["EvictWithoutBeginLoad", "Fence"]
+    assert [e["a"] for e in converted.events] == ["EvictWithoutBeginLoad", "BeginFence", "Fence"]
+
+
+def test_overlapping_fences_map_to_fence_slots() -> None:
+    init = {"seq": 1, "action": "Init", "capacity": 512, "alignment": 256,
+            "max_eviction_batch": 1, "enable_eviction": True}  # fmt: skip
+
+    def fence(seq: int, action: str, fence_id: int, keys: list[str]) -> dict[str, Any]:
+        return {"seq": seq, "action": action, "request": None, "key": None, "fence": fence_id,
+                "keys": keys}  # fmt: skip
+
+    events = [init, fence(2, "BeginFence", 7, ["k"]), fence(3, "BeginFence", 8, ["k"]),
+              fence(4, "Fence", 7, ["k"]), fence(5, "BeginFence", 9, []),
+              fence(6, "Fence", 8, []), fence(7, "Fence", 9, [])]  # fmt: skip
+    converted = trace_mod.convert(events, "t")
+    assert [e["f"] for e in converted.events] == [1, 2, 1, 1, 2, 1]  # 9 reuses 7's slot
+    assert converted.fences == 2 and converted.events[0]["Q"] == {"k"}
+    text, _ = trace_mod.module_text("M", [converted])
+    assert "Fences <- 1..2" in text
+    old = {"seq": 2, "action": "Fence", "request": None, "key": None, "keys": []}
+    with pytest.raises(trace_mod.TraceError, match="without its fence id"):
+        trace_mod.convert([init, old], "t")
 
 
 def test_a_publish_pin_keeps_the_slot_of_its_closed_request() -> None:

@@ -1,0 +1,101 @@
+"""Issue 25: fences that overlap (a manual ``fence()`` while the cache's own one runs, or two
+manual ones) and a key QUARANTINED again between them.
+
+Fence A and fence B both snapshot ``k``; A ends and frees it; ``k`` is loaded again, the load
+ends UNKNOWN and ``k`` is QUARANTINED again; then B ends. B's store fence began before that
+second transfer, so it does not cover it: B must leave the new entry alone (free the entries it
+snapshotted, not their keys). ``LimboStore`` (tests/overlap.py) makes the danger real: an UNKNOWN
+read lands its bytes only when a store fence that began after it returns, so a range freed too
+early is overwritten under whoever got it next, and the byte checks below see it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from embcache import EmbeddingCache, Fault, TransferOutcome
+from embcache.core.lifecycle import ABSENT, QUARANTINED
+from embcache.fencing import FencePolicy
+from embcache.trace import TraceLog
+from tests.helpers import raw
+from tests.overlap import (
+    GARBAGE,
+    UNIT,
+    LimboStore,
+    item,
+    requarantine_between_fences,
+    tensor,
+)
+
+
+@pytest.fixture
+def limbo() -> Iterator[LimboStore]:
+    store = LimboStore()
+    store.put_object("k", raw(tensor(0)))
+    yield store
+    store.open_all()
+
+
+@pytest.fixture
+def cache_on(limbo: LimboStore) -> Iterator[Callable[..., EmbeddingCache]]:
+    caches: list[EmbeddingCache] = []
+
+    def make(**kwargs: object) -> EmbeddingCache:
+        cache = EmbeddingCache(2 * UNIT, store=limbo, pin_memory=False, **kwargs)  # type: ignore[arg-type]
+        caches.append(cache)
+        return cache
+
+    yield make
+    limbo.open_all()
+    for cache in caches:
+        cache.close()
+
+
+# One fence in flight is the cache's own (the fencer thread) or a manual one; the other is manual.
+EAGER = FencePolicy(max_fraction=0.0, max_age_s=1e9, min_interval_s=0.01, check_interval_s=0.01)
+
+
+@pytest.mark.parametrize("first", ["manual", "automatic"])
+def test_a_fence_does_not_free_a_key_quarantined_again_after_it_began(
+    limbo: LimboStore, cache_on: Callable[..., EmbeddingCache], first: str
+) -> None:
+    trace = TraceLog()
+    cache = cache_on(auto_fence=EAGER if first == "automatic" else None, trace=trace)
+    freed = requarantine_between_fences(cache, limbo, manual=first == "manual")
+    assert freed == 0, "fence B freed the entry quarantined after it began"
+    assert cache.entry_state("k") is QUARANTINED
+    cache.check_invariants()
+
+    # The pool has two units and k holds one: only one more entry fits until a fence that
+    # began after k's second read frees it, and nothing lands in the bytes it was given.
+    with cache.request("fill") as request:
+        stored = request.insert(["x", "y"], [tensor(1), tensor(2)], publish=False)
+        assert sum(stored) == 1, "the quarantined range was handed out again"
+        key = "x" if stored[0] else "y"
+        limbo.open_all()  # every fence from now on returns: k's stray read lands now
+        cache.fence()  # began after k's second read: covers it, frees k
+        assert cache.entry_state("k") is ABSENT
+        request.lookup([item(key)])
+        view = request.embeddings()[0]
+        assert view is not None and torch.equal(view, tensor(1 if key == "x" else 2))
+    cache.check_invariants()
+
+    begun = {e["fence"]: e["keys"] for e in trace.events if e["action"] == "BeginFence"}
+    ended = {e["fence"]: e["keys"] for e in trace.events if e["action"] == "Fence"}
+    assert begun[1] == begun[2] == ["k"] and sorted(ended[1] + ended[2]) == ["k"]
+
+
+def test_the_stray_read_lands_in_the_range_it_was_given(limbo: LimboStore) -> None:
+    """The harness itself: without any quarantine, a stray UNKNOWN read would overwrite bytes
+    later given to another key (so the byte check above can fail)."""
+    limbo.inject("k", Fault.UNKNOWN)
+    pool = torch.zeros(2 * UNIT, dtype=torch.uint8)
+    limbo.register_buffer(pool)
+    assert limbo.classify(limbo.get_into(["k"], [0], [UNIT])[0]) is TransferOutcome.UNKNOWN
+    pool[:UNIT] = torch.frombuffer(bytearray(raw(tensor(3))), dtype=torch.uint8)
+    limbo.open_all()
+    limbo.fence()
+    assert pool[:UNIT].eq(GARBAGE).all()
