@@ -4,7 +4,8 @@ Every change of shared state happens under the cache lock, so the schedules that
 the orders of whole lock sections and of what runs between them: completion callbacks
 (``_end_load`` then ``_signal``), request bookkeeping, ``wait``/``wait_async`` against the
 wake-up, insert against remove, close against a load in flight, publish against remove,
-fence against an UNKNOWN load, and the pipeline's lookup/encode/insert. ``GapScheduler`` runs
+fence against an UNKNOWN load, two overlapping fences against a re-quarantine (issue 25), and
+the pipeline's lookup/encode/insert. ``GapScheduler`` runs
 the threads of a scenario one at a time and switches only at those gaps: before each
 acquisition and after each release of the cache lock, before each store call, in the encoder,
 and in every wait (a wait with a timeout may be timed out there). A wait that can never end
@@ -322,13 +323,16 @@ class ScheduledStore(InProcessStore):
     """An ``InProcessStore`` with a switch before every call, whose UNKNOWN transfers really
     are still in flight: they land at the next ``fence`` (the latest moment the protocol
     allows). A read lands garbage in its range; a write stores the range's bytes as they are
-    then. So a quarantined range reused before the fence is caught by the byte checks."""
+    then. So a quarantined range reused before the fence is caught by the byte checks. A
+    fence stops (lands) only the transfers in limbo when it began; ``hold[thread]`` makes that
+    thread's store fence wait, after it began, until the predicate holds (a slow fence)."""
 
     def __init__(self, sched: GapScheduler) -> None:
         super().__init__(delay_seconds=0.0)
         self.sched = sched
         self.pool_tensor: torch.Tensor | None = None
         self.limbo: list[tuple[str, str, int, int]] = []  # (call, key, offset, size)
+        self.hold: dict[str, Callable[[], bool]] = {}
 
     def register_buffer(self, buffer: torch.Tensor) -> None:
         super().register_buffer(buffer)
@@ -353,12 +357,15 @@ class ScheduledStore(InProcessStore):
     def fence(self) -> None:
         self.sched.point("store fence")
         assert self.pool_tensor is not None
-        for call, key, offset, size in self.limbo:
+        covered, self.limbo = self.limbo, []  # in flight when this fence began
+        hold = self.hold.get(self.sched.managed() or "")
+        if hold is not None:
+            self.sched.wait_until(hold, "store fence held", timed=False)
+        for call, key, offset, size in covered:
             if call == "get_into":
                 self.pool_tensor[offset : offset + size] = 0xFF
             else:
                 self.put_object(key, self.pool_tensor[offset : offset + size].numpy().tobytes())
-        self.limbo.clear()
         super().fence()
 
     def _remember(
@@ -649,6 +656,47 @@ def fence_vs_unknown_load(w: World) -> None:
     assert w.cache.entry_state("k") in (ABSENT, QUARANTINED)
 
 
+def overlapping_fences_vs_requarantine(w: World) -> None:
+    """Issue 25: two fences in flight snapshot the QUARANTINED ``k``; the fast one frees it;
+    ``k`` is loaded again and ends UNKNOWN (QUARANTINED again, by a read the slow fence, held
+    in the store until then, does not cover); then the slow one ends and others fill the pool.
+    The slow fence must not free the new entry: its stray read lands at the next fence, in
+    whatever the range holds then (settle's byte checks read every entry)."""
+    w.store.put_object("k", raw(payload("k")))
+    w.store.inject("k", Fault.UNKNOWN)
+    with w.cache.request("q") as q:
+        q.lookup([item("k")])
+        w.io.drain()
+    assert w.cache.entry_state("k") is QUARANTINED
+    w.store.hold["slow"] = lambda: bool(w.notes.get("reloaded"))
+    fenced: list[int] = []
+
+    def fence() -> None:
+        fenced.append(w.cache.fence())
+
+    def reloader() -> None:
+        # k is freed: the slow fence cannot end before this thread is done, so the one that
+        # ended first is the fast one, and it freed k
+        w.sched.wait_until(lambda: bool(fenced), "a fence ended", timed=False)
+        assert w.cache.entry_state("k") is ABSENT
+        with w.cache.request("a") as a:
+            a.lookup([item("k")])
+            a.wait(5.0)
+            w.read(a, "k")
+        w.notes["reloaded"] = True
+
+    def filler() -> None:
+        w.sched.wait_until(lambda: len(fenced) == 2, "both fences ended", timed=False)
+        for n in range(8):
+            with w.cache.request(f"f{n}") as f:
+                f.insert([f"x{n}"], [payload(f"x{n}")], publish=False)
+                f.lookup([item(f"x{n}")])
+                w.read(f, f"x{n}")
+
+    w.run(slow=fence, fast=fence, reloader=reloader, filler=filler)
+    assert sorted(fenced) in ([0, 1], [1, 1]), fenced  # k freed once per entry it was
+
+
 def close_while_load_vs_clear(w: World) -> None:
     """A request closes while its load is in flight and the cache is cleared twice."""
     w.store.put_object("k", raw(payload("k")))
@@ -753,6 +801,7 @@ SCENARIOS: dict[str, Callable[[World], None]] = {
         publish_vs_remove_vs_close, fault=Fault.UNKNOWN
     ),
     "fence vs UNKNOWN load": fence_vs_unknown_load,
+    "overlapping fences vs re-quarantine": overlapping_fences_vs_requarantine,
     "close while load vs clear": close_while_load_vs_clear,
     "wait_async(60) vs wake-up": functools.partial(async_wait_vs_wake_up, timeout=60.0),
     "wait_async(0) vs wake-up": functools.partial(async_wait_vs_wake_up, timeout=0.0),
