@@ -165,10 +165,12 @@ class CacheMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "cache"):
             return
-        for _, gate, _ in self.fencing:
-            gate.set()  # after a failure too: no fence thread is left waiting
-        while self.fencing:
-            self.end_fence(0)
+        try:
+            while self.fencing:
+                self.end_fence(0)  # one at a time: the model ends them in this order too
+        finally:
+            for _, gate, _ in self.fencing:
+                gate.set()  # after a failure: no fence thread is left waiting
         while self.io.tasks:
             self.run_task(0)
         for r in list(self.handles):
