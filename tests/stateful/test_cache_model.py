@@ -43,6 +43,7 @@ KNOBS: dict[str, dict[str, Any]] = {
     "tinylfu": {"min_entries": 1, "shift_block": 4},
     "adaptive": {"min_entries": 1, "shift_block": 4, "step": 0.25},
 }
+WAIT_S = 600.0  # bounds the waits on fence threads (they end within steps, when let through)
 FAULTS = {"fail": Fault.FAIL, "unknown": Fault.UNKNOWN, "short": Fault.SHORT, "raise": Fault.RAISE}
 
 
@@ -96,7 +97,7 @@ class GatedStore(InProcessStore):
 
     def gate(self, index: int) -> threading.Event:
         with self._cv:
-            assert self._cv.wait_for(lambda: len(self.gates) > index, 10), "no fence began"
+            assert self._cv.wait_for(lambda: len(self.gates) > index, WAIT_S), "no fence began"
             return self.gates[index]
 
     def fence(self) -> None:
@@ -107,7 +108,9 @@ class GatedStore(InProcessStore):
                 self.gates.append(gate)
                 self._cv.notify_all()
         if held:
-            assert gate.wait(10), "a held store fence was never let through"
+            # Long: a fence may stay in flight for many steps on a loaded machine; teardown
+            # opens every gate, so this bound only stops a thread that would hang.
+            assert gate.wait(WAIT_S), "a held store fence was never let through"
         super().fence()
 
 
@@ -123,7 +126,7 @@ class FenceThread:
         self.freed = cache.fence()
 
     def join(self) -> int | None:
-        self._thread.join(10)
+        self._thread.join(WAIT_S)
         return self.freed
 
 
