@@ -304,6 +304,32 @@ def mix_table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def headline(result: dict[str, Any]) -> str:
+    """The README's headline table (markdown): per mix and contender, requests/s, p99, the
+    ratios against SGLang's controller and the cache's share of request time."""
+    best = result["config"]["best_policy"]
+    names = [n for n in contender_names(best) if n in next(iter(result["mixes"].values()))]
+    lines = [
+        "| mix | contender | requests/s | vs SGLang | p50 ms | p99 ms | p99 vs SGLang "
+        "| encoder s | failed requests | cache share |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mix, rows in result["mixes"].items():
+        theirs = rows.get(SGLANG)
+        for name in names:
+            r = rows[name]
+            vs = p99 = "-"
+            if theirs is not None:
+                vs = f"{r['requests_per_s'] / theirs['requests_per_s']:.2f}x"
+                p99 = f"{r['p99_ms'] / theirs['p99_ms']:.2f}x"
+            lines.append(
+                f"| {mix} | {name} | {r['requests_per_s']:.1f} | {vs} | {r['p50_ms']:.0f} | "
+                f"{r['p99_ms']:.0f} | {p99} | {r['encoder_s']:.0f} | {r['failed_requests']} | "
+                f"{100 * r['cache_share']:.1f}% |"
+            )
+    return "\n".join(lines)
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     """Requests/s and p99 per contender and mix, as grouped bars (matplotlib)."""
     import matplotlib
@@ -369,11 +395,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
     parser.add_argument("--plot", type=Path, default=None, help="write the plot here (PNG)")
     parser.add_argument(
+        "--headline", type=Path, default=None, help="print the README table of this JSON, only"
+    )
+    parser.add_argument(
         "--parts", nargs="+", choices=PARTS, default=list(PARTS),
         help="mixes: the contenders side by side; scale: embcache at each pool size; "
         "fleet: two server processes with and without one mooncake_master",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.headline:
+        print(headline(json.loads(args.headline.read_text())))
+        return 0
     config = SIZES["quick" if args.quick else args.size]
     config = replace(config, mixes=tuple(args.mixes))
     if args.requests:

@@ -106,6 +106,8 @@ def test_a_tiny_run_gives_every_row_json_and_a_plot(tmp_path: Path) -> None:
         assert entries == sorted(entries) and entries[0] < entries[-1], "bigger pools hold more"
         assert all(r["placeholders"] > 0 and r["requests"] > 0 for r in rows)
     assert result["machine"]["date"]
+    table = bench_server.headline(result).splitlines()
+    assert len(table) == 2 + len(bench_server.MIXES) * len(result["mixes"]["steady"])
     if HAS_MATPLOTLIB:
         assert (tmp_path / "r.png").stat().st_size > 0
 
