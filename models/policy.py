@@ -144,7 +144,7 @@ class ModelAdaptive(ModelTinyLfu):
         shift_block: int = 50,
         shift_drop: float = 0.6,
         window: float = 0.5,
-        step: float = 0.05,
+        step: float = 0.1,
         low: float = 0.02,
         high: float = 0.98,
         horizon: int = 1,

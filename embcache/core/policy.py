@@ -323,7 +323,7 @@ class AdaptivePolicy(TinyLfuPolicy):
         shift_block: int = 50,
         shift_drop: float = 0.6,
         window: float = 0.5,
-        step: float = 0.05,
+        step: float = 0.1,
         low: float = 0.02,
         high: float = 0.98,
         horizon: int = 1,
@@ -344,7 +344,7 @@ class AdaptivePolicy(TinyLfuPolicy):
         self._ghosts: dict[str, tuple[int, float, bool]] = {}
         self._refused_bytes = self._admitted_bytes = 0  # decided by each side this period
         self._refused_regret = self._admitted_regret = 0.0
-        self._period_left = self._min_entries
+        self._period_end = self._min_entries  # the lookup that ends this period
         self.moves = 0
 
     def record(self, key: str) -> None:
@@ -358,11 +358,10 @@ class AdaptivePolicy(TinyLfuPolicy):
         self._left -= 1
         if not self._left:
             self._tick()
-        self._now += 1
+        now = self._now = self._now + 1
         if key in self._ghosts:
             self._settle(key)
-        self._period_left -= 1
-        if not self._period_left:
+        if now == self._period_end:
             self._move()
 
     def _settle(self, key: str) -> None:
@@ -406,7 +405,7 @@ class AdaptivePolicy(TinyLfuPolicy):
         self._refused_regret = self._admitted_regret = 0.0
         now = self._now
         self._ghosts = {k: g for k, g in self._ghosts.items() if g[0] >= now}
-        self._period_left = max(len(self._resident), self._min_entries)
+        self._period_end = now + max(len(self._resident), self._min_entries)
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {
