@@ -19,7 +19,10 @@ machine has none, so the CUDA path is not measured here.
 
 vLLM's interface comes from its wheel (``benchmarks.vllm_wheel``). The machine may be shared
 with other jobs: read the ratios, not the absolute numbers.
-Run from the repository root: python -m benchmarks.bench_vllm [--quick]
+With ``--callgrind`` the same comparisons are counted in instructions under valgrind
+(``benchmarks/vllm_scheduler_probe.py``, ``benchmarks/vllm_load_probe.py``): deterministic
+where the timings on a loaded machine are not.
+Run from the repository root: python -m benchmarks.bench_vllm [--quick | --callgrind]
 """
 
 from __future__ import annotations
@@ -27,9 +30,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +51,7 @@ SIZES = (4 * MB, 64 * MB)
 WIDTH = 1024
 TARGET = 0.9
 POOL_BYTES = 128 * MB
+VALGRIND = ("valgrind", "--tool=callgrind", "--collect-atstart=no")
 SCHEDULER_CHUNKS = {True: (10, 20), False: (40, 50)}  # (chunks, requests a chunk), by --quick
 
 
@@ -206,7 +215,71 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     return scheduler_rows(quick) + worker_rows(quick)
 
 
+def dump_totals(out: Path) -> list[int]:
+    """The ``totals:`` instruction count of each callgrind dump ``out.1``, ``out.2``, ..."""
+    counts = []
+    for n in range(1, 10):
+        dump = out.with_name(f"{out.name}.{n}")
+        if not dump.exists():
+            break
+        lines = dump.read_text().splitlines()
+        counts.append(next(int(x.split()[1]) for x in lines if x.startswith("totals:")))
+    return counts
+
+
+def _callgrind(probe: str, args: list[str]) -> list[int]:
+    """Run ``python -m benchmarks.<probe> args`` under callgrind; the totals of its dumps."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "cg.out"
+        command = [*VALGRIND, f"--callgrind-out-file={out}", sys.executable, "-m"]
+        subprocess.run(
+            [*command, f"benchmarks.{probe}", *args],
+            check=True,
+            capture_output=True,
+            timeout=3600,
+        )
+        return dump_totals(out)
+
+
+def callgrind_rows(count: int = 20) -> list[dict[str, Any]]:
+    """Instruction counts (deterministic where timings are noisy): per item of the scheduler
+    side against a dict lookup (ratio ours / dict), and per 4 MB load of the worker side
+    against the raw copy (ratio raw / ours, so that >= 0.9 reads as the timed rows do; the copy
+    is memory-bound, so the time ratio is closer to 1 than this). Minutes under valgrind."""
+    if shutil.which("valgrind") is None:
+        return [skipped_row("vllm callgrind rows", "valgrind is not installed")]
+    query, life, plain = (
+        n / (count * 64) for n in _callgrind("vllm_scheduler_probe", [str(count)])
+    )
+    ours, raw = (n / count for n in _callgrind("vllm_load_probe", [str(count), str(4 * MB)]))
+    return [
+        make_row(
+            "vllm scheduler: has_cache_item", query, plain, "instr/item", query / plain, "", None
+        ),
+        make_row(
+            "vllm scheduler: an item's whole life",
+            life,
+            plain,
+            "instr/item",
+            life / plain,
+            "",
+            None,
+        ),
+        make_row(
+            "vllm worker: load 4 MB items (raw / ours)",
+            ours,
+            raw,
+            "instr/load",
+            raw / ours,
+            f">= {TARGET}x raw",
+            raw / ours >= TARGET,
+        ),
+    ]
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    print_rows(run(parser.parse_args().quick))
+    parser.add_argument("--callgrind", action="store_true", help="instruction counts instead")
+    options = parser.parse_args()
+    print_rows(callgrind_rows() if options.callgrind else run(options.quick))

@@ -22,3 +22,10 @@ def test_the_benchmark_measures_both_sides(vllm_base: Any, monkeypatch: pytest.M
     monkeypatch.setattr(bench, "POOL_BYTES", 1 << 20)
     ours, raw = bench._load_rates(256 * 1024, True, torch.device("cpu"))
     assert ours > 0 and raw > 0
+
+
+def test_callgrind_totals_are_read_from_each_dump_in_order(tmp_path: Any) -> None:
+    out = tmp_path / "cg.out"
+    for n, total in ((1, 1234), (2, 56)):
+        (tmp_path / f"cg.out.{n}").write_text(f"events: Ir\nsummary: {total}\ntotals: {total}\n")
+    assert bench.dump_totals(out) == [1234, 56]
