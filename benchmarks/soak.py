@@ -17,7 +17,10 @@ under 5%; sampled every 30 s for the trend). The end state is then checked as th
 check it (``Workload.check_end_state``: no leak, every entry's bytes intact). Exit status 1 when
 a check fails. Not a CI test (``tests/stress/test_soak_smoke.py`` runs it for seconds).
 
-Run: python -m benchmarks.soak [--minutes 30] [--json out.json]  (needs the mooncake extra)
+Run: MALLOC_ARENA_MAX=2 python -m benchmarks.soak [--minutes 30] [--json out.json]  (needs the
+mooncake extra). With glibc's default arenas resident memory steps up after master restarts
+until it levels off (fragmentation, +33% in 10 minutes with a kill a minute: README,
+"Reliability"), which hides the growth this soak looks for.
 """
 
 from __future__ import annotations
