@@ -18,7 +18,7 @@ from benchmarks.server_fleet import run_fleet
 from benchmarks.server_workload import MAX_IMAGES, TOKENS, make_encoder, make_workload
 
 TINY = bench_server.SIZES["tiny"]
-CONTENDERS = set(bench_server.contender_names("tinylfu"))
+CONTENDERS = set(bench_server.contender_names(TINY.best_policy))
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -52,7 +52,7 @@ def test_every_contender_answers_with_the_encoders_bytes(encoder: torch.nn.Modul
     work = make_workload(encoder, hot=12, requests=16, zipf_s=0.9, seed=1, mixes=("steady",))
     pool = int(0.5 * work.hot_bytes())
     contenders, skipped = bench_server.make_contenders(
-        encoder, pool, "tinylfu", TINY.sglang_page_bytes
+        encoder, pool, TINY.best_policy, TINY.sglang_page_bytes
     )
     names = {c.name for c in contenders} | set(skipped)
     assert names == CONTENDERS, names
