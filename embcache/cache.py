@@ -1,45 +1,42 @@
 """``EmbeddingCache``: the driver around the pure core (``embcache.core.cache_core.CacheCore``).
 
-Theory of operation. The core holds every entry, pin, wait and range and takes the DESIGN.md
-actions; this driver owns everything else: the lock that serializes calls into the core, the
-pool tensor and its zero-copy views, the payload copies of inserts, the I/O thread pool that
-runs store reads and publishes, and the wake-ups of waiting threads and asyncio tasks. Every
-call into the core happens under the cache lock; everything slow happens between calls with no
-lock held: store calls run on the I/O pool and report back through ``end_load``/``end_publish``;
+Theory of operation. The core holds every entry, pin, wait and range, takes the DESIGN.md
+actions and composes them into a request's steps; this driver owns everything else: the lock
+that serializes calls into the core, the pool tensor and its zero-copy views, the payload copies
+of inserts, the I/O thread pool that runs store reads and publishes, the wake-ups of waiting
+threads and asyncio tasks, the delivery of trace events and the poison debug mode. A request
+call takes the lock once per core step; everything slow happens between steps with no lock
+held: store calls run on the I/O pool and report back through ``end_loads``/``end_publishes``;
 payload copies run in the caller's thread while the entry is LOADING (for an insert) or pinned
 (for a read or publish), so the range cannot be freed or reused under them.
 
-Lock hierarchy: the cache lock is level 1; the allocator's own lock (level 2) is taken inside
-it. Requests never take a lock of their own. A waiting request is woken in ``_signal``, a short
-hold of the cache lock after the action's own: its Event is set there, under the lock, only if
-nothing is pending any more (so a late wake-up cannot end a newer wait); asyncio futures are
-resolved after the lock is released.
+Lock hierarchy: the cache lock is level 1; requests take no lock of their own. Waiting requests
+are woken in ``_signal`` (``embcache.wakeups``); trace events reach the sink after the lock is
+released (``embcache.trace.TraceOutbox``); freed ranges are poisoned before it is released.
 
-``Request`` (``embcache.request``) talks to this driver through the methods of the section
-"the seam Request uses", each taking the request's core state.
+``Request`` (``embcache.request``) talks to this driver through the private methods of the
+section "the seam Request uses", each taking the request's core state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import logging
 import math
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from embcache.core import protocol as steps
 from embcache.core.cache_core import CacheCore
-from embcache.core.entries import Entry, ItemLike, RequestState, TraceSink
-from embcache.core.lifecycle import ABSENT, EntryState
+from embcache.core.entries import Entry, ItemLike, RequestState
+from embcache.core.lifecycle import EntryState
 from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
-from embcache.core.policy import Policy, make_policy
+from embcache.core.policy import Policy, as_policy
 from embcache.core.stats import CacheStats
 from embcache.errors import (
     ClosedError,
@@ -51,26 +48,16 @@ from embcache.errors import (
 from embcache.fencing import FencePolicy, Fencer
 from embcache.item import Item, check_key
 from embcache.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
-from embcache.poison import PoisoningLock, poison_requested
+from embcache.poison import poison, poison_requested
 from embcache.pool import make_pool
 from embcache.request import Request
 from embcache.store.base import GlobalStore, get_outcome, put_outcome
 from embcache.store.inprocess import InProcessStore
+from embcache.trace import TraceOutbox, TraceSink
+from embcache.wakeups import Wakeups, resolve
 
 __all__ = ["CacheStats", "EmbeddingCache", "FencePolicy", "TraceSink"]
 log = logging.getLogger(__name__)
-
-Future = tuple[asyncio.AbstractEventLoop, "asyncio.Future[bool]"]
-
-
-@dataclass(eq=False, slots=True)
-class Wakeup:
-    """How one request is woken: an Event (set while nothing is pending) and asyncio futures.
-    Made when the request first waits on a load; changed only under the cache lock."""
-
-    event: threading.Event
-    futures: list[Future] = field(default_factory=list)
-
 
 class EmbeddingCache:
     """An embedding cache over one pool, optionally backed by a global store.
@@ -116,10 +103,6 @@ class EmbeddingCache:
             )
         if store is not None and not isinstance(store, GlobalStore):
             raise InvalidTypeError(f"store must implement GlobalStore, got {type(store).__name__}")
-        if not isinstance(policy, str) and not all(
-            callable(getattr(policy, m, None)) for m in ("order", "record", "admit", "forget")
-        ):
-            raise InvalidTypeError(f"policy must be a name or a Policy object, got {policy!r}")
         if auto_fence is not None and not isinstance(auto_fence, FencePolicy):
             raise InvalidTypeError(f"auto_fence must be a FencePolicy or None, got {auto_fence!r}")
         self._core = CacheCore(
@@ -127,25 +110,30 @@ class EmbeddingCache:
             alignment,
             max_eviction_batch,
             enable_eviction,
-            trace=trace,
+            trace=trace is not None,
             clock=time.monotonic,
-            policy=make_policy(policy) if isinstance(policy, str) else policy,
+            policy=as_policy(policy),
+            record_freed=poison_requested() if poison_freed is None else poison_freed,
         )
+        self._outbox = None if trace is None else TraceOutbox(trace)
+        self._poison = poison_requested() if poison_freed is None else poison_freed
+        self._effects = self._outbox is not None or self._poison  # anything to take per step
+        self._wakeups = Wakeups()
         self._closed = False
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._pool = make_pool(capacity_bytes, pin, pool)
         self._owns_store = store is None
         self._store: GlobalStore = InProcessStore() if store is None else store
         self._typed_pools: dict[torch.dtype, torch.Tensor] = {}  # the pool viewed as each dtype
-        lock = HierarchyLock(CACHE_LEVEL, "cache lock")
-        poison = poison_requested() if poison_freed is None else poison_freed
-        self._lock = PoisoningLock(lock, self._core, self._pool) if poison else lock
+        self._lock = HierarchyLock(CACHE_LEVEL, "cache lock")
         self._store.register_buffer(self._pool)
         self._io = concurrent.futures.ThreadPoolExecutor(io_workers, "embcache-io")
         self._fence_policy = auto_fence
         self._fencer = (
             None if auto_fence is None else Fencer(auto_fence, self._fence_due, self.fence)
         )
+        if self._outbox is not None:
+            self._deliver(self._core.take_events())  # Init
 
     # ------------------------------------------------------------------ public API
     @property
@@ -169,11 +157,15 @@ class EmbeddingCache:
             raise InvalidTypeError(f"request_id must be a str, got {request_id!r}")
         if not request_id:
             raise InvalidArgumentError("request_id must be a non-empty str")
+        core = self._core
         with self._lock:
             self._check_open()
-            if request_id in self._core.requests:
+            if request_id in core.requests:
                 raise RequestError(f"request {request_id!r} is already open: ids must be unique")
-            state = self._core.open_request(request_id)
+            state = core.open_request(request_id)
+            events = self._settle() if self._effects else None
+        if events:
+            self._deliver(events)
         return Request(self, state)
 
     def remove(self, key: str) -> bool:
@@ -181,13 +173,22 @@ class EmbeddingCache:
         check_key(key)
         with self._lock:
             self._check_open()
-            return self._core.remove(key)
+            removed = self._core.remove(key)
+            events = self._settle() if self._effects else None
+        if events:
+            self._deliver(events)
+        return removed
 
     def clear(self) -> int:
         """Remove every entry (busy ones are doomed); returns how many were removed or doomed."""
+        core = self._core
         with self._lock:
             self._check_open()
-            return sum(self._core.remove(key) for key in list(self._core.entries))
+            removed = sum(core.remove(key) for key in list(core.entries))
+            events = self._settle() if self._effects else None
+        if events:
+            self._deliver(events)
+        return removed
 
     def fence(self) -> int:
         """Fence the store, then free every range quarantined before the call (the very
@@ -198,7 +199,11 @@ class EmbeddingCache:
         assert_unlocked("store fence")
         self._store.fence()
         with self._lock:
-            return self._core.fence(snap)
+            freed = self._core.fence(snap)
+            events = self._settle() if self._effects else None
+        if events:
+            self._deliver(events)
+        return freed
 
     def close(self) -> None:
         """Stop taking requests, finish transfers in flight, close a store this cache created."""
@@ -223,8 +228,7 @@ class EmbeddingCache:
         """The state of ``key``'s entry (ABSENT when there is none)."""
         check_key(key)
         with self._lock:
-            entry = self._core.entries.get(key)
-            return ABSENT if entry is None else entry.state
+            return self._core.entry_state(key)
 
     def stats(self) -> CacheStats:
         """A consistent snapshot. O(entries)."""
@@ -237,7 +241,7 @@ class EmbeddingCache:
             self._core.check_invariants()
 
     # ------------------------------------------------------------------ the seam Request uses
-    def lookup_items(
+    def _lookup_items(
         self, rs: RequestState, items: Sequence[Item], prefetch: bool, reserve: bool
     ) -> list[ItemStatus]:
         """``Request.lookup``: one pass under the lock; misses ask the store (no lock held),
@@ -245,60 +249,67 @@ class EmbeddingCache:
         core = self._core
         with self._lock:
             self._check_request(rs)
-            statuses = steps.lookup_all(core, rs, items)
-            if not (prefetch or reserve) or all(s.reason is not Reason.NOT_FOUND for s in statuses):
-                steps.record(core, rs, items, statuses)  # nothing to start: one pass will do
-                self._note_pending(rs)
-                return statuses
-        pairs = zip(items, statuses, strict=True)
-        misses = sorted({it.key for it, s in pairs if s.reason is Reason.NOT_FOUND})
-        found: dict[str, bool] = {}
-        store_error = False
-        if prefetch:
-            assert_unlocked("store exists")
-            try:
-                found = dict(zip(misses, self._store.exists(misses), strict=True))
-            except Exception:
-                store_error = True
+            statuses, ask = core.begin_lookup(rs, items, ask_store=prefetch, reserve=reserve)
+            if not ask:
+                self._wakeups.note(rs, self._new_event)
+            events = self._settle() if self._effects else None
+        if events:
+            self._deliver(events)
+        if not ask:
+            return statuses
+        found: dict[str, bool] | None = None
+        assert_unlocked("store exists")
+        try:
+            found = dict(zip(ask, self._store.exists(ask), strict=True))
+        except Exception:
+            found = None  # the store failed: the misses fall back with STORE_ERROR
         with self._lock:
             self._check_request(rs)
-            loads = steps.start_misses(
-                core, rs, items, statuses, found, reserve=reserve, store_error=store_error
-            )
-            steps.record(core, rs, items, statuses)
-            self._note_pending(rs)
+            statuses, loads = core.finish_lookup(rs, found)
+            self._wakeups.note(rs, self._new_event)
+            events = self._settle() if self._effects else None
+        if events:
+            self._deliver(events)
         if loads:
             self._io.submit(self._run_loads, loads)
         return statuses
 
-    def insert(
+    def _insert(
         self, rs: RequestState, keys: Sequence[str], tensors: Sequence[torch.Tensor], publish: bool
     ) -> list[bool]:
         """``Request.insert``: BeginLoad, copy with no lock held, EndLoad, then publish."""
         if isinstance(keys, str) or len(keys) != len(tensors):
             raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
         items = [Item.of(check_key(k), t) for k, t in zip(keys, tensors, strict=True)]
+        core = self._core
         with self._lock:
             self._check_request(rs)
-            filling = steps.plan_insert(self._core, rs, items)
-        outcomes, error = self._copy_in([(e, tensors[i]) for i, e in filling])
+            fills = core.begin_insert(rs, items)
+            events = self._settle() if self._effects else None
+        if events:
+            self._deliver(events)
+        outcomes, error = self._copy_in([(e, tensors[i]) for i, e in fills])
         with self._lock:
-            results, notify = steps.finish_insert(self._core, filling, outcomes, len(items))
-        self._signal(notify)
+            results, wake = core.finish_insert(fills, outcomes, len(items))
+            events = self._settle() if self._effects else None
+        if events:
+            self._deliver(events)
+        if wake:
+            self._signal(wake)
         if error is not None:
             raise error
         if publish:
-            self._start_publishes(rs, [items[i].key for i, _ in filling if results[i]])
+            self._start_publishes(rs, [items[i].key for i, _ in fills if results[i]])
         return results
 
-    def embeddings(self, rs: RequestState) -> list[torch.Tensor | None]:
+    def _embeddings(self, rs: RequestState) -> list[torch.Tensor | None]:
         """``Request.embeddings``: a new zero-copy view per item ``rs`` holds, else None."""
         with self._lock:
             self._check_request(rs)
-            ranges = steps.served(self._core, rs)
+            ranges = self._core.served(rs)
         return [None if r is None else self._view(*r) for r in ranges]
 
-    def publish(self, rs: RequestState, keys: Sequence[str]) -> list[bool]:
+    def _publish(self, rs: RequestState, keys: Sequence[str]) -> list[bool]:
         """``Request.publish``: start a write to the store of each key ``rs`` holds READY."""
         if isinstance(keys, str):
             raise InvalidTypeError("publish takes a list of keys, got a str")
@@ -307,26 +318,26 @@ class EmbeddingCache:
             self._check_request(rs)
         return self._start_publishes(rs, keys)
 
-    def fallback(self, rs: RequestState) -> tuple[list[int], list[Reason | None]]:
+    def _fallback(self, rs: RequestState) -> tuple[list[int], list[Reason | None]]:
         """``Request.fallback_mask`` and ``fallback_reasons``."""
         with self._lock:
             self._check_request(rs)
-            return steps.fallback(self._core, rs)
+            return self._core.fallback(rs)
 
-    def wait(self, rs: RequestState, timeout: float | None) -> bool:
+    def _wait(self, rs: RequestState, timeout: float | None) -> bool:
         """``Request.wait``: block (no lock held) until nothing is pending; False on timeout."""
         assert_unlocked("request wait")
-        wakeup = rs.wakeup  # None: this request never waited on a load, so nothing is pending
+        wakeup = self._wakeups.get(rs.request_id)  # None: it never waited, nothing is pending
         return wakeup is None or bool(wakeup.event.wait(timeout))
 
-    async def wait_async(self, rs: RequestState, timeout: float | None) -> bool:
+    async def _wait_async(self, rs: RequestState, timeout: float | None) -> bool:
         """``Request.wait_async``: like ``wait``, without blocking the event loop."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bool] = loop.create_future()
         with self._lock:
             if not rs.pending():
                 return True
-            futures = rs.wakeup.futures
+            futures = self._wakeups[rs.request_id].futures
             futures.append((loop, future))
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
@@ -336,16 +347,20 @@ class EmbeddingCache:
                     futures.remove((loop, future))
             return False
 
-    def close_request(self, rs: RequestState) -> None:
+    def _close_request(self, rs: RequestState) -> None:
         """``Request.close``: end reservations, release every pin and wait. Idempotent."""
+        core = self._core
         with self._lock:
-            if self._core.requests.get(rs.request_id) is not rs:
+            if core.requests.get(rs.request_id) is not rs:
                 return
-            notify = steps.end_request(self._core, rs)
-            if rs.wakeup is not None:  # someone may wait on rs itself
-                notify.append(rs)
-        if notify:
-            self._signal(notify)
+            wake = core.end_request(rs)
+            own = self._wakeups.close(rs.request_id)  # someone may wait on rs itself
+            events = self._settle() if self._effects else None
+        if events:
+            self._deliver(events)
+        resolve(own)
+        if wake:
+            self._signal(wake)
 
     # ------------------------------------------------------------------ I/O (no lock held)
     def _copy_in(
@@ -365,7 +380,10 @@ class EmbeddingCache:
 
     def _start_publishes(self, rs: RequestState, keys: list[str]) -> list[bool]:
         with self._lock:
-            entries = [self._core.publish(rs, k) for k in keys]
+            entries = self._core.begin_publishes(rs, keys)
+            events = self._settle() if self._effects else None
+        if events:
+            self._deliver(events)
         started = [e for e in entries if e is not None]
         if started:
             self._io.submit(self._run_publishes, rs.request_id, started)
@@ -389,13 +407,16 @@ class EmbeddingCache:
         except Exception:
             pass  # the store failed: the reads may still land, so UNKNOWN
         finally:
-            notify: list[RequestState] = []
+            wake: list[RequestState] = []
+            events = None
             try:
                 with self._lock:
-                    for e, o in zip(entries, outcomes, strict=True):
-                        notify += self._core.end_load(e, o, None)
+                    wake = self._core.end_loads(entries, outcomes)
+                    events = self._settle() if self._effects else None
+                if events:
+                    self._deliver(events)
             finally:
-                self._signal(notify)
+                self._signal(wake)
 
     def _run_publishes(self, request_id: str, entries: list[Entry]) -> None:
         """Worker: write every entry to the store, then end each publish, whatever is raised on
@@ -417,23 +438,22 @@ class EmbeddingCache:
             pass  # the store failed: the writes may still read the ranges, so UNKNOWN
         finally:
             with self._lock:
-                for e, o in zip(entries, outcomes, strict=True):
-                    self._core.end_publish(request_id, e, o)
+                self._core.end_publishes(request_id, entries, outcomes)
+                events = self._settle() if self._effects else None
+            if events:
+                self._deliver(events)
 
     def _signal(self, requests: list[RequestState]) -> None:
         """Wake requests with nothing pending. Called with no lock held."""
         assert_unlocked("waking requests")
-        wake: list[Future] = []
         with self._lock:
-            for rs in requests:
-                wakeup = rs.wakeup
-                if wakeup is not None and not rs.pending():
-                    wakeup.event.set()
-                    wake += wakeup.futures
-                    wakeup.futures = []
-        for loop, future in wake:
-            with contextlib.suppress(RuntimeError):  # a closed loop has nobody waiting
-                loop.call_soon_threadsafe(_resolve, future)
+            futures = self._wakeups.wake(requests)
+        resolve(futures)
+
+    def _deliver(self, events: list[dict[str, Any]]) -> None:
+        """Hand trace events to the sink, in order. Called with no lock held."""
+        assert self._outbox is not None
+        self._outbox.deliver(events)
 
     def _fence_due(self, now: float) -> bool:
         """Whether the automatic fence should run now (the fencer's question)."""
@@ -443,15 +463,13 @@ class EmbeddingCache:
             return self._core.fence_due(now, max_bytes, self._fence_policy.max_age_s)
 
     # ------------------------------------------------------------------ helpers (lock held)
-    def _note_pending(self, rs: RequestState) -> None:
-        """After a lookup: clear rs's Event while it waits on a load, set it otherwise (only
-        requests that ever wait get one)."""
-        if rs.pending():
-            if rs.wakeup is None:
-                rs.wakeup = Wakeup(self._new_event())
-            rs.wakeup.event.clear()
-        elif rs.wakeup is not None:
-            rs.wakeup.event.set()
+    def _settle(self) -> list[dict[str, Any]]:
+        """End of a locked step: poison the ranges it freed (debug mode; before the lock goes,
+        so no allocation can take them first) and take its trace events to deliver."""
+        core = self._core
+        if self._poison:
+            poison(self._pool, core.take_freed())
+        return core.take_events()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -478,11 +496,6 @@ def _nbytes(entry: Entry) -> int:
     """The payload bytes of ``entry`` (its range may be larger: rounded to the alignment)."""
     dtype: torch.dtype = entry.dtype  # type: ignore[assignment]
     return math.prod(entry.shape) * dtype.itemsize
-
-
-def _resolve(future: asyncio.Future[bool]) -> None:
-    if not future.done():
-        future.set_result(True)
 
 
 @functools.lru_cache(maxsize=1024)

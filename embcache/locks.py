@@ -1,8 +1,9 @@
 """The lock hierarchy of DESIGN.md, with an optional checker.
 
-Level 1 is the cache lock, level 2 the allocator's lock. A thread may only take a lock of a
-strictly higher level than every lock it already holds, and must hold no lock at all while it
-does blocking work (a store call, a payload copy, an encoder call, a callback, a wait).
+Level 1 is the cache lock, level 2 a public ``RangeAllocator``'s lock, level 3 the trace
+outbox's lock (held only to queue or pick a batch of trace events). A thread may only take a
+lock of a strictly higher level than every lock it already holds, and must hold no lock at all
+while it does blocking work (a store call, a payload copy, an encoder call, a callback, a wait).
 
 Checking is off by default: ``HierarchyLock`` then costs one global read over a plain
 ``threading.Lock``. The test suite turns it on (``EMBCACHE_LOCK_CHECK=1`` or
@@ -19,6 +20,7 @@ from embcache.errors import LockOrderError
 
 CACHE_LEVEL = 1
 ALLOCATOR_LEVEL = 2
+TRACE_LEVEL = 3
 
 _checking = os.environ.get("EMBCACHE_LOCK_CHECK", "") not in ("", "0")
 _held = threading.local()

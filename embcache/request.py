@@ -24,20 +24,21 @@ from embcache.item import Item
 
 
 class RequestDriver(Protocol):
-    """The seam between ``Request`` and the driver that owns its state (``EmbeddingCache``)."""
+    """The seam between ``Request`` and the driver that owns its state (``EmbeddingCache``):
+    private methods, so that only ``Request`` calls them."""
 
-    def lookup_items(
+    def _lookup_items(
         self, rs: RequestState, items: Sequence[Item], prefetch: bool, reserve: bool
     ) -> list[ItemStatus]: ...
-    def wait(self, rs: RequestState, timeout: float | None) -> bool: ...
-    async def wait_async(self, rs: RequestState, timeout: float | None) -> bool: ...
-    def embeddings(self, rs: RequestState) -> list[torch.Tensor | None]: ...
-    def fallback(self, rs: RequestState) -> tuple[list[int], list[Reason | None]]: ...
-    def insert(
+    def _wait(self, rs: RequestState, timeout: float | None) -> bool: ...
+    async def _wait_async(self, rs: RequestState, timeout: float | None) -> bool: ...
+    def _embeddings(self, rs: RequestState) -> list[torch.Tensor | None]: ...
+    def _fallback(self, rs: RequestState) -> tuple[list[int], list[Reason | None]]: ...
+    def _insert(
         self, rs: RequestState, keys: Sequence[str], tensors: Sequence[torch.Tensor], publish: bool
     ) -> list[bool]: ...
-    def publish(self, rs: RequestState, keys: Sequence[str]) -> list[bool]: ...
-    def close_request(self, rs: RequestState) -> None: ...
+    def _publish(self, rs: RequestState, keys: Sequence[str]) -> list[bool]: ...
+    def _close_request(self, rs: RequestState) -> None: ...
 
 
 class Request:
@@ -64,31 +65,31 @@ class Request:
         checked = None if isinstance(items, Item) else list(items)
         if checked is None or not all(map(isinstance, checked, repeat(Item))):  # no frame per item
             raise InvalidTypeError("lookup takes a sequence of Item")
-        return self._cache.lookup_items(self._state, checked, prefetch, reserve_misses)
+        return self._cache._lookup_items(self._state, checked, prefetch, reserve_misses)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every load this request waits on has ended; False on timeout."""
-        return self._cache.wait(self._state, _check_timeout(timeout))
+        return self._cache._wait(self._state, _check_timeout(timeout))
 
     async def wait_async(self, timeout: float | None = None) -> bool:
         """``wait`` for asyncio callers; does not block the event loop."""
-        return await self._cache.wait_async(self._state, _check_timeout(timeout))
+        return await self._cache._wait_async(self._state, _check_timeout(timeout))
 
     def embeddings(self) -> list[torch.Tensor | None]:
         """Zero-copy views (shape and dtype of each item) valid until the request ends; None
         for every looked-up item this request does not hold. Every call makes new view
         objects: reshaping one in place (``unsqueeze_``) touches nobody else's, but writing
         into one changes the cached bytes that every request reads."""
-        return self._cache.embeddings(self._state)
+        return self._cache._embeddings(self._state)
 
     def fallback_mask(self) -> torch.Tensor:
         """int32 tensor over the looked-up items: 1 where the caller must encode."""
-        mask, _ = self._cache.fallback(self._state)
+        mask, _ = self._cache._fallback(self._state)
         return torch.tensor(mask, dtype=torch.int32)
 
     def fallback_reasons(self) -> list[Reason | None]:
         """Why each looked-up item must be encoded (None for the ones served)."""
-        _, reasons = self._cache.fallback(self._state)
+        _, reasons = self._cache._fallback(self._state)
         return reasons
 
     def insert(
@@ -100,18 +101,18 @@ class Request:
         dtype); absent keys are added; a key present otherwise is left alone (False). Inserted
         entries are pinned by this request, and published to the global store when asked.
         """
-        return self._cache.insert(self._state, keys, tensors, publish)
+        return self._cache._insert(self._state, keys, tensors, publish)
 
     def publish(self, keys: Sequence[str]) -> list[bool]:
         """(Re)publish entries this request holds to the global store, for example ones the
         store lost; True where a write started (False: not held READY by this request, or a
         publish of it is already running). The write runs on the I/O pool under its own pin;
         ``stats().publishes_ok`` / ``publishes_failed`` count how it ended."""
-        return self._cache.publish(self._state, keys)
+        return self._cache._publish(self._state, keys)
 
     def close(self) -> None:
         """End reservations, release every pin and wait. Idempotent."""
-        self._cache.close_request(self._state)
+        self._cache._close_request(self._state)
 
     def __enter__(self) -> Request:
         return self

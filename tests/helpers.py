@@ -47,13 +47,13 @@ def wait_until(
 def evict_idle_after_close(cache: EmbeddingCache) -> None:
     """Test harness: right after each of ``cache``'s requests closes, remove every idle entry,
     so (with ``poison_freed``) a view read after its request ended reads poison."""
-    close = cache.close_request
+    close = cache._close_request
 
     def close_then_evict(rs: RequestState) -> None:
         close(rs)
         with cache._lock:
-            idle = list(cache._core.order)
+            idle = cache._core.eviction_order()
         for key in idle:
             cache.remove(key)
 
-    cache.close_request = close_then_evict  # type: ignore[method-assign]
+    cache._close_request = close_then_evict  # type: ignore[method-assign]

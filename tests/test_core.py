@@ -143,9 +143,27 @@ def test_no_module_is_much_longer_than_500_lines() -> None:
 
 
 # ------------------------------------------------------------------ the core, step by step
-def make_core(units: int = 4, *, max_batch: int = 4) -> tuple[CacheCore, TraceLog]:
-    trace = TraceLog()
-    return CacheCore(units * ALIGN, ALIGN, max_batch, True, trace=trace), trace
+class Taken:
+    """The trace a core buffered, taken as a driver would (``take_events``) when read."""
+
+    def __init__(self, core: CacheCore) -> None:
+        self._core = core
+        self._log = TraceLog()
+
+    @property
+    def events(self) -> list[dict[str, object]]:
+        for event in self._core.take_events():
+            self._log.append(event)
+        return self._log.events
+
+
+def make_core(
+    units: int = 4, *, max_batch: int = 4, record_freed: bool = False
+) -> tuple[CacheCore, Taken]:
+    core = CacheCore(
+        units * ALIGN, ALIGN, max_batch, True, trace=True, record_freed=record_freed
+    )
+    return core, Taken(core)
 
 
 def state_of(core: CacheCore) -> dict[str, tuple[str, int, list[str], list[str], bool]]:
@@ -166,10 +184,10 @@ def test_a_store_load_walks_loading_ready_and_hands_off_its_waiters() -> None:
     woken = core.end_load(entry, OK, None)
     assert [rs.request_id for rs in woken] == ["r1", "r2"]
     assert state_of(core) == {"a": ("READY", 0, ["r1", "r2"], [], False)}
-    assert list(core.order) == []  # pinned entries are not evictable
+    assert core.eviction_order() == []  # pinned entries are not evictable
     core.release(r1, "a")
     core.release(r2, "a")
-    assert list(core.order) == ["a"] and core.evictable_bytes == ALIGN
+    assert core.eviction_order() == ["a"] and core.evictable_bytes == ALIGN
     core.check_invariants()
     actions = [e["action"] for e in trace.events]
     assert actions == ["Init", "OpenRequest", "OpenRequest", "BeginLoad", "Lookup", "EndLoad",
@@ -205,7 +223,7 @@ def test_begin_load_evicts_by_the_rule_or_fails_and_evicts_nothing() -> None:
         assert entry is not None
         core.end_load(entry, OK, None)
     core.release(r1, "a")  # b stays pinned by r1
-    assert list(core.order) == ["a"]
+    assert core.eviction_order() == ["a"]
     entry, reason = core.begin_load(r1, Thing("big", 2 * ALIGN), from_store=False)
     assert entry is None and reason is Reason.NO_SPACE
     assert set(core.entries) == {"a", "b"} and core.counts["evictions"] == 0
@@ -216,13 +234,19 @@ def test_begin_load_evicts_by_the_rule_or_fails_and_evicts_nothing() -> None:
 
 
 def test_freed_ranges_are_queued_when_the_driver_asks() -> None:
-    core, _ = make_core()
-    core.freed = []
+    core, _ = make_core(record_freed=True)
     r1 = core.open_request("r1")
     entry, _ = core.begin_load(r1, Thing("a", 100), from_store=True)
     assert entry is not None
     core.end_load(entry, FAILED, None)
-    assert core.freed == [(0, ALIGN)] and "a" not in core.entries
+    assert core.take_freed() == [(0, ALIGN)] and "a" not in core.entries
+    assert core.take_freed() == []  # taken once
+    unrecorded, _ = make_core()
+    r2 = unrecorded.open_request("r2")
+    entry, _ = unrecorded.begin_load(r2, Thing("a", 100), from_store=True)
+    assert entry is not None
+    unrecorded.end_load(entry, FAILED, None)
+    assert unrecorded.take_freed() == []
 
 
 def test_remove_dooms_a_busy_entry_and_the_last_release_frees_it() -> None:
@@ -256,25 +280,20 @@ def test_a_publish_pin_and_an_unknown_publish_quarantine_then_fence_frees() -> N
 
 
 def test_request_steps_plan_an_insert_and_reject_a_mismatched_reservation() -> None:
-    from embcache.core import protocol as steps
-
     core, _ = make_core()
     r1 = core.open_request("r1")
-    statuses = steps.lookup_all(core, r1, [Thing("a", ALIGN)])
-    loads = steps.start_misses(
-        core, r1, [Thing("a", ALIGN)], statuses, {}, reserve=True, store_error=False
-    )
-    assert loads == [] and statuses[0].status is Status.RESERVED
+    statuses, ask = core.begin_lookup(r1, [Thing("a", ALIGN)], ask_store=False, reserve=True)
+    assert ask == [] and statuses[0].status is Status.RESERVED
     assert core.entries["a"].state is LOADING
     with pytest.raises(InvalidArgumentError, match="reserved as"):
-        steps.plan_insert(core, r1, [Thing("a", ALIGN, shape=(2,))])
+        core.begin_insert(r1, [Thing("a", ALIGN, shape=(2,))])
     assert core.entries["a"].state is LOADING and r1.reserved == {"a"}
-    filling = steps.plan_insert(core, r1, [Thing("a", ALIGN), Thing("a", ALIGN)])
-    assert [(i, e.key) for i, e in filling] == [(0, "a")]  # a duplicate key is filled once
-    results, _ = steps.finish_insert(core, filling, [OK], 2)
+    fills = core.begin_insert(r1, [Thing("a", ALIGN), Thing("a", ALIGN)])
+    assert [(i, e.key) for i, e in fills] == [(0, "a")]  # a duplicate key is filled once
+    results, _ = core.finish_insert(fills, [OK], 2)
     assert results == [True, False] and core.entries["a"].state is READY
-    assert steps.end_request(core, r1) == []
-    assert core.requests == {} and list(core.order) == ["a"]
+    assert core.end_request(r1) == []
+    assert core.requests == {} and core.eviction_order() == ["a"]
     core.check_invariants()
 
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import dataclasses
 import re
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from hypothesis import strategies as st
 from embcache import EmbeddingCache, Fault, InProcessStore, Item, RangeAllocator, Reason
 from embcache.allocator import Block
 from embcache.core.eviction import Piece, Window, best_window, neighbourhood
+from embcache.core.invariants import check_core
 from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY, Step, transition
 from embcache.errors import (
     ClosedError,
@@ -316,7 +320,7 @@ def test_timed_out_async_wait_drops_its_future() -> None:
         with cache.request("r") as request:
             request.lookup([Item("k", (64,), torch.float32)])
             assert asyncio.run(request.wait_async(timeout=0.01)) is False
-            assert cache._core.requests["r"].wakeup.futures == []
+            assert cache._wakeups["r"].futures == []
             store.release_holds()
             assert request.wait(timeout=10)
         cache.check_invariants()
@@ -515,7 +519,7 @@ def test_one_completion_wakes_every_async_waiter() -> None:
 
         async def wait_all() -> list[bool]:
             waits = [asyncio.ensure_future(r.wait_async(timeout=10)) for r in requests]
-            while not all(cache._core.requests[f"r{i}"].wakeup.futures for i in range(3)):
+            while not all(cache._wakeups[f"r{i}"].futures for i in range(3)):
                 await asyncio.sleep(0.001)
             store.release_holds()
             return list(await asyncio.gather(*waits))
@@ -600,8 +604,32 @@ def test_trace_fields_of_waiters_doomed_and_tainted() -> None:
 
 
 # ------------------------------------------------------------------ the invariant checker
+def state_copy(cache: EmbeddingCache) -> dict[str, Any]:
+    """A copy of the cache core's state, as ``check_core`` takes it: corrupt the copy, never
+    the core (its state is read-only from outside)."""
+    core = cache._core
+    with cache._lock:
+        requests = {
+            r: dataclasses.replace(
+                rs, items=list(rs.items), holds=dict(rs.holds), waits=set(rs.waits),
+                reserved=set(rs.reserved), fallbacks=dict(rs.fallbacks),
+            )
+            for r, rs in core.requests.items()
+        }
+        return {
+            "allocator": copy.deepcopy(core.allocator),
+            "entries": {k: dataclasses.replace(e) for k, e in core.entries.items()},
+            "pinned_since": dict(core.pinned_since),
+            "requests": requests,
+            "order": core.eviction_order(),
+            "evictable_bytes": core.evictable_bytes,
+            "quarantine": dict(core.quarantine),
+        }
+
+
 def corrupt_and_check(corrupt: str) -> str:
-    """Build idle, held, loading and quarantined entries, break one invariant, return the error."""
+    """Build idle, held, loading and quarantined entries, break one invariant in a copy of the
+    state, return the error ``check_core`` (what ``check_invariants`` runs) raises for it."""
     store = InProcessStore()
     store.put_object("q", torch.arange(64, dtype=torch.float32).numpy().tobytes())
     store.inject("q", Fault.UNKNOWN)
@@ -620,11 +648,13 @@ def corrupt_and_check(corrupt: str) -> str:
         ].status.name == ("RESERVED")
         s = cache.request("s")
         cache.check_invariants()
-        e, rs = cache._core.entries, cache._core.requests
+        state = state_copy(cache)
+        check_core(**state)  # the copy is as sound as the core
+        e, rs = state["entries"], state["requests"]
         if corrupt == "allocation":
-            cache._core.allocator.allocate(ALIGN)
+            state["allocator"].allocate(ALIGN)
         elif corrupt == "pin_times":
-            cache._core.pinned_since["idle"] = 0.0
+            state["pinned_since"]["idle"] = 0.0
         elif corrupt == "reserved_not_waited":
             rs["r"].reserved.add("held")
         elif corrupt == "holder":
@@ -639,7 +669,7 @@ def corrupt_and_check(corrupt: str) -> str:
         elif corrupt == "filler":
             e["idle"].filler = "r"
         elif corrupt == "quarantine_list":
-            cache._core.quarantine.pop("q")
+            state["quarantine"].pop("q")
         elif corrupt == "quarantined_doomed":
             e["q"].doomed = True
         elif corrupt == "doomed_idle":
@@ -647,12 +677,13 @@ def corrupt_and_check(corrupt: str) -> str:
         elif corrupt == "tainted_idle":
             e["idle"].tainted = True
         elif corrupt == "lru":
-            cache._core.order.discard("idle")
+            state["order"].remove("idle")
         elif corrupt == "evictable_bytes":
-            cache._core.evictable_bytes += 1
+            state["evictable_bytes"] += 1
         del s
         with pytest.raises(InvariantError) as info:
-            cache.check_invariants()
+            check_core(**state)
+        cache.check_invariants()  # the core itself was never touched
         return str(info.value)
     finally:
         store.release_holds()
@@ -826,11 +857,11 @@ def test_a_closed_event_loop_does_not_stop_other_wake_ups() -> None:
                 await asyncio.wait_for(a.wait_async(), 0.01)
 
         asyncio.run(cancelled())
-        assert cache._core.requests["a"].wakeup.futures  # the premise: a waiter on a closed loop
+        assert cache._wakeups["a"].futures  # the premise: a waiter on a closed loop
 
         async def wait_b() -> bool:
             task = asyncio.ensure_future(b.wait_async(timeout=5))
-            while not cache._core.requests["b"].wakeup.futures:
+            while not cache._wakeups["b"].futures:
                 await asyncio.sleep(0.001)
             store.release_holds()
             return await task

@@ -1,451 +1,316 @@
-"""The pure core of the cache: entries, pins, waits, the allocator and the eviction order.
+"""``CacheCore``: the DESIGN actions (``embcache.core.actions``) and the request protocol over them.
 
-Theory of operation (after h11's ``Connection``). ``CacheCore`` holds every piece of state that
-DESIGN.md talks about and changes it only through the DESIGN actions, one method each, named as
-in the spec: ``open_request``, ``close_request``, ``lookup``, ``begin_load``, ``end_load``,
-``release``, ``evict``, ``remove``, ``publish``, ``end_publish``, ``fence``. Each checks the
-transition table of ``embcache.core.lifecycle`` before it changes anything, emits its trace
-event, and returns what the caller must now do: the entry whose range to fill or publish, the
-requests to wake. Ranges that became free are queued in ``freed`` when the caller asked for
-them (a debug driver poisons them).
+Theory of operation (after h11, at the level of a request). A driver opens a request
+(``open_request``) and then makes one call per step; each runs DESIGN actions underneath (so the
+trace and the spec correspondence are the actions'), updates counters, fallbacks and the policy's
+record, and returns a small record of what the driver must do next (``embcache.core.effects``):
 
-The core knows no threads, no clock, no torch and no store: it is not thread-safe, and the
-driver (``embcache.cache.EmbeddingCache``) calls it only while holding its lock, does every
-transfer and copy with no lock held, and reports each transfer's end back through
-``end_load``/``end_publish``. Items are duck-typed (``key``, ``shape``, ``dtype``, ``nbytes``), so
-this module never imports torch. The time a pin starts comes from the ``clock`` the driver
-passes in.
+- ``begin_lookup(rs, items)``: statuses, and the keys to ask the store about (none: done);
+  ``finish_lookup(rs, found | None)`` after the store answered (None: it failed): statuses and
+  the loads to start; each load ends with ``end_loads``.
+- ``begin_insert(rs, items)``: the ranges to fill, each with its item's index;
+  ``finish_insert(fills, outcomes, n)``: which items are cached, and the requests to wake.
+- ``begin_publishes(rs, keys)`` / ``end_publishes``; ``served`` / ``fallback`` (what a request may
+  read, and what it must encode); ``end_request(rs)``: the requests to wake.
+
+The driver takes the trace events (``take_events``) and freed ranges (``take_freed``) the calls
+buffered. Outside code reads the state through read-only views and queries, never edits it.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
-from embcache.core.allocator import BestFitAllocator, Block
-from embcache.core.entries import (
-    HIT,
+from embcache.core.actions import Actions
+from embcache.core.allocator import BestFitAllocator
+from embcache.core.effects import Fill, InsertEnd, LookupEnd, LookupStart
+from embcache.core.entries import Entry, ItemLike, RequestState, matches
+from embcache.core.lifecycle import ABSENT, READY, EntryState
+from embcache.core.outcomes import (
     LOADING_STATUS,
     MISSES,
-    NOBODY,
     RESERVED_STATUS,
-    Entry,
-    FenceSnapshot,
-    Holder,
-    ItemLike,
-    RequestState,
-    TraceSink,
+    ItemStatus,
+    Reason,
+    TransferOutcome,
 )
-from embcache.core.eviction import choose_victims
-from embcache.core.invariants import check_core
-from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY, Step, transition
-from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
-from embcache.core.policy import LruPolicy, Policy
-from embcache.core.stats import CacheStats, snapshot
-from embcache.errors import InvariantError
+from embcache.errors import InvalidArgumentError, InvariantError
+
+NOT_FOUND = Reason.NOT_FOUND
 
 
-class CacheCore:
-    """All cache state and the DESIGN actions over it. Not thread-safe: the driver locks."""
+class CacheCore(Actions):
+    """The cache's state machine: DESIGN actions and request steps. Not thread-safe."""
 
-    def __init__(
-        self,
-        capacity: int,
-        alignment: int,
-        max_eviction_batch: int,
-        enable_eviction: bool,
-        *,
-        trace: TraceSink | None = None,
-        clock: Callable[[], float] = float,
-        policy: Policy | None = None,
-    ) -> None:
-        self.allocator = BestFitAllocator(capacity, alignment)
-        self.max_batch = max_eviction_batch
-        self.enable_eviction = enable_eviction
-        self.trace = trace
-        self.clock = clock
-        self.seq = 0
-        self.entries: dict[str, Entry] = {}
-        self.pinned_since: dict[str, float] = {}  # pinned keys -> when the first pin came
-        self.shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape
-        self.policy: Policy = LruPolicy() if policy is None else policy
-        self.order = self.policy.order()  # the evictable keys, first victim first
-        # The policy's record of each looked-up key; None when it records nothing (lru).
-        self.record = self.policy.record if getattr(self.policy, "records_lookups", True) else None
-        self.evictable_bytes = 0
-        self.requests: dict[str, RequestState] = {}
-        self.counts: Counter[str] = Counter()
-        self.quarantine: dict[str, float] = {}  # QUARANTINED keys -> when (core clock)
-        self.fences_begun = 0  # the id of the last BeginFence
-        self.freed: list[tuple[int, int]] | None = None  # a list: every freed range is queued
-        self._emit(
-            "Init",
-            None,
-            capacity=capacity,
-            alignment=alignment,
-            max_eviction_batch=max_eviction_batch,
-            enable_eviction=enable_eviction,
+    # ------------------------------------------------------------------ request steps
+    def begin_lookup(
+        self, rs: RequestState, items: Sequence[ItemLike], *, ask_store: bool, reserve: bool
+    ) -> LookupStart:
+        """Lookup every item (a miss larger than the pool is TOO_LARGE). When misses remain
+        and the store is to be asked, returns their keys: call ``finish_lookup`` next; else
+        the lookup is over (misses reserved when ``reserve``). O(len(items))."""
+        record = self._record
+        if record is not None:
+            for item in items:
+                record(item.key)
+        statuses = []
+        lookup, capacity = self.lookup, self.capacity
+        for item in items:
+            status = lookup(rs, item)
+            if status.reason is NOT_FOUND and item.nbytes > capacity:
+                status = MISSES[Reason.TOO_LARGE]
+            statuses.append(status)
+        if not (ask_store or reserve) or all(s.reason is not NOT_FOUND for s in statuses):
+            self._end_lookup(rs, items, statuses)
+            return LookupStart(statuses, [])
+        if not ask_store:
+            return LookupStart(self._start_misses(rs, items, statuses, {}, reserve, False), [])
+        rs.lookup_pending = (list(items), statuses, reserve)
+        pairs = zip(items, statuses, strict=True)
+        return LookupStart(statuses, sorted({it.key for it, s in pairs if s.reason is NOT_FOUND}))
+
+    def finish_lookup(self, rs: RequestState, found: Mapping[str, bool] | None) -> LookupEnd:
+        """The second pass of a lookup after the store said which asked keys it holds
+        (``found``; None: the store failed): join what others started meanwhile, else start
+        a store read or a reservation. Returns the final statuses and the loads to run."""
+        pending = rs.lookup_pending
+        if pending is None:
+            raise InvariantError(f"finish_lookup for {rs.request_id!r} without begin_lookup")
+        rs.lookup_pending = None
+        items, statuses, reserve = pending
+        loads: list[Entry] = []
+        statuses = self._start_misses(
+            rs, items, statuses, found or {}, reserve, found is None, loads
         )
+        return LookupEnd(statuses, loads)
+
+    def begin_insert(self, rs: RequestState, items: Sequence[ItemLike]) -> list[Fill]:
+        """The LOADING entries ``rs`` must now fill, each with its item's index: its
+        reservations, and a BeginLoad for each absent key (a duplicate key once). Raises
+        (changing nothing) when a reserved key's shape or dtype differs from the reservation."""
+        entries = self._entries
+        for item in items:
+            if item.key in rs.reserved:
+                expected = entries[item.key]
+                if not matches(expected, item):
+                    raise InvalidArgumentError(
+                        f"tensor for {item.key!r} has shape {item.shape} and dtype "
+                        f"{item.dtype}, but it was reserved as {expected.shape} {expected.dtype}"
+                    )
+        fills: list[Fill] = []
+        planned: set[str] = set()
+        for i, item in enumerate(items):
+            key = item.key
+            if key in planned:
+                continue  # a duplicate key is inserted once
+            if key in rs.reserved:
+                fills.append(Fill(i, entries[key]))
+                planned.add(key)
+            elif key not in entries:
+                entry, _ = self.begin_load(rs, item, from_store=False)
+                if entry is not None:
+                    fills.append(Fill(i, entry))
+                    planned.add(key)
+        return fills
+
+    def finish_insert(
+        self, fills: Sequence[Fill], outcomes: Sequence[TransferOutcome], count: int
+    ) -> InsertEnd:
+        """EndLoad each filled entry with its copy's outcome; which of ``count`` items are
+        cached now, and the requests to wake."""
+        results = [False] * count
+        wake: list[RequestState] = []
+        for (i, entry), outcome in zip(fills, outcomes, strict=True):
+            wake += self.end_load(entry, outcome, Reason.LOAD_FAILED)
+            results[i] = entry.state is READY
+        self._counts["inserts"] += sum(results)
+        return InsertEnd(results, wake)
+
+    def end_loads(
+        self, entries: Sequence[Entry], outcomes: Sequence[TransferOutcome]
+    ) -> list[RequestState]:
+        """EndLoad each store read with its outcome; returns the requests to wake."""
+        wake: list[RequestState] = []
+        for entry, outcome in zip(entries, outcomes, strict=True):
+            wake += self.end_load(entry, outcome, None)
+        return wake
+
+    def begin_publishes(self, rs: RequestState, keys: Sequence[str]) -> list[Entry | None]:
+        """Publish each key ``rs`` holds READY; per key the entry to write, or None."""
+        return [self.publish(rs, key) for key in keys]
+
+    def end_publishes(
+        self, request_id: str, entries: Sequence[Entry], outcomes: Sequence[TransferOutcome]
+    ) -> None:
+        """EndPublish each write with its outcome."""
+        for entry, outcome in zip(entries, outcomes, strict=True):
+            self.end_publish(request_id, entry, outcome)
+
+    def end_request(self, rs: RequestState) -> list[RequestState]:
+        """End every reservation of ``rs`` (its waiters fall back), release every wait and pin
+        in lookup order, then CloseRequest. Returns the requests to wake."""
+        rs.lookup_pending = None
+        wake: list[RequestState] = []
+        for key in sorted(rs.reserved):
+            wake += self.end_load(self._entries[key], TransferOutcome.FAILED, Reason.ABANDONED)
+        for key in sorted(rs.waits):
+            self.release(rs, key)
+        for key in _release_order(rs):
+            self.release(rs, key)
+        self.close_request(rs)
+        return wake
+
+    def served(self, rs: RequestState) -> list[tuple[int, ItemLike] | None]:
+        """Per looked-up item, the range it may read (offset and item) or None."""
+        holds, entries = rs.holds, self._entries
+        out: list[tuple[int, ItemLike] | None] = []
+        for item in rs.items:
+            entry = entries[item.key] if item.key in holds else None
+            out.append(None if entry is None or not matches(entry, item) else (entry.offset, item))
+        return out
+
+    def fallback(self, rs: RequestState) -> tuple[list[int], list[Reason | None]]:
+        """Per looked-up item: 1 where the caller must encode it, and why."""
+        served = [r is not None for r in self.served(rs)]
+        pairs = zip(rs.items, served, strict=True)
+        reasons = [None if ok else _fallback_reason(rs, it) for it, ok in pairs]
+        return [0 if ok else 1 for ok in served], reasons
+
+    @staticmethod
+    def pending(rs: RequestState) -> bool:
+        """Whether ``rs`` waits on a load that someone else fills."""
+        return rs.pending()
+
+    # ------------------------------------------------------------------ effects to take
+    def take_events(self) -> list[dict[str, Any]]:
+        """The trace events buffered since the last call, in order (none when not tracing)."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
+
+    def take_freed(self) -> list[tuple[int, int]]:
+        """The ``(offset, size)`` ranges freed since the last call (with ``record_freed``)."""
+        freed = self._freed
+        if not freed:
+            return []
+        self._freed = []
+        return freed
+
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def entries(self) -> Mapping[str, Entry]:
+        """Every entry by key (a read-only view; the entries are the core's: do not edit)."""
+        return MappingProxyType(self._entries)
 
     @property
-    def capacity(self) -> int:
-        """Pool size in bytes."""
-        return self.allocator.capacity
+    def requests(self) -> Mapping[str, RequestState]:
+        """Every open request by id (a read-only view)."""
+        return MappingProxyType(self._requests)
 
-    def check_invariants(self) -> None:
-        """Raise ``InvariantError`` naming the first broken DESIGN.md invariant. O(n log n)."""
-        check_core(
-            self.allocator,
-            self.entries,
-            self.pinned_since,
-            self.requests,
-            self.order,
-            self.evictable_bytes,
-            self.quarantine,
-        )
+    @property
+    def counts(self) -> Mapping[str, int]:
+        """The counters (a read-only view)."""
+        return MappingProxyType(self._counts)
 
-    def stats(self, now: float) -> CacheStats:
-        """A snapshot of the state and counters at ``now`` (of this core's clock)."""
-        return snapshot(
-            self.allocator,
-            self.entries.values(),
-            len(self.requests),
-            self.counts,
-            now - min(self.pinned_since.values(), default=now),
-        )
+    @property
+    def quarantine(self) -> Mapping[str, float]:
+        """QUARANTINED keys and when each was quarantined (a read-only view)."""
+        return MappingProxyType(self._quarantine)
 
-    # ------------------------------------------------------------------ the DESIGN actions
-    def open_request(self, request_id: str) -> RequestState:
-        """OpenRequest(r)."""
-        rs = RequestState(request_id)
-        self.requests[request_id] = rs
-        if self.trace is not None:
-            self._emit("OpenRequest", request_id)
-        return rs
+    @property
+    def pinned_since(self) -> Mapping[str, float]:
+        """Pinned keys and when their first pin came (a read-only view)."""
+        return MappingProxyType(self._pinned_since)
 
-    def close_request(self, rs: RequestState) -> None:
-        """CloseRequest(r): the request holds, waits on and reserves nothing any more."""
-        assert not (rs.holds or rs.waits or rs.reserved), "close releases everything first"
-        del self.requests[rs.request_id]
-        if self.trace is not None:
-            self._emit("CloseRequest", rs.request_id)
+    @property
+    def allocator(self) -> BestFitAllocator:
+        """The allocator, for its queries (``allocated_bytes``, ``free_blocks()``...) only."""
+        return self._allocator
 
-    def lookup(self, rs: RequestState, item: ItemLike) -> ItemStatus:
-        """Lookup(r, k): pin a READY entry, join a LOADING one, else a miss."""
-        r, entry = rs.request_id, self.entries.get(item.key)
-        if entry is None:
-            status = MISSES[Reason.NOT_FOUND]
-        elif entry.shape != item.shape or entry.dtype != item.dtype:
-            status = MISSES[Reason.MISMATCH]
-        elif entry.doomed or entry.state not in (READY, LOADING):
-            status = MISSES[Reason.BUSY]
-        elif entry.state is READY:
-            transition(entry.state, Step.LOOKUP_HIT)
-            if r not in entry.holders:
-                self._add_holder(entry, r)
-                rs.holds[item.key] = None
-            self.counts["hits"] += 1
-            status = HIT
-        else:
-            transition(entry.state, Step.LOOKUP_JOIN)
-            if r not in entry.waiters:
-                entry.waiters |= {r}
-                rs.waits.add(item.key)
-                self.counts["joins"] += 1
-            status = RESERVED_STATUS if entry.filler == r else LOADING_STATUS
-        if self.trace is not None:  # (the per-item actions skip building the event's fields)
-            reason = None if status.reason is None else status.reason.value
-            self._emit("Lookup", r, item.key, entry, outcome=status.status.name, reason=reason)
-        return status
+    @property
+    def evictable_bytes(self) -> int:
+        """Bytes of the entries in the eviction order."""
+        return self._evictable_bytes
 
-    def begin_load(
-        self, rs: RequestState, item: ItemLike, *, from_store: bool
-    ) -> tuple[Entry | None, Reason | None]:
-        """BeginLoad(r, k, n): allocate (evicting if the rule allows), LOADING, waiters = {r}.
+    def eviction_order(self) -> list[str]:
+        """The evictable keys, first victim first. O(n)."""
+        return list(self._order)
 
-        Returns the entry whose range the caller must now fill (a store read when
-        ``from_store``, else the request's own insert), or None and the reason it failed.
-        """
-        existing = self.entries.get(item.key)
-        transition(ABSENT if existing is None else existing.state, Step.BEGIN_LOAD)
-        if item.nbytes > self.capacity:
-            return self._alloc_failed(rs, item, Reason.TOO_LARGE)
-        size = self.allocator.rounded(item.nbytes)
-        offset = self._allocate(item.key, size)
-        if isinstance(offset, Reason):
-            return self._alloc_failed(rs, item, offset)
-        shape = self.shapes.setdefault(item.shape, item.shape)
-        entry = Entry(item.key, shape, item.dtype, offset, size, waiters=frozenset({rs.request_id}))
-        entry.filler = None if from_store else rs.request_id
-        self.entries[item.key] = entry
-        rs.waits.add(item.key)
-        if not from_store:
-            rs.reserved.add(item.key)
-        self.counts["loads_started" if from_store else "reservations"] += 1
-        self._emit("BeginLoad", rs.request_id, item.key, entry, outcome="OK")
-        return entry, None
+    def entry_state(self, key: str) -> EntryState:
+        """The state of ``key``'s entry (ABSENT when there is none)."""
+        entry = self._entries.get(key)
+        return ABSENT if entry is None else entry.state
 
-    def end_load(
-        self, entry: Entry, outcome: TransferOutcome, failed_reason: Reason | None
-    ) -> list[RequestState]:
-        """EndLoad(k, outcome): READY with waiters pinned, or freed, or QUARANTINED.
 
-        Returns the waiters, which the caller must wake.
-        """
-        if self.entries.get(entry.key) is not entry:
-            raise InvariantError(f"EndLoad for {entry.key!r}, whose entry is gone")
-        if outcome is TransferOutcome.OK and not entry.doomed:
-            step = Step.END_LOAD_OK
-        elif outcome is TransferOutcome.UNKNOWN:
-            step = Step.END_LOAD_UNKNOWN
-        else:
-            step = Step.END_LOAD_DOOMED if entry.doomed else Step.END_LOAD_FAILED
-        new_state = transition(entry.state, step)
-        waiters = [self.requests[r] for r in sorted(entry.waiters)]
-        if entry.filler is not None:
-            self.requests[entry.filler].reserved.discard(entry.key)
-            entry.filler = None
-        else:  # a store read
-            self.counts["loads_" + outcome.name.lower()] += 1
-        entry.state = new_state
-        for rs in waiters:
-            rs.waits.discard(entry.key)
-        entry.waiters = NOBODY
-        if step is Step.END_LOAD_OK:
-            for rs in waiters:
-                self._add_holder(entry, rs.request_id)
-                rs.holds[entry.key] = None
-            if not entry.holders:
-                self._make_evictable(entry)
-        else:
-            reason = {
-                Step.END_LOAD_DOOMED: Reason.REMOVED,
-                Step.END_LOAD_UNKNOWN: Reason.LOAD_UNKNOWN,
-            }.get(step, failed_reason or Reason.LOAD_FAILED)
-            for rs in waiters:
-                rs.fallbacks[entry.key] = reason
-                self.counts["fallback:" + reason.value] += 1
-            entry.doomed = False
-            if new_state is ABSENT:
-                self._free(entry)
-            else:
-                self.quarantine[entry.key] = self.clock()
-        self._emit("EndLoad", None, entry.key, entry, outcome=outcome.name)
-        return waiters
-
-    def release(self, rs: RequestState, key: str) -> None:
-        """Release(r, k): drop r's wait or pin; the last pin frees, quarantines or idles it."""
-        entry = self.entries[key]
-        if key in rs.waits:
-            transition(entry.state, Step.RELEASE_WAIT)
-            entry.waiters = (entry.waiters - {rs.request_id}) or NOBODY
-            rs.waits.discard(key)
-        else:
-            del rs.holds[key]
-            self._drop_pin(entry, rs.request_id, Step.RELEASE_PIN)
-        if self.trace is not None:
-            self._emit("Release", rs.request_id, key, entry)
-
-    def evict(self, entry: Entry) -> None:
-        """Evict(k): free an idle READY entry chosen by the eviction rule."""
-        if entry.pins or entry.doomed or entry.key not in self.order:
-            raise InvariantError(f"eviction of {entry.key!r}, which is not evictable")
-        entry.state = transition(entry.state, Step.EVICT)
-        self._free(entry)
-        self.counts["evictions"] += 1
-        self.counts["evicted_bytes"] += entry.size
-        self._emit("Evict", None, entry.key, entry)
-
-    def remove(self, key: str) -> bool:
-        """Remove(k): free now if idle, else doom; QUARANTINED entries wait for a fence."""
-        entry = self.entries.get(key)
-        if entry is None or entry.doomed or entry.state is QUARANTINED:
-            return False
-        if entry.state is READY and not entry.pins:
-            entry.state = transition(entry.state, Step.REMOVE_IDLE)
-            self._free(entry)
-        else:
-            transition(entry.state, Step.REMOVE_BUSY)
-            entry.doomed = True
-        self._emit("Remove", None, key, entry)
-        return True
-
-    def publish(self, rs: RequestState, key: str) -> Entry | None:
-        """Publish(r, k): a write of k's range to the store starts under its own pin.
-
-        Returns the entry whose range the caller must now write, or None when ``rs`` does not
-        hold a READY entry for ``key`` or a publish of it is already running.
-        """
-        entry = self.entries.get(key)
-        if entry is None or key not in rs.holds or entry.publishing or entry.state is not READY:
-            return None
-        transition(entry.state, Step.PUBLISH)
-        entry.publishing = True
-        self._add_holder(entry, ("publish", rs.request_id))
-        self.counts["publishes_started"] += 1
-        self._emit("Publish", rs.request_id, key, entry)
-        return entry
-
-    def end_publish(self, request_id: str, entry: Entry, outcome: TransferOutcome) -> None:
-        """EndPublish(r, k, outcome): drop the publish pin; UNKNOWN taints the entry."""
-        entry.publishing = False
-        if outcome is TransferOutcome.UNKNOWN:
-            entry.tainted = True
-        self.counts["publishes_" + outcome.name.lower()] += 1
-        self._drop_pin(entry, ("publish", request_id), Step.END_PUBLISH)
-        self._emit("EndPublish", request_id, entry.key, entry, outcome=outcome.name)
-
-    def begin_fence(self) -> FenceSnapshot:
-        """BeginFence(f): the QUARANTINED entries now, taken just before the store's fence
-        begins (that fence stops their transfers, not later ones). O(q)."""
-        self.fences_begun += 1
-        entries = self.entries
-        snap = FenceSnapshot(self.fences_begun, tuple(entries[key] for key in self.quarantine))
-        self._emit("BeginFence", None, fence=snap.fence, keys=[e.key for e in snap.entries])
-        return snap
-
-    def fence(self, snap: FenceSnapshot) -> int:
-        """Fence(f): the store's fence ``snap.fence`` returned: free the entries of ``snap``
-        that are still those very entries. Fences may overlap: a key another fence freed and
-        that was QUARANTINED again since (by a transfer this fence does not cover) stays."""
-        freed = []
-        for entry in snap.entries:
-            if self.entries.get(entry.key) is entry:
-                entry.state = transition(entry.state, Step.FENCE)
-                self._free(entry)
-                freed.append(entry.key)
-        self.counts["fences"] += 1
-        self._emit("Fence", None, None, None, fence=snap.fence, keys=freed)
-        return len(freed)
-
-    def fence_due(self, now: float, max_bytes: int, max_age: float) -> bool:
-        """Whether the automatic fence should run: more than ``max_bytes`` quarantined, or a
-        range quarantined for ``max_age`` or longer (``now`` on the core's clock). O(q)."""
-        if not self.quarantine:
-            return False
-        quarantined = sum(self.entries[key].size for key in self.quarantine)
-        return quarantined > max_bytes or now - min(self.quarantine.values()) >= max_age
-
-    # ------------------------------------------------------------------ helpers of the actions
-    def _alloc_failed(
-        self, rs: RequestState, item: ItemLike, reason: Reason
-    ) -> tuple[None, Reason]:
-        self.counts["alloc_fail:" + reason.value] += 1
-        self._emit(
-            "BeginLoad", rs.request_id, item.key, None, outcome=reason.name, size=item.nbytes
-        )
-        return None, reason
-
-    def _allocate(self, key: str, size: int) -> int | Reason:
-        """A range of ``size`` bytes for ``key``, evicting the victims the rule chooses if
-        the policy admits ``key`` at their cost; else why not (nothing evicted)."""
-        free = self.allocator.free_bytes
-        if free >= size and (offset := self.allocator.allocate(size)) is not None:
-            return offset  # (a full pool skips the search for a block that cannot exist)
-        if not self.enable_eviction or free + self.evictable_bytes < size:
-            return Reason.NO_SPACE
-        examined: dict[int, Entry] = {}  # offset -> entry, of the candidates the rule looked at
-
-        def candidates() -> Iterator[Block]:
-            for entry in map(self.entries.__getitem__, self.order):
-                examined[entry.offset] = entry
-                yield Block(entry.offset, entry.size, False)
-
-        window = choose_victims(
-            size, candidates(), self.max_batch, self.allocator.block_before, self.allocator.block_at
-        )
-        if window is None:
-            return Reason.NO_SPACE
-        victims = [examined[offset] for offset in window.victims]
-        if not self.policy.admit(key, size, [victim.key for victim in victims]):
-            return Reason.NOT_ADMITTED
-        for victim in victims:
-            self.evict(victim)
-        offset = self.allocator.allocate(size)
-        if offset != window.offset:
-            raise InvariantError(f"eviction freed {window} but the allocator returned {offset}")
-        return window.offset
-
-    def _drop_pin(self, entry: Entry, holder: Holder, plain: Step) -> None:
-        holders = entry.holders
-        last = len(holders) == 1 and holder in holders
-        if last:
-            if entry.tainted:
-                plain = Step.RELEASE_LAST_TAINTED
-            elif entry.doomed:
-                plain = Step.RELEASE_LAST_DOOMED
-        entry.state = transition(entry.state, plain)
-        if not last:
-            entry.holders = (holders - {holder}) or NOBODY
-            return
-        entry.holders = NOBODY
-        del self.pinned_since[entry.key]
-        if not self.pinned_since:  # a dict keeps the table of its largest burst: start afresh
-            self.pinned_since = {}
-        if plain is Step.RELEASE_LAST_DOOMED:
-            self._free(entry)
-        elif plain is Step.RELEASE_LAST_TAINTED:
-            entry.tainted = entry.doomed = False
-            self.quarantine[entry.key] = self.clock()
-        else:
-            self._make_evictable(entry)
-
-    def _add_holder(self, entry: Entry, holder: Holder) -> None:
-        if entry.holders:
-            entry.holders |= {holder}
-            return
-        entry.holders = frozenset((holder,))
-        self.pinned_since[entry.key] = self.clock()
-        if self.order.discard(entry.key):
-            self.evictable_bytes -= entry.size
-
-    def _make_evictable(self, entry: Entry) -> None:
-        self.order.add(entry.key)
-        self.evictable_bytes += entry.size
-
-    def _free(self, entry: Entry) -> None:
-        self.allocator.free(entry.offset)
-        del self.entries[entry.key]
-        if self.order.discard(entry.key):
-            self.evictable_bytes -= entry.size
-        elif self.quarantine:
-            self.quarantine.pop(entry.key, None)
-        self.policy.forget(entry.key)
-        entry.state = ABSENT
-        if self.freed is not None:
-            self.freed.append((entry.offset, entry.size))
-
-    def _emit(
+    # ------------------------------------------------------------------ helpers
+    def _start_misses(
         self,
-        action: str,
-        request: str | None,
-        key: str | None = None,
-        entry: Entry | None = None,
-        outcome: str | None = None,
-        **extra: Any,
+        rs: RequestState,
+        items: Sequence[ItemLike],
+        statuses: list[ItemStatus],
+        found: Mapping[str, bool],
+        reserve: bool,
+        store_error: bool,
+        loads: list[Entry] | None = None,
+    ) -> list[ItemStatus]:
+        """Second pass over the NOT_FOUND items: join what others started meanwhile, else
+        BeginLoad a store read (appended to ``loads``) or a reservation; then end the lookup."""
+        entries = self._entries
+        for i, item in enumerate(items):
+            if statuses[i].reason is not NOT_FOUND:
+                continue
+            in_store = found.get(item.key, False)
+            if item.key in entries:
+                statuses[i] = self.lookup(rs, item)
+            elif in_store or reserve:
+                entry, reason = self.begin_load(rs, item, from_store=in_store)
+                if entry is None:
+                    assert reason is not None, "a failed BeginLoad names its reason"
+                    statuses[i] = MISSES[reason]
+                elif in_store:
+                    assert loads is not None, "a store read only after the store was asked"
+                    loads.append(entry)
+                    statuses[i] = LOADING_STATUS
+                else:
+                    statuses[i] = RESERVED_STATUS
+            if statuses[i].reason is NOT_FOUND and store_error:
+                statuses[i] = MISSES[Reason.STORE_ERROR]
+        self._end_lookup(rs, items, statuses)
+        return statuses
+
+    def _end_lookup(
+        self, rs: RequestState, items: Sequence[ItemLike], statuses: Sequence[ItemStatus]
     ) -> None:
-        if self.trace is None:
-            return
-        self.seq += 1
-        event: dict[str, Any] = {
-            "seq": self.seq,
-            "action": action,
-            "request": request,
-            "key": key,
-            "outcome": outcome,
-        }
-        if entry is not None:
-            event.update(
-                size=entry.size,
-                offset=entry.offset,
-                state=entry.state.name,
-                holders=sorted(
-                    h if isinstance(h, str) else "publish:" + h[1] for h in entry.holders
-                ),
-                waiters=sorted(entry.waiters),
-                doomed=entry.doomed,
-                tainted=entry.tainted,
-            )
-        event.update(extra)
-        self.trace.append(event)
+        """Note the items and each miss's reason (for ``fallback``) and count the misses."""
+        counts = self._counts
+        for item, status in zip(items, statuses, strict=True):
+            reason = status.reason
+            if reason is not None:
+                rs.fallbacks[item.key] = reason
+                counts["miss:" + reason.value] += 1
+        rs.items.extend(items)
+
+
+def _release_order(rs: RequestState) -> list[str]:
+    """The keys ``rs`` pins, in the order it looked them up, then the others (its own inserts)
+    in the order it pinned them: released in this order, the last looked up ends newest."""
+    holds = rs.holds
+    order = [key for key in dict.fromkeys([item.key for item in rs.items]) if key in holds]
+    if len(order) < len(holds):  # it also pins keys it inserted without looking them up
+        looked = set(order)
+        order += [key for key in holds if key not in looked]
+    return order
+
+
+def _fallback_reason(rs: RequestState, item: ItemLike) -> Reason | None:
+    if item.key in rs.holds:
+        return Reason.MISMATCH
+    if item.key in rs.reserved:
+        return Reason.NOT_FOUND  # reserved for this request: a miss it must encode
+    if item.key in rs.waits:
+        return Reason.TIMEOUT
+    return rs.fallbacks.get(item.key)

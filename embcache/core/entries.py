@@ -13,12 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from embcache.core.lifecycle import LOADING, EntryState
-from embcache.core.outcomes import ItemStatus, Reason, Status
+from embcache.core.outcomes import ItemStatus, Reason
 
-HIT = ItemStatus(Status.HIT)  # statuses are immutable: the common ones are shared
-LOADING_STATUS = ItemStatus(Status.LOADING)
-RESERVED_STATUS = ItemStatus(Status.RESERVED)
-MISSES = {reason: ItemStatus(Status.MISS, reason) for reason in Reason}
 Holder = str | tuple[str, str]  # a request id, or ("publish", request id) for a publish pin
 NOBODY: frozenset[Any] = frozenset()  # shared: an idle entry carries no set of its own
 
@@ -34,12 +30,6 @@ class ItemLike(Protocol):
     def dtype(self) -> Hashable: ...
     @property
     def nbytes(self) -> int: ...
-
-
-class TraceSink(Protocol):
-    """Where trace events go: a list, or anything with ``append``."""
-
-    def append(self, event: dict[str, Any], /) -> None: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -78,7 +68,8 @@ class RequestState:
     waits: set[str] = field(default_factory=set)
     reserved: set[str] = field(default_factory=set)
     fallbacks: dict[str, Reason] = field(default_factory=dict)
-    wakeup: Any = None  # the driver's way to wake this request; the core never reads it
+    # A lookup between its two passes: its items, their statuses so far, and ``reserve``.
+    lookup_pending: tuple[list[ItemLike], list[ItemStatus], bool] | None = None
 
     def pending(self) -> bool:
         """Whether it waits on a load that someone else fills (a store read or another's insert)."""
@@ -94,3 +85,8 @@ class FenceSnapshot:
 
     fence: int
     entries: tuple[Entry, ...]
+
+
+def matches(entry: Entry, item: ItemLike) -> bool:
+    """Whether ``entry`` holds ``item``'s shape and dtype (the one place this is decided)."""
+    return entry.shape == item.shape and entry.dtype == item.dtype

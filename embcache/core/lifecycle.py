@@ -32,7 +32,8 @@ class EntryState(enum.Enum):
 
 
 class Step(enum.Enum):
-    """A guarded action: the unit the transition table is keyed by."""
+    """A guarded action: the unit the transition table is keyed by. Its value is the DESIGN.md
+    action and one line on what the step does (which also keeps the steps of one action apart)."""
 
     BEGIN_LOAD = ("BeginLoad", "allocate a range; the first waiter is the loader")
     LOOKUP_JOIN = ("Lookup", "join the waiters of a load in flight")
@@ -58,11 +59,6 @@ class Step(enum.Enum):
     def action(self) -> str:
         """The DESIGN.md action name this step belongs to."""
         return self.value[0]
-
-    @property
-    def meaning(self) -> str:
-        """One line on what the step does."""
-        return self.value[1]
 
 
 ABSENT, LOADING, READY, QUARANTINED = (

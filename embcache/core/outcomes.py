@@ -52,3 +52,10 @@ class ItemStatus:
         return (
             self.status.name if self.reason is None else f"{self.status.name}({self.reason.value})"
         )
+
+
+# Statuses are immutable: the common ones are shared.
+HIT = ItemStatus(Status.HIT)
+LOADING_STATUS = ItemStatus(Status.LOADING)
+RESERVED_STATUS = ItemStatus(Status.RESERVED)
+MISSES = {reason: ItemStatus(Status.MISS, reason) for reason in Reason}

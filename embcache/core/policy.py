@@ -431,3 +431,14 @@ def make_policy(name: str = "lru", **knobs: Any) -> Policy:
             f"{sorted(inspect.signature(factory).parameters) or 'none'}"
         )
     return factory(**knobs)
+
+
+def as_policy(policy: str | Policy) -> Policy:
+    """``policy`` itself when it is a ``Policy`` object, else ``make_policy(policy)``: the one
+    place a cache's ``policy`` argument is checked. Raises ``InvalidTypeError`` for anything
+    else."""
+    if isinstance(policy, str):
+        return make_policy(policy)
+    if not all(callable(getattr(policy, m, None)) for m in ("order", "record", "admit", "forget")):
+        raise InvalidTypeError(f"policy must be a name or a Policy object, got {policy!r}")
+    return policy

@@ -15,11 +15,12 @@
 # its mutants/ folder there.
 #
 # Two parts:
-#  1. mutmut over embcache/{core,request_steps,invariants,cache,states}.py with the fast test
-#     layers (tests/test_core.py, test_cache.py, test_cache_failures.py, test_mutation_killers.py,
+#  1. mutmut over embcache/core/{actions,cache_core,invariants,lifecycle}.py and
+#     embcache/cache.py with the fast test layers (tests/test_core.py, test_cache.py, test_cache_failures.py, test_mutation_killers.py,
 #     tests/stateful; HYPOTHESIS_PROFILE=dev, EMBCACHE_LOCK_CHECK=1; no tla/mooncake/stress/
 #     crosshair tests). mutmut only mutates code inside functions, so:
-#  2. the module-level transition table embcache.core.lifecycle.TRANSITIONS is mutated separately by
+#  2. the module-level transition table embcache.core.lifecycle.TRANSITIONS is mutated
+#     separately by
 #     tests/mutation/table_mutants.py (drop each entry; send it to each other state), each
 #     mutant run with the same fast layers and -x.
 #
@@ -103,7 +104,8 @@ from mutmut.stats import status_by_exit_code
 
 rows, survivors = [], []
 tot = {"killed": 0, "survived": 0, "timeout": 0, "other": 0}
-for mod in ("core", "request_steps", "invariants", "cache", "states", "allocator", "eviction"):
+for mod in ("core/actions", "core/cache_core", "core/invariants", "cache", "core/lifecycle",
+            "core/allocator", "core/eviction"):
     meta = Path(f"mutants/embcache/{mod}.py.meta")
     if not meta.exists():
         continue

@@ -346,7 +346,7 @@ class CacheMachine(RuleBasedStateMachine):
             for k, e in self.model.entries.items()
         }
         assert real == model, (real, model)
-        assert list(self.cache._core.order) == self.model.lru
+        assert self.cache._core.eviction_order() == self.model.lru
         assert self.cache._core.allocator.free_blocks() == self.model.alloc.free_blocks()
         stats, counts = self.cache.stats(), self.model.counts
         assert (stats.hits, stats.evictions, stats.evicted_bytes, stats.inserts) == (

@@ -741,7 +741,7 @@ def async_wait_vs_wake_up(w: World, timeout: float) -> None:
             ok = task.result()
         finally:
             loop.close()
-        assert b._state.wakeup.futures == [], "a finished wait_async left its future behind"
+        assert w.cache._wakeups[b.request_id].futures == [], "a finished wait_async left its future"
         if timeout:
             assert ok, "a long wait_async was not woken"
         w.read(b, "k")
@@ -827,10 +827,11 @@ def stale_wake_up_signal(self: EmbeddingCache, requests: list[RequestState]) -> 
     assert_unlocked("waking requests")
     for rs in requests:
         with self._lock:
-            if rs.pending() or rs.wakeup is None:
+            wakeup = self._wakeups.get(rs.request_id)
+            if rs.pending() or wakeup is None:
                 continue
-            rs.wakeup.futures = []
-        rs.wakeup.event.set()
+            wakeup.futures = []
+        wakeup.event.set()
 
 
 def test_the_scheduler_finds_the_stale_wake_up_bug_of_3dfca44() -> None:

@@ -1,0 +1,456 @@
+"""The DESIGN actions over the cache's state: entries, pins, waits, the allocator, the order.
+
+Theory of operation (after h11's ``Connection``). ``Actions`` holds every piece of state that
+DESIGN.md talks about and changes it only through the DESIGN actions, one method each, named as
+in the spec: ``open_request``, ``close_request``, ``lookup``, ``begin_load``, ``end_load``,
+``release``, ``evict``, ``remove``, ``publish``, ``end_publish``, ``fence``. Each checks the
+transition table of ``embcache.core.lifecycle`` before it changes anything, buffers its trace
+event (when tracing), and returns what the caller must now do: the entry whose range to fill or
+publish, the requests to wake. ``CacheCore`` (``embcache.core.cache_core``) composes these
+actions into a request's steps; the driver takes the buffered events and freed ranges from it.
+
+No threads, no clock, no torch and no store: not thread-safe; the driver calls in only while
+holding its lock. Items are duck-typed (``key``, ``shape``, ``dtype``, ``nbytes``). The time a
+pin starts comes from the ``clock`` the driver passes in.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from embcache.core.allocator import BestFitAllocator, Block
+from embcache.core.entries import (
+    NOBODY,
+    Entry,
+    FenceSnapshot,
+    Holder,
+    ItemLike,
+    RequestState,
+    matches,
+)
+from embcache.core.eviction import choose_victims
+from embcache.core.invariants import check_core
+from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY, Step, transition
+from embcache.core.outcomes import (
+    HIT,
+    LOADING_STATUS,
+    MISSES,
+    RESERVED_STATUS,
+    ItemStatus,
+    Reason,
+    TransferOutcome,
+)
+from embcache.core.policy import LruPolicy, Policy
+from embcache.core.stats import CacheStats, snapshot
+from embcache.errors import InvariantError
+
+
+class Actions:
+    """All cache state and the DESIGN actions over it. Not thread-safe: the driver locks."""
+
+    def __init__(
+        self,
+        capacity: int,
+        alignment: int,
+        max_eviction_batch: int,
+        enable_eviction: bool,
+        *,
+        trace: bool = False,
+        clock: Callable[[], float] = float,
+        policy: Policy | None = None,
+        record_freed: bool = False,
+    ) -> None:
+        self._allocator = BestFitAllocator(capacity, alignment)
+        self._max_batch = max_eviction_batch
+        self._enable_eviction = enable_eviction
+        self._events: list[dict[str, Any]] | None = [] if trace else None  # until taken
+        self._clock = clock
+        self._seq = 0
+        self._entries: dict[str, Entry] = {}
+        self._pinned_since: dict[str, float] = {}  # pinned keys -> when the first pin came
+        self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape
+        self._policy: Policy = LruPolicy() if policy is None else policy
+        self._order = self._policy.order()  # the evictable keys, first victim first
+        # The policy's record of each looked-up key; None when it records nothing (lru).
+        records = getattr(self._policy, "records_lookups", True)
+        self._record = self._policy.record if records else None
+        self._evictable_bytes = 0
+        self._requests: dict[str, RequestState] = {}
+        self._counts: Counter[str] = Counter()
+        self._quarantine: dict[str, float] = {}  # QUARANTINED keys -> when (core clock)
+        self._fences_begun = 0  # the id of the last BeginFence
+        self._freed: list[tuple[int, int]] | None = [] if record_freed else None  # until taken
+        self._emit(
+            "Init",
+            None,
+            capacity=capacity,
+            alignment=alignment,
+            max_eviction_batch=max_eviction_batch,
+            enable_eviction=enable_eviction,
+        )
+
+    @property
+    def capacity(self) -> int:
+        """Pool size in bytes."""
+        return self._allocator.capacity
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` naming the first broken DESIGN.md invariant. O(n log n)."""
+        check_core(
+            self._allocator,
+            self._entries,
+            self._pinned_since,
+            self._requests,
+            self._order,
+            self._evictable_bytes,
+            self._quarantine,
+        )
+
+    def stats(self, now: float) -> CacheStats:
+        """A snapshot of the state and counters at ``now`` (of this core's clock)."""
+        return snapshot(
+            self._allocator,
+            self._entries.values(),
+            len(self._requests),
+            self._counts,
+            now - min(self._pinned_since.values(), default=now),
+        )
+
+    # ------------------------------------------------------------------ the DESIGN actions
+    def open_request(self, request_id: str) -> RequestState:
+        """OpenRequest(r)."""
+        rs = RequestState(request_id)
+        self._requests[request_id] = rs
+        if self._events is not None:
+            self._emit("OpenRequest", request_id)
+        return rs
+
+    def close_request(self, rs: RequestState) -> None:
+        """CloseRequest(r): the request holds, waits on and reserves nothing any more."""
+        assert not (rs.holds or rs.waits or rs.reserved), "close releases everything first"
+        del self._requests[rs.request_id]
+        if self._events is not None:
+            self._emit("CloseRequest", rs.request_id)
+
+    def lookup(self, rs: RequestState, item: ItemLike) -> ItemStatus:
+        """Lookup(r, k): pin a READY entry, join a LOADING one, else a miss."""
+        r, entry = rs.request_id, self._entries.get(item.key)
+        if entry is None:
+            status = MISSES[Reason.NOT_FOUND]
+        elif not matches(entry, item):
+            status = MISSES[Reason.MISMATCH]
+        elif entry.doomed or entry.state not in (READY, LOADING):
+            status = MISSES[Reason.BUSY]
+        elif entry.state is READY:
+            transition(entry.state, Step.LOOKUP_HIT)
+            if r not in entry.holders:
+                self._add_holder(entry, r)
+                rs.holds[item.key] = None
+            self._counts["hits"] += 1
+            status = HIT
+        else:
+            transition(entry.state, Step.LOOKUP_JOIN)
+            if r not in entry.waiters:
+                entry.waiters |= {r}
+                rs.waits.add(item.key)
+                self._counts["joins"] += 1
+            status = RESERVED_STATUS if entry.filler == r else LOADING_STATUS
+        if self._events is not None:  # (the per-item actions skip building the event's fields)
+            reason = None if status.reason is None else status.reason.value
+            self._emit("Lookup", r, item.key, entry, outcome=status.status.name, reason=reason)
+        return status
+
+    def begin_load(
+        self, rs: RequestState, item: ItemLike, *, from_store: bool
+    ) -> tuple[Entry | None, Reason | None]:
+        """BeginLoad(r, k, n): allocate (evicting if the rule allows), LOADING, waiters = {r}.
+
+        Returns the entry whose range the caller must now fill (a store read when
+        ``from_store``, else the request's own insert), or None and the reason it failed.
+        """
+        existing = self._entries.get(item.key)
+        transition(ABSENT if existing is None else existing.state, Step.BEGIN_LOAD)
+        if item.nbytes > self.capacity:
+            return self._alloc_failed(rs, item, Reason.TOO_LARGE)
+        size = self._allocator.rounded(item.nbytes)
+        offset = self._allocate(item.key, size)
+        if isinstance(offset, Reason):
+            return self._alloc_failed(rs, item, offset)
+        shape = self._shapes.setdefault(item.shape, item.shape)
+        entry = Entry(item.key, shape, item.dtype, offset, size, waiters=frozenset({rs.request_id}))
+        entry.filler = None if from_store else rs.request_id
+        self._entries[item.key] = entry
+        rs.waits.add(item.key)
+        if not from_store:
+            rs.reserved.add(item.key)
+        self._counts["loads_started" if from_store else "reservations"] += 1
+        self._emit("BeginLoad", rs.request_id, item.key, entry, outcome="OK")
+        return entry, None
+
+    def end_load(
+        self, entry: Entry, outcome: TransferOutcome, failed_reason: Reason | None
+    ) -> list[RequestState]:
+        """EndLoad(k, outcome): READY with waiters pinned, or freed, or QUARANTINED.
+
+        Returns the waiters, which the caller must wake.
+        """
+        if self._entries.get(entry.key) is not entry:
+            raise InvariantError(f"EndLoad for {entry.key!r}, whose entry is gone")
+        if outcome is TransferOutcome.OK and not entry.doomed:
+            step = Step.END_LOAD_OK
+        elif outcome is TransferOutcome.UNKNOWN:
+            step = Step.END_LOAD_UNKNOWN
+        else:
+            step = Step.END_LOAD_DOOMED if entry.doomed else Step.END_LOAD_FAILED
+        new_state = transition(entry.state, step)
+        waiters = [self._requests[r] for r in sorted(entry.waiters)]
+        if entry.filler is not None:
+            self._requests[entry.filler].reserved.discard(entry.key)
+            entry.filler = None
+        else:  # a store read
+            self._counts["loads_" + outcome.name.lower()] += 1
+        entry.state = new_state
+        for rs in waiters:
+            rs.waits.discard(entry.key)
+        entry.waiters = NOBODY
+        if step is Step.END_LOAD_OK:
+            for rs in waiters:
+                self._add_holder(entry, rs.request_id)
+                rs.holds[entry.key] = None
+            if not entry.holders:
+                self._make_evictable(entry)
+        else:
+            reason = {
+                Step.END_LOAD_DOOMED: Reason.REMOVED,
+                Step.END_LOAD_UNKNOWN: Reason.LOAD_UNKNOWN,
+            }.get(step, failed_reason or Reason.LOAD_FAILED)
+            for rs in waiters:
+                rs.fallbacks[entry.key] = reason
+                self._counts["fallback:" + reason.value] += 1
+            entry.doomed = False
+            if new_state is ABSENT:
+                self._free(entry)
+            else:
+                self._quarantine[entry.key] = self._clock()
+        self._emit("EndLoad", None, entry.key, entry, outcome=outcome.name)
+        return waiters
+
+    def release(self, rs: RequestState, key: str) -> None:
+        """Release(r, k): drop r's wait or pin; the last pin frees, quarantines or idles it."""
+        entry = self._entries[key]
+        if key in rs.waits:
+            transition(entry.state, Step.RELEASE_WAIT)
+            entry.waiters = (entry.waiters - {rs.request_id}) or NOBODY
+            rs.waits.discard(key)
+        else:
+            del rs.holds[key]
+            self._drop_pin(entry, rs.request_id, Step.RELEASE_PIN)
+        if self._events is not None:
+            self._emit("Release", rs.request_id, key, entry)
+
+    def evict(self, entry: Entry) -> None:
+        """Evict(k): free an idle READY entry chosen by the eviction rule."""
+        if entry.pins or entry.doomed or entry.key not in self._order:
+            raise InvariantError(f"eviction of {entry.key!r}, which is not evictable")
+        entry.state = transition(entry.state, Step.EVICT)
+        self._free(entry)
+        self._counts["evictions"] += 1
+        self._counts["evicted_bytes"] += entry.size
+        self._emit("Evict", None, entry.key, entry)
+
+    def remove(self, key: str) -> bool:
+        """Remove(k): free now if idle, else doom; QUARANTINED entries wait for a fence."""
+        entry = self._entries.get(key)
+        if entry is None or entry.doomed or entry.state is QUARANTINED:
+            return False
+        if entry.state is READY and not entry.pins:
+            entry.state = transition(entry.state, Step.REMOVE_IDLE)
+            self._free(entry)
+        else:
+            transition(entry.state, Step.REMOVE_BUSY)
+            entry.doomed = True
+        self._emit("Remove", None, key, entry)
+        return True
+
+    def publish(self, rs: RequestState, key: str) -> Entry | None:
+        """Publish(r, k): a write of k's range to the store starts under its own pin.
+
+        Returns the entry whose range the caller must now write, or None when ``rs`` does not
+        hold a READY entry for ``key`` or a publish of it is already running.
+        """
+        entry = self._entries.get(key)
+        if entry is None or key not in rs.holds or entry.publishing or entry.state is not READY:
+            return None
+        transition(entry.state, Step.PUBLISH)
+        entry.publishing = True
+        self._add_holder(entry, ("publish", rs.request_id))
+        self._counts["publishes_started"] += 1
+        self._emit("Publish", rs.request_id, key, entry)
+        return entry
+
+    def end_publish(self, request_id: str, entry: Entry, outcome: TransferOutcome) -> None:
+        """EndPublish(r, k, outcome): drop the publish pin; UNKNOWN taints the entry."""
+        entry.publishing = False
+        if outcome is TransferOutcome.UNKNOWN:
+            entry.tainted = True
+        self._counts["publishes_" + outcome.name.lower()] += 1
+        self._drop_pin(entry, ("publish", request_id), Step.END_PUBLISH)
+        self._emit("EndPublish", request_id, entry.key, entry, outcome=outcome.name)
+
+    def begin_fence(self) -> FenceSnapshot:
+        """BeginFence(f): the QUARANTINED entries now, taken just before the store's fence
+        begins (that fence stops their transfers, not later ones). O(q)."""
+        self._fences_begun += 1
+        entries = self._entries
+        snap = FenceSnapshot(self._fences_begun, tuple(entries[key] for key in self._quarantine))
+        self._emit("BeginFence", None, fence=snap.fence, keys=[e.key for e in snap.entries])
+        return snap
+
+    def fence(self, snap: FenceSnapshot) -> int:
+        """Fence(f): the store's fence ``snap.fence`` returned: free the entries of ``snap``
+        that are still those very entries. Fences may overlap: a key another fence freed and
+        that was QUARANTINED again since (by a transfer this fence does not cover) stays."""
+        freed = []
+        for entry in snap.entries:
+            if self._entries.get(entry.key) is entry:
+                entry.state = transition(entry.state, Step.FENCE)
+                self._free(entry)
+                freed.append(entry.key)
+        self._counts["fences"] += 1
+        self._emit("Fence", None, None, None, fence=snap.fence, keys=freed)
+        return len(freed)
+
+    def fence_due(self, now: float, max_bytes: int, max_age: float) -> bool:
+        """Whether the automatic fence should run: more than ``max_bytes`` quarantined, or a
+        range quarantined for ``max_age`` or longer (``now`` on the core's clock). O(q)."""
+        if not self._quarantine:
+            return False
+        quarantined = sum(self._entries[key].size for key in self._quarantine)
+        return quarantined > max_bytes or now - min(self._quarantine.values()) >= max_age
+
+    # ------------------------------------------------------------------ helpers of the actions
+    def _alloc_failed(
+        self, rs: RequestState, item: ItemLike, reason: Reason
+    ) -> tuple[None, Reason]:
+        self._counts["alloc_fail:" + reason.value] += 1
+        self._emit(
+            "BeginLoad", rs.request_id, item.key, None, outcome=reason.name, size=item.nbytes
+        )
+        return None, reason
+
+    def _allocate(self, key: str, size: int) -> int | Reason:
+        """A range of ``size`` bytes for ``key``, evicting the victims the rule chooses if
+        the policy admits ``key`` at their cost; else why not (nothing evicted)."""
+        free = self._allocator.free_bytes
+        if free >= size and (offset := self._allocator.allocate(size)) is not None:
+            return offset  # (a full pool skips the search for a block that cannot exist)
+        if not self._enable_eviction or free + self._evictable_bytes < size:
+            return Reason.NO_SPACE
+        examined: dict[int, Entry] = {}  # offset -> entry, of the candidates the rule looked at
+
+        def candidates() -> Iterator[Block]:
+            for entry in map(self._entries.__getitem__, self._order):
+                examined[entry.offset] = entry
+                yield Block(entry.offset, entry.size, False)
+
+        allocator = self._allocator
+        window = choose_victims(
+            size, candidates(), self._max_batch, allocator.block_before, allocator.block_at
+        )
+        if window is None:
+            return Reason.NO_SPACE
+        victims = [examined[offset] for offset in window.victims]
+        if not self._policy.admit(key, size, [victim.key for victim in victims]):
+            return Reason.NOT_ADMITTED
+        for victim in victims:
+            self.evict(victim)
+        offset = self._allocator.allocate(size)
+        if offset != window.offset:
+            raise InvariantError(f"eviction freed {window} but the allocator returned {offset}")
+        return window.offset
+
+    def _drop_pin(self, entry: Entry, holder: Holder, plain: Step) -> None:
+        holders = entry.holders
+        last = len(holders) == 1 and holder in holders
+        if last:
+            if entry.tainted:
+                plain = Step.RELEASE_LAST_TAINTED
+            elif entry.doomed:
+                plain = Step.RELEASE_LAST_DOOMED
+        entry.state = transition(entry.state, plain)
+        if not last:
+            entry.holders = (holders - {holder}) or NOBODY
+            return
+        entry.holders = NOBODY
+        del self._pinned_since[entry.key]
+        if not self._pinned_since:  # a dict keeps the table of its largest burst: start afresh
+            self._pinned_since = {}
+        if plain is Step.RELEASE_LAST_DOOMED:
+            self._free(entry)
+        elif plain is Step.RELEASE_LAST_TAINTED:
+            entry.tainted = entry.doomed = False
+            self._quarantine[entry.key] = self._clock()
+        else:
+            self._make_evictable(entry)
+
+    def _add_holder(self, entry: Entry, holder: Holder) -> None:
+        if entry.holders:
+            entry.holders |= {holder}
+            return
+        entry.holders = frozenset((holder,))
+        self._pinned_since[entry.key] = self._clock()
+        if self._order.discard(entry.key):
+            self._evictable_bytes -= entry.size
+
+    def _make_evictable(self, entry: Entry) -> None:
+        self._order.add(entry.key)
+        self._evictable_bytes += entry.size
+
+    def _free(self, entry: Entry) -> None:
+        self._allocator.free(entry.offset)
+        del self._entries[entry.key]
+        if self._order.discard(entry.key):
+            self._evictable_bytes -= entry.size
+        elif self._quarantine:
+            self._quarantine.pop(entry.key, None)
+        self._policy.forget(entry.key)
+        entry.state = ABSENT
+        if self._freed is not None:
+            self._freed.append((entry.offset, entry.size))
+
+    def _emit(
+        self,
+        action: str,
+        request: str | None,
+        key: str | None = None,
+        entry: Entry | None = None,
+        outcome: str | None = None,
+        **extra: Any,
+    ) -> None:
+        events = self._events
+        if events is None:
+            return
+        self._seq += 1
+        event: dict[str, Any] = {
+            "seq": self._seq,
+            "action": action,
+            "request": request,
+            "key": key,
+            "outcome": outcome,
+        }
+        if entry is not None:
+            event.update(
+                size=entry.size,
+                offset=entry.offset,
+                state=entry.state.name,
+                holders=sorted(
+                    h if isinstance(h, str) else "publish:" + h[1] for h in entry.holders
+                ),
+                waiters=sorted(entry.waiters),
+                doomed=entry.doomed,
+                tainted=entry.tainted,
+            )
+        event.update(extra)
+        events.append(event)
