@@ -1,14 +1,13 @@
 """``EmbeddingCache``: the driver around the pure core (``embcache.core.cache_core.CacheCore``).
 
 Theory of operation. The core holds every entry, pin, wait and range, takes the DESIGN.md
-actions and composes them into a request's steps; this driver owns everything else: the lock
-that serializes calls into the core, the pool tensor and its zero-copy views, the payload copies
-of inserts, the I/O thread pool that runs store reads and publishes, the wake-ups of waiting
-threads and asyncio tasks, the delivery of trace events and the poison debug mode. A request
-call takes the lock once per core step; everything slow happens between steps with no lock
-held: store calls run on the I/O pool and report back through ``end_loads``/``end_publishes``;
-payload copies run in the caller's thread while the entry is LOADING (for an insert) or pinned
-(for a read or publish), so the range cannot be freed or reused under them.
+actions and composes them into a request's steps; this driver owns the rest: the lock around
+the core, the pool and its views, the payload copies of inserts, the I/O threads that run store
+reads and publishes, wake-ups, trace delivery and the poison debug mode. A request call takes
+the lock once per core step; everything slow happens between steps, no lock held: store calls
+run on the I/O pool and report back through ``end_loads``/``end_publishes``; payload copies run
+in the caller's thread while the entry is LOADING (an insert) or pinned (a read or publish), so
+the range cannot be freed or reused under them.
 
 Lock hierarchy: the cache lock is level 1; requests take no lock of their own. Waiting requests
 are woken in ``_signal`` (``embcache.wakeups``); trace events reach the sink after the lock is
@@ -22,9 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -33,7 +30,7 @@ from typing import Any
 import torch
 
 from embcache.core.cache_core import CacheCore
-from embcache.core.entries import Entry, ItemLike, RequestState
+from embcache.core.entries import Entry, RequestState
 from embcache.core.lifecycle import EntryState
 from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
 from embcache.core.policy import Policy, as_policy
@@ -50,6 +47,7 @@ from embcache.item import Item, check_key
 from embcache.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
 from embcache.poison import poison, poison_requested
 from embcache.pool import make_pool
+from embcache.pool_views import PoolViews, payload_nbytes
 from embcache.request import Request
 from embcache.store.base import GlobalStore, get_outcome, put_outcome
 from embcache.store.inprocess import InProcessStore
@@ -65,13 +63,12 @@ class EmbeddingCache:
     ``capacity_bytes`` is the pool size (a multiple of ``alignment``). ``store=None`` uses an
     ``InProcessStore``. The pool is a uint8 tensor, pinned when CUDA is available unless
     ``pin_memory=False``, registered with the store once. ``trace``, when given, receives one
-    event dict per action, in lock order. ``policy`` shapes the eviction order and may refuse
-    inserts that would evict (``embcache.core.policy``: "lru", the default, or "tinylfu", or a
-    ``Policy`` object). ``auto_fence`` says when the cache fences by itself
-    (``embcache.fencing``; None: only ``fence()`` does). ``poison_freed`` (default: the
-    ``EMBCACHE_POISON`` environment variable) is a debug mode that overwrites every freed range
-    (``embcache.poison``). ``pool``, when given, is the pool itself instead of a new tensor
-    (``embcache.pool.make_pool``: for example shared memory that other processes map).
+    event dict per action, in ``seq`` order. ``policy`` shapes the eviction order and may refuse
+    inserts that would evict (``embcache.core.policy``: "lru", the default, "tinylfu", or a
+    ``Policy``). ``auto_fence`` says when the cache fences by itself (``embcache.fencing``;
+    None: only ``fence()`` does). ``poison_freed`` (default: ``EMBCACHE_POISON``) is a debug
+    mode that overwrites every freed range (``embcache.poison``). ``pool``, when given, is the
+    pool itself (``embcache.pool.make_pool``: for example shared memory other processes map).
     """
 
     _new_event = threading.Event  # how a waiting request's Event is made (tests schedule it)
@@ -124,7 +121,7 @@ class EmbeddingCache:
         self._pool = make_pool(capacity_bytes, pin, pool)
         self._owns_store = store is None
         self._store: GlobalStore = InProcessStore() if store is None else store
-        self._typed_pools: dict[torch.dtype, torch.Tensor] = {}  # the pool viewed as each dtype
+        self._view = PoolViews(self._pool).view
         self._lock = HierarchyLock(CACHE_LEVEL, "cache lock")
         self._store.register_buffer(self._pool)
         self._io = concurrent.futures.ThreadPoolExecutor(io_workers, "embcache-io")
@@ -160,7 +157,7 @@ class EmbeddingCache:
         core = self._core
         with self._lock:
             self._check_open()
-            if request_id in core.requests:
+            if core.has_request(request_id):
                 raise RequestError(f"request {request_id!r} is already open: ids must be unique")
             state = core.open_request(request_id)
             events = self._settle() if self._effects else None
@@ -168,15 +165,45 @@ class EmbeddingCache:
             self._deliver(events)
         return Request(self, state)
 
+    def insert(
+        self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, publish: bool = True
+    ) -> list[bool]:
+        """Insert fresh encoder outputs with no request open (as SGLang's ``store_to_pool_async``
+        does): copy each absent key's tensor into the pool, keeping its dtype, and publish it
+        when asked; True where cached. The new entries end idle (evictable), as a request's
+        inserts do when it closes; a key present or being loaded is left alone (False)."""
+        if isinstance(keys, str) or len(keys) != len(tensors):
+            raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
+        items = [Item.of(check_key(k), t) for k, t in zip(keys, tensors, strict=True)]
+        core = self._core
+        with self._lock:
+            self._check_open()
+            rs, fills = core.begin_insert_batch(items)
+            events = self._settle()
+        self._deliver(events)
+        outcomes, error = self._copy_in([(e, tensors[i]) for i, e in fills])
+        with self._lock:
+            (results, wake), writes = core.finish_insert_batch(
+                rs, fills, outcomes, len(items), publish=publish
+            )
+            events = self._settle()
+        self._deliver(events)
+        if wake:
+            self._signal(wake)
+        if writes:
+            self._io.submit(self._run_publishes, rs.request_id, writes)
+        if error is not None:
+            raise error
+        return results
+
     def remove(self, key: str) -> bool:
         """Remove ``key``: freed now if idle, else doomed and freed once idle. False if absent."""
         check_key(key)
         with self._lock:
             self._check_open()
             removed = self._core.remove(key)
-            events = self._settle() if self._effects else None
-        if events:
-            self._deliver(events)
+            events = self._settle()
+        self._deliver(events)
         return removed
 
     def clear(self) -> int:
@@ -185,9 +212,8 @@ class EmbeddingCache:
         with self._lock:
             self._check_open()
             removed = sum(core.remove(key) for key in list(core.entries))
-            events = self._settle() if self._effects else None
-        if events:
-            self._deliver(events)
+            events = self._settle()
+        self._deliver(events)
         return removed
 
     def fence(self) -> int:
@@ -200,9 +226,8 @@ class EmbeddingCache:
         self._store.fence()
         with self._lock:
             freed = self._core.fence(snap)
-            events = self._settle() if self._effects else None
-        if events:
-            self._deliver(events)
+            events = self._settle()
+        self._deliver(events)
         return freed
 
     def close(self) -> None:
@@ -351,7 +376,7 @@ class EmbeddingCache:
         """``Request.close``: end reservations, release every pin and wait. Idempotent."""
         core = self._core
         with self._lock:
-            if core.requests.get(rs.request_id) is not rs:
+            if not core.is_open(rs):
                 return
             wake = core.end_request(rs)
             own = self._wakeups.close(rs.request_id)  # someone may wait on rs itself
@@ -381,9 +406,8 @@ class EmbeddingCache:
     def _start_publishes(self, rs: RequestState, keys: list[str]) -> list[bool]:
         with self._lock:
             entries = self._core.begin_publishes(rs, keys)
-            events = self._settle() if self._effects else None
-        if events:
-            self._deliver(events)
+            events = self._settle()
+        self._deliver(events)
         started = [e for e in entries if e is not None]
         if started:
             self._io.submit(self._run_publishes, rs.request_id, started)
@@ -393,7 +417,7 @@ class EmbeddingCache:
         """Worker: read every entry from the store, then end each load and wake its waiters,
         whatever is raised on the way (an error leaves each outcome UNKNOWN, then re-raises
         unless it is the store's own)."""
-        sizes = [_nbytes(e) for e in entries]
+        sizes = [payload_nbytes(e) for e in entries]
         outcomes = [TransferOutcome.UNKNOWN] * len(entries)  # until the store says otherwise
         try:
             assert_unlocked("store get_into")
@@ -412,9 +436,8 @@ class EmbeddingCache:
             try:
                 with self._lock:
                     wake = self._core.end_loads(entries, outcomes)
-                    events = self._settle() if self._effects else None
-                if events:
-                    self._deliver(events)
+                    events = self._settle()
+                self._deliver(events)
             finally:
                 self._signal(wake)
 
@@ -427,7 +450,7 @@ class EmbeddingCache:
             codes = self._store.put_from(
                 [e.key for e in entries],
                 [e.offset for e in entries],
-                [_nbytes(e) for e in entries],
+                [payload_nbytes(e) for e in entries],
             )
             if len(codes) == len(entries):
                 outcomes = [put_outcome(self._store, c) for c in codes]
@@ -439,9 +462,8 @@ class EmbeddingCache:
         finally:
             with self._lock:
                 self._core.end_publishes(request_id, entries, outcomes)
-                events = self._settle() if self._effects else None
-            if events:
-                self._deliver(events)
+                events = self._settle()
+            self._deliver(events)
 
     def _signal(self, requests: list[RequestState]) -> None:
         """Wake requests with nothing pending. Called with no lock held."""
@@ -451,9 +473,10 @@ class EmbeddingCache:
         resolve(futures)
 
     def _deliver(self, events: list[dict[str, Any]]) -> None:
-        """Hand trace events to the sink, in order. Called with no lock held."""
-        assert self._outbox is not None
-        self._outbox.deliver(events)
+        """Hand trace events (if any) to the sink, in order. Called with no lock held."""
+        if events:
+            assert self._outbox is not None
+            self._outbox.deliver(events)
 
     def _fence_due(self, now: float) -> bool:
         """Whether the automatic fence should run now (the fencer's question)."""
@@ -476,33 +499,9 @@ class EmbeddingCache:
             raise ClosedError("the cache is closed: create a new EmbeddingCache")
 
     def _check_request(self, rs: RequestState) -> None:
-        if self._closed or self._core.requests.get(rs.request_id) is not rs:
+        if self._closed or not self._core.is_open(rs):
             self._check_open()
             raise ClosedError(f"request {rs.request_id!r} is closed")
 
-    def _view(self, offset: int, item: ItemLike | Entry) -> torch.Tensor:
-        """``item``'s bytes at ``offset`` as a tensor of its shape and dtype (zero-copy)."""
-        dtype: torch.dtype = item.dtype  # type: ignore[assignment]
-        typed = self._typed_pools.get(dtype)
-        if typed is None:  # one view of the whole pool per dtype; a race makes two, both valid
-            typed = self._typed_pools.setdefault(dtype, self._pool.view(dtype))
-        return typed.as_strided(item.shape, _strides(item.shape), offset // dtype.itemsize)
-
     def __repr__(self) -> str:
         return f"EmbeddingCache(capacity={self.capacity}, entries={len(self._core.entries)})"
-
-
-def _nbytes(entry: Entry) -> int:
-    """The payload bytes of ``entry`` (its range may be larger: rounded to the alignment)."""
-    dtype: torch.dtype = entry.dtype  # type: ignore[assignment]
-    return math.prod(entry.shape) * dtype.itemsize
-
-
-@functools.lru_cache(maxsize=1024)
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Row-major (contiguous) strides of ``shape``, in elements."""
-    strides, step = [], 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= dim
-    return tuple(reversed(strides))

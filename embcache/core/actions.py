@@ -78,6 +78,7 @@ class Actions:
         self._record = self._policy.record if records else None
         self._evictable_bytes = 0
         self._requests: dict[str, RequestState] = {}
+        self._batches = 0  # request-less inserts so far (their internal requests' ids)
         self._counts: Counter[str] = Counter()
         self._quarantine: dict[str, float] = {}  # QUARANTINED keys -> when (core clock)
         self._fences_begun = 0  # the id of the last BeginFence

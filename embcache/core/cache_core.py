@@ -26,9 +26,10 @@ from typing import Any
 from embcache.core.actions import Actions
 from embcache.core.allocator import BestFitAllocator
 from embcache.core.effects import Fill, InsertEnd, LookupEnd, LookupStart
-from embcache.core.entries import Entry, ItemLike, RequestState, matches
-from embcache.core.lifecycle import ABSENT, READY, EntryState
+from embcache.core.entries import NOBODY, Entry, ItemLike, RequestState, matches
+from embcache.core.lifecycle import ABSENT, READY, EntryState, Step
 from embcache.core.outcomes import (
+    HIT,
     LOADING_STATUS,
     MISSES,
     RESERVED_STATUS,
@@ -50,19 +51,34 @@ class CacheCore(Actions):
     ) -> LookupStart:
         """Lookup every item (a miss larger than the pool is TOO_LARGE). When misses remain
         and the store is to be asked, returns their keys: call ``finish_lookup`` next; else
-        the lookup is over (misses reserved when ``reserve``). O(len(items))."""
+        the lookup is over (misses reserved when ``reserve``). O(len(items)).
+
+        Hits are pinned in one fused loop (``Lookup``'s hit branch, inlined) when no trace is
+        taken; every other item goes through the ``lookup`` action."""
         record = self._record
         if record is not None:
             for item in items:
                 record(item.key)
-        statuses = []
-        lookup, capacity = self.lookup, self.capacity
-        for item in items:
-            status = lookup(rs, item)
-            if status.reason is NOT_FOUND and item.nbytes > capacity:
-                status = MISSES[Reason.TOO_LARGE]
-            statuses.append(status)
-        if not (ask_store or reserve) or all(s.reason is not NOT_FOUND for s in statuses):
+        if self._events is None:
+            statuses, missed = self._pin_hits(rs, items)
+        else:
+            statuses, missed = [], False
+            for item in items:
+                status = self.lookup(rs, item)
+                statuses.append(status)
+                missed = missed or status is not HIT
+        if not missed:  # all hits: nothing to note for fallback
+            rs.items.extend(items)
+            return LookupStart(statuses, [])
+        capacity = self.capacity
+        not_found = False
+        for i, item in enumerate(items):
+            if statuses[i].reason is NOT_FOUND:
+                if item.nbytes > capacity:
+                    statuses[i] = MISSES[Reason.TOO_LARGE]
+                else:
+                    not_found = True
+        if not (not_found and (ask_store or reserve)):
             self._end_lookup(rs, items, statuses)
             return LookupStart(statuses, [])
         if not ask_store:
@@ -128,6 +144,37 @@ class CacheCore(Actions):
         self._counts["inserts"] += sum(results)
         return InsertEnd(results, wake)
 
+    def begin_insert_batch(self, items: Sequence[ItemLike]) -> tuple[RequestState, list[Fill]]:
+        """A request-less insert: ``begin_insert`` for an internal request opened here (id
+        ``insert#N``), which ``finish_insert_batch`` ends."""
+        self._batches += 1
+        request_id = f"insert#{self._batches}"
+        while request_id in self._requests:  # a caller's own request took the name
+            self._batches += 1
+            request_id = f"insert#{self._batches}"
+        rs = self.open_request(request_id)
+        return rs, self.begin_insert(rs, items)
+
+    def finish_insert_batch(
+        self,
+        rs: RequestState,
+        fills: Sequence[Fill],
+        outcomes: Sequence[TransferOutcome],
+        count: int,
+        *,
+        publish: bool,
+    ) -> tuple[InsertEnd, list[Entry]]:
+        """``finish_insert``, then (when ``publish``) a publish of each cached item, then
+        ``end_request``: the inserted entries end idle. Returns the insert's end and the
+        entries to write to the store (then report through ``end_publishes``)."""
+        results, wake = self.finish_insert(fills, outcomes, count)
+        writes: list[Entry] = []
+        if publish:
+            for i, entry in fills:
+                if results[i] and (started := self.publish(rs, entry.key)) is not None:
+                    writes.append(started)
+        return InsertEnd(results, wake + self.end_request(rs)), writes
+
     def end_loads(
         self, entries: Sequence[Entry], outcomes: Sequence[TransferOutcome]
     ) -> list[RequestState]:
@@ -157,8 +204,11 @@ class CacheCore(Actions):
             wake += self.end_load(self._entries[key], TransferOutcome.FAILED, Reason.ABANDONED)
         for key in sorted(rs.waits):
             self.release(rs, key)
-        for key in _release_order(rs):
-            self.release(rs, key)
+        if self._events is None:
+            self._unpin_all(rs)
+        else:
+            for key in _release_order(rs):
+                self.release(rs, key)
         self.close_request(rs)
         return wake
 
@@ -247,6 +297,76 @@ class CacheCore(Actions):
 
 
     # ------------------------------------------------------------------ helpers
+    def _pin_hits(
+        self, rs: RequestState, items: Sequence[ItemLike]
+    ) -> tuple[list[ItemStatus], bool]:
+        """``Lookup`` of every item, the hits inlined (a READY, not doomed, matching entry:
+        the table allows LOOKUP_HIT from READY, so no check is needed); whether any missed."""
+        entries, holds, r = self._entries, rs.holds, rs.request_id
+        statuses: list[ItemStatus] = []
+        hits = 0
+        missed = False
+        for item in items:
+            key = item.key
+            entry = entries.get(key)
+            if (
+                entry is not None
+                and entry.state is READY
+                and not entry.doomed
+                and entry.shape == item.shape
+                and entry.dtype == item.dtype
+            ):
+                holders = entry.holders
+                if r not in holders:
+                    if holders:
+                        entry.holders = holders | {r}
+                    else:
+                        entry.holders = frozenset((r,))
+                        self._pinned_since[key] = self._clock()
+                        if self._order.discard(key):
+                            self._evictable_bytes -= entry.size
+                    holds[key] = None
+                hits += 1
+                statuses.append(HIT)
+            else:
+                statuses.append(self.lookup(rs, item))
+                missed = True
+        self._counts["hits"] += hits
+        return statuses, missed
+
+    def _unpin_all(self, rs: RequestState) -> None:
+        """``Release`` of every pin of ``rs`` in ``_release_order``, inlined for the common
+        cases (another pin remains; the last pin of a plain entry, which joins the eviction
+        order); a tainted or doomed entry's last pin goes through the action's own path."""
+        entries, r, pinned_since = self._entries, rs.request_id, self._pinned_since
+        order = self._order
+        for key in _release_order(rs):
+            entry = entries[key]
+            holders = entry.holders
+            if len(holders) > 1:
+                entry.holders = holders - {r}
+            elif entry.tainted or entry.doomed:
+                del rs.holds[key]
+                self._drop_pin(entry, r, Step.RELEASE_PIN)
+                pinned_since = self._pinned_since
+                continue
+            else:
+                entry.holders = NOBODY
+                del pinned_since[key]
+                order.add(key)
+                self._evictable_bytes += entry.size
+            del rs.holds[key]
+        if not pinned_since:  # a dict keeps the table of its largest burst: start afresh
+            self._pinned_since = {}
+
+    def is_open(self, rs: RequestState) -> bool:
+        """Whether ``rs`` is an open request of this core."""
+        return self._requests.get(rs.request_id) is rs
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request called ``request_id`` is open."""
+        return request_id in self._requests
+
     def _start_misses(
         self,
         rs: RequestState,
