@@ -88,7 +88,7 @@ class LoadHandle:
         return self.event is None or bool(self.event.query())
 
 
-def _as_2d(tensor: torch.Tensor) -> torch.Tensor:
+def as_2d(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.ndim == 2 else tensor.reshape(-1, tensor.shape[-1])
 
 
@@ -125,7 +125,7 @@ def _gloo_group(tp_group: Any) -> Any:
     return create_custom_parallel_group(group_ranks=ranks, backend="gloo")
 
 
-class _Controller:
+class ControllerBase:
     """What both interfaces share: the cache, the holds, prefetch, reads and stats."""
 
     hold_timeout_s = 300.0  # SGLang waits 60 s for a prefetch; MMEncoder reads right after
@@ -297,7 +297,7 @@ class _Controller:
         return stream
 
 
-class EmbeddingCacheController(_Controller):
+class EmbeddingCacheController(ControllerBase):
     """SGLang 0.5.23's ``EmbeddingCacheController``, same constructor and methods, on embcache.
 
     ``max_pool_size_gb`` sizes one pool shared by every modality (SGLang splits it 80/20
@@ -382,7 +382,7 @@ class EmbeddingCacheController(_Controller):
         self._expire()
         rows: dict[str, torch.Tensor] = {}
         for key, tensor in zip(mm_hashes, tensors, strict=True):
-            row = _as_2d(tensor)
+            row = as_2d(tensor)
             if row.shape[-1] != dim or row.numel() == 0:
                 logger.warning(
                     "store_to_pool_async: %s has shape %s, pool dim %d; skipped",

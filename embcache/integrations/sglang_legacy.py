@@ -16,12 +16,12 @@ import torch
 
 from embcache import Item, Status
 from embcache.errors import InvalidArgumentError
-from embcache.integrations.sglang import _as_2d, _Controller
+from embcache.integrations.sglang import ControllerBase, as_2d
 
 __all__ = ["LegacyEmbeddingCacheController"]
 
 
-class LegacyEmbeddingCacheController(_Controller):
+class LegacyEmbeddingCacheController(ControllerBase):
     """The original pull request's controller: its constructor, plus ``embedding_store`` (an
     embcache ``GlobalStore``; None builds a Mooncake client from the ``MOONCAKE_*``
     environment, as that controller did) and ``dtype`` (it was float32 only)."""
@@ -65,7 +65,7 @@ class LegacyEmbeddingCacheController(_Controller):
         already present (same shape) is kept as it is and published again, as that controller
         pushed every key it was given."""
         keys = list(image_hashes)
-        rows = [_as_2d(t).to(self.dtype) for t in embedding_tensors]
+        rows = [as_2d(t).to(self.dtype) for t in embedding_tensors]
         with self._request("insert") as request:
             inserted = request.insert(keys, rows, publish=True)
             present = [

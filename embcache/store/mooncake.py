@@ -55,7 +55,7 @@ from embcache.errors import (
 )
 from embcache.locks import assert_unlocked
 from embcache.store.base import TransferOutcome
-from embcache.store.mooncake_config import MooncakeConfig, _reachable
+from embcache.store.mooncake_config import MooncakeConfig, reachable
 from embcache.store.mooncake_native import (
     _NO_AVAILABLE_HANDLE,
     _RPC_FAIL,
@@ -420,7 +420,7 @@ class MooncakeStore:
                 return False
             self._next_probe = now + self._config.reconnect_interval_s
         cfg = self._config
-        if not _reachable((cfg.master_host, cfg.master_port), cfg.connect_timeout_s):
+        if not reachable((cfg.master_host, cfg.master_port), cfg.connect_timeout_s):
             return False
         with self._lock:
             self._master_down = False
@@ -455,12 +455,12 @@ class MooncakeStore:
     def _open_session(self, pool: torch.Tensor | None) -> _Session:
         """A new transfer client with the pool registered (caller holds ``_swap_lock``)."""
         cfg = self._config
-        if not _reachable((cfg.master_host, cfg.master_port), cfg.connect_timeout_s):
+        if not reachable((cfg.master_host, cfg.master_port), cfg.connect_timeout_s):
             raise StoreUnavailableError(
                 f"Mooncake master {cfg.master_address} refuses connections: start "
                 "mooncake_master there or fix MOONCAKE_MASTER"
             )
-        if cfg.metadata_probe is not None and not _reachable(
+        if cfg.metadata_probe is not None and not reachable(
             cfg.metadata_probe, cfg.connect_timeout_s
         ):
             raise StoreUnavailableError(

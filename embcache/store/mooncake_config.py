@@ -223,7 +223,7 @@ class MooncakeConfig:
         )
 
 
-def _reachable(address: tuple[str, int], timeout_s: float) -> bool:
+def reachable(address: tuple[str, int], timeout_s: float) -> bool:
     """Whether a TCP connection to ``address`` can be opened within ``timeout_s``."""
     try:
         socket.create_connection(address, timeout=timeout_s).close()

@@ -29,7 +29,7 @@ from types import MappingProxyType, TracebackType
 from typing import ClassVar
 
 from embcache.errors import StoreUnavailableError
-from embcache.store.mooncake_config import _reachable
+from embcache.store.mooncake_config import reachable
 
 __all__ = ["MooncakeMaster", "find_master_binary", "master_binary"]
 
@@ -91,7 +91,7 @@ def _listens(pid: int, port: int) -> bool:
         inodes = _socket_inodes(pid)
         tables = [Path(f"/proc/{pid}/net/{name}").read_text() for name in ("tcp", "tcp6")]
     except OSError:
-        return _reachable(("127.0.0.1", port), 0.2)
+        return reachable(("127.0.0.1", port), 0.2)
     for table in tables:
         for line in table.splitlines()[1:]:
             fields = line.split()

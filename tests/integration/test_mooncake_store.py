@@ -538,7 +538,7 @@ def test_bad_config_raises_before_import_or_network(
 ) -> None:
     monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
     monkeypatch.setattr(mooncake_module, "_load_binding", _no_binding)
-    monkeypatch.setattr(mooncake_module, "_reachable", _no_binding)
+    monkeypatch.setattr(mooncake_module, "reachable", _no_binding)
     with pytest.raises(StoreConfigError, match=message):
         MooncakeStore(**kwargs)  # type: ignore[arg-type]
 
