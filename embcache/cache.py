@@ -46,8 +46,7 @@ from embcache.fencing import FencePolicy, Fencer
 from embcache.item import Item, check_key
 from embcache.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
 from embcache.poison import poison, poison_requested
-from embcache.pool import make_pool
-from embcache.pool_views import PoolViews, payload_nbytes
+from embcache.pool import PoolViews, make_pool, payload_nbytes
 from embcache.request import Request
 from embcache.store.base import GlobalStore, get_outcome, put_outcome
 from embcache.store.inprocess import InProcessStore
