@@ -106,11 +106,11 @@ def test_evicting_a_pinned_entry_is_rejected_at_the_evict(
     add_holder_as_built = CacheCore._add_holder
 
     def add_holder(self: CacheCore, entry: Any, holder: Any) -> None:
-        evictable = entry.key in self.order
+        evictable = entry.key in self._order
         add_holder_as_built(self, entry, holder)  # its other bookkeeping stays right
-        if evictable and entry.key not in self.order:
-            self.order.add(entry.key)
-            self.evictable_bytes += entry.size
+        if evictable and entry.key not in self._order:
+            self._order.add(entry.key)
+            self._evictable_bytes += entry.size
 
     def evict(self: CacheCore, entry: Any) -> None:
         entry.state = ABSENT
