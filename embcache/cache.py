@@ -216,11 +216,12 @@ class EmbeddingCache:
         return removed
 
     def fence(self) -> int:
-        """Fence the store, then free every range quarantined before the call (the very
-        entries, not their keys: fences may overlap); returns how many."""
+        """Fence the store, then free the very entries quarantined before it; returns how many."""
         with self._lock:
             self._check_open()
             snap = self._core.begin_fence()
+            events = self._settle()
+        self._deliver(events)
         assert_unlocked("store fence")
         self._store.fence()
         with self._lock:
@@ -281,10 +282,9 @@ class EmbeddingCache:
             self._deliver(events)
         if not ask:
             return statuses
-        found: dict[str, bool] | None = None
         assert_unlocked("store exists")
         try:
-            found = dict(zip(ask, self._store.exists(ask), strict=True))
+            found: dict[str, bool] | None = dict(zip(ask, self._store.exists(ask), strict=True))
         except Exception:
             found = None  # the store failed: the misses fall back with STORE_ERROR
         with self._lock:
@@ -361,8 +361,7 @@ class EmbeddingCache:
         with self._lock:
             if not rs.pending():
                 return True
-            futures = self._wakeups[rs.request_id].futures
-            futures.append((loop, future))
+            (futures := self._wakeups[rs.request_id].futures).append((loop, future))
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
@@ -479,10 +478,10 @@ class EmbeddingCache:
 
     def _fence_due(self, now: float) -> bool:
         """Whether the automatic fence should run now (the fencer's question)."""
-        assert self._fence_policy is not None
-        max_bytes = int(self._fence_policy.max_fraction * self.capacity)
+        policy, capacity = self._fence_policy, self._core.capacity
+        assert policy is not None
         with self._lock:
-            return self._core.fence_due(now, max_bytes, self._fence_policy.max_age_s)
+            return self._core.fence_due(now, int(policy.max_fraction * capacity), policy.max_age_s)
 
     # ------------------------------------------------------------------ helpers (lock held)
     def _settle(self) -> list[dict[str, Any]]:
