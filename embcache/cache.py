@@ -351,7 +351,7 @@ class EmbeddingCache:
     def _wait(self, rs: RequestState, timeout: float | None) -> bool:
         """``Request.wait``: block (no lock held) until nothing is pending; False on timeout."""
         assert_unlocked("request wait")
-        wakeup = self._wakeups.get(rs.request_id)  # None: it never waited, nothing is pending
+        wakeup = self._wakeups.get(rs)  # None: it never waited, nothing is pending
         return wakeup is None or bool(wakeup.event.wait(timeout))
 
     async def _wait_async(self, rs: RequestState, timeout: float | None) -> bool:
@@ -361,7 +361,7 @@ class EmbeddingCache:
         with self._lock:
             if not rs.pending():
                 return True
-            (futures := self._wakeups[rs.request_id].futures).append((loop, future))
+            (futures := self._wakeups.futures(rs)).append((loop, future))
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
@@ -377,7 +377,7 @@ class EmbeddingCache:
             if not core.is_open(rs):
                 return
             wake = core.end_request(rs)
-            own = self._wakeups.close(rs.request_id)  # someone may wait on rs itself
+            own = self._wakeups.close(rs)  # someone may wait on rs itself
             events = self._settle() if self._effects else None
         if events:
             self._deliver(events)

@@ -827,7 +827,7 @@ def stale_wake_up_signal(self: EmbeddingCache, requests: list[RequestState]) -> 
     assert_unlocked("waking requests")
     for rs in requests:
         with self._lock:
-            wakeup = self._wakeups.get(rs.request_id)
+            wakeup = self._wakeups.get(rs)
             if rs.pending() or wakeup is None:
                 continue
             wakeup.futures = []
