@@ -1,9 +1,12 @@
 ------------------------- MODULE MCVllmConnector -------------------------
-(* The module TLC runs for VllmConnector: the spec plus the symmetry set. *)
+(* The module TLC runs for VllmConnector: the spec plus the symmetry sets. *)
 EXTENDS VllmConnector, TLC
 
-\* Keys, requests, ranks and slots are interchangeable (the spec never
-\* CHOOSEs among them where it matters; all its models are safety models).
-Symmetry == Permutations(Keys) \cup Permutations(Requests)
-            \cup Permutations(Ranks) \cup Permutations(Slots)
+\* Keys, requests and pool slots are interchangeable (the spec never
+\* CHOOSEs among them; all its models are safety models), and so are the
+\* ranks in a model without staging (Staging = {}: no saves, so Rank0 does
+\* nothing the others do not).  With staging, Rank0 writes the saves.
+Symmetry == Permutations(Keys) \cup Permutations(Requests) \cup Permutations(Slots)
+            \cup Permutations(Ranks)
+SymmetryRank0 == Permutations(Keys) \cup Permutations(Requests) \cup Permutations(Slots)
 =============================================================================

@@ -35,6 +35,10 @@
 (*    whose ack has not come.  A request's pins end when it finished and   *)
 (*    nothing of it is owed; LoseAck (the hold timeout) only marks it      *)
 (*    quarantined: its pins stay, for ever or until the late acks come.    *)
+(*  - The producer path: an item r encodes gets a staging slot             *)
+(*    (AllocSave); Rank0 writes the fresh output there in its WorkerLoad   *)
+(*    and acks; the ack inserts the staged bytes into the pool (AckSave)   *)
+(*    and frees the slot.  A save ack never received keeps it reserved.    *)
 (***************************************************************************)
 EXTENDS Naturals, Sequences, FiniteSets
 
@@ -43,12 +47,14 @@ CONSTANTS
     Requests,  \* vLLM requests, each used once
     Ranks,     \* worker ranks (TP x PP): each one needs every declared item
     Slots,     \* pool slots: an entry takes one
+    Staging,   \* staging slots: a fresh output waits in one for its insert
+    Rank0,     \* the rank that writes fresh outputs into staging (save_caches)
     Garbage,   \* a model value: the bytes of a freed or half-written slot
     NoSlot     \* a model value: the slot of an ABSENT entry
 
 ASSUME /\ Garbage \notin Keys
        /\ NoSlot \notin Slots
-       /\ Ranks # {}
+       /\ Rank0 \in Ranks
 
 ABSENT  == "ABSENT"
 LOADING == "LOADING"
@@ -77,19 +83,27 @@ VARIABLES
     inbox,     \* inbox[w]: the steps' metadata rank w has not yet run
     owed,      \* <<w, l>>: the connector waits for rank w's ack of load l
     acks,      \* <<w, l>>: acks on their way to the scheduler
-    errors     \* what ranks found wrong: [rank, req, key, got] (a history)
+    errors,    \* what ranks found wrong: [rank, req, key, got] (a history)
+    stfree,    \* the free staging slots
+    staged,    \* staged[t]: whose bytes staging slot t holds (Garbage: none valid)
+    saving,    \* the saves whose ack from Rank0 the connector waits for
+    sacks      \* Rank0's save acks on their way to the scheduler
 
+SaveVars == <<stfree, staged, saving, sacks>>
 vars == <<entry, free, pool, request, items, current, declared, allocated, meta, inbox, owed,
-          acks, errors>>
+          acks, errors, SaveVars>>
 
 NoEntry == [state |-> ABSENT, slot |-> NoSlot, holders |-> {}, waiters |-> {}]
 Load(r, k) == [req |-> r, key |-> k, slot |-> entry[k].slot]
 Loads == [req : Requests, key : Keys, slot : Slots]
-Message == [loads : SUBSET Loads, declared : SUBSET (Requests \X Keys)]
-EmptyMeta == [loads |-> {}, declared |-> {}]
+Saves == [req : Requests, key : Keys, slot : Staging]
+Message == [loads : SUBSET Loads, saves : SUBSET Saves, declared : SUBSET (Requests \X Keys)]
+EmptyMeta == [loads |-> {}, saves |-> {}, declared |-> {}]
 Nothing == "Nothing"  \* no tensor in encoder_cache
 
 OwedBy(r) == {p \in owed : p[2].req = r}
+\* An ack of r is owed: of a load by some rank, or of a save by Rank0.
+Outstanding(r) == OwedBy(r) # {} \/ \E sv \in saving : sv.req = r
 
 \* Drop r's pins on the keys K and its waits everywhere.
 ReleaseAll(r, K) ==
@@ -108,7 +122,8 @@ BeginLoad(k) ==
          /\ entry' = [entry EXCEPT ![k] = [NoEntry EXCEPT !.state = LOADING, !.slot = s]]
          /\ free' = free \ {s}
          /\ pool' = [pool EXCEPT ![s] = Garbage]
-    /\ UNCHANGED <<request, items, current, declared, allocated, meta, inbox, owed, acks, errors>>
+    /\ UNCHANGED <<request, items, current, declared, allocated, meta, inbox, owed, acks, errors,
+                   SaveVars>>
 
 \* OK: READY, and the waiters (deferred requests) become holders in the same
 \* step.  FAILED: the slot is freed; the waiters will encode.
@@ -123,7 +138,8 @@ EndLoad(k, ok) ==
          ELSE /\ entry' = [entry EXCEPT ![k] = NoEntry]
               /\ free' = free \cup {e.slot}
               /\ UNCHANGED pool
-    /\ UNCHANGED <<request, items, current, declared, allocated, meta, inbox, owed, acks, errors>>
+    /\ UNCHANGED <<request, items, current, declared, allocated, meta, inbox, owed, acks, errors,
+                   SaveVars>>
 
 \* Any idle READY entry may be evicted at any time: its slot is free, and
 \* its bytes may be overwritten at once.
@@ -133,7 +149,8 @@ Evict(k) ==
     /\ entry' = [entry EXCEPT ![k] = NoEntry]
     /\ free' = free \cup {entry[k].slot}
     /\ pool' = [pool EXCEPT ![entry[k].slot] = Garbage]
-    /\ UNCHANGED <<request, items, current, declared, allocated, meta, inbox, owed, acks, errors>>
+    /\ UNCHANGED <<request, items, current, declared, allocated, meta, inbox, owed, acks, errors,
+                   SaveVars>>
 
 -----------------------------------------------------------------------------
 (* The scheduler connector: vLLM's calls, in the engine-core process. *)
@@ -158,7 +175,8 @@ Ensure(r) ==
               IN  /\ request' = [request EXCEPT ![r] = IF waits THEN WAITING ELSE ENSURED]
                   /\ current' = IF waits THEN NoRequest ELSE r
                   /\ UNCHANGED entry
-    /\ UNCHANGED <<free, pool, items, declared, allocated, meta, inbox, owed, acks, errors>>
+    /\ UNCHANGED <<free, pool, items, declared, allocated, meta, inbox, owed, acks, errors,
+                   SaveVars>>
 
 \* has_cache_item(k) while vLLM schedules r's encoder inputs (r is current:
 \* vLLM calls ensure_cache_available(r) just before): True only for an item
@@ -170,7 +188,7 @@ HasItem(r, k) ==
     /\ r \in entry[k].holders
     /\ declared' = declared \cup {<<r, k>>}
     /\ UNCHANGED <<entry, free, pool, request, items, current, allocated, meta, inbox, owed, acks,
-                   errors>>
+                   errors, SaveVars>>
 
 \* update_state_after_alloc(r, i) for an item declared present: a load of
 \* its slot joins the step's metadata, owed an ack by every rank, unless a
@@ -181,12 +199,12 @@ Alloc(r, k) ==
     /\ declared' = declared \ {<<r, k>>}
     /\ allocated' = allocated \cup {<<r, k>>}
     /\ IF r \in entry[k].holders /\ ~\E l \in meta.loads : l.key = k
-         THEN /\ meta' = [loads |-> meta.loads \cup {Load(r, k)},
-                          declared |-> meta.declared \cup {<<r, k>>}]
+         THEN /\ meta' = [meta EXCEPT !.loads = @ \cup {Load(r, k)},
+                                      !.declared = @ \cup {<<r, k>>}]
               /\ owed' = owed \cup (Ranks \X {Load(r, k)})
          ELSE /\ meta' = [meta EXCEPT !.declared = @ \cup {<<r, k>>}]
               /\ UNCHANGED owed
-    /\ UNCHANGED <<entry, free, pool, request, items, current, inbox, acks, errors>>
+    /\ UNCHANGED <<entry, free, pool, request, items, current, inbox, acks, errors, SaveVars>>
 
 \* build_connector_meta ends the step: its metadata goes, pickled inside
 \* SchedulerOutput, to every rank (a step without loads sends nothing the
@@ -198,7 +216,7 @@ BuildMeta ==
     /\ meta' = EmptyMeta
     /\ declared' = {}
     /\ current' = NoRequest
-    /\ UNCHANGED <<entry, free, pool, request, items, allocated, owed, acks, errors>>
+    /\ UNCHANGED <<entry, free, pool, request, items, allocated, owed, acks, errors, SaveVars>>
 
 \* request_finished(r), or an abort, at any time: r's waits and unallocated
 \* answers go; its pins stay until nothing of it is owed.
@@ -206,10 +224,10 @@ Finish(r) ==
     /\ request[r] \in Live
     /\ declared' = {d \in declared : d[1] # r}
     /\ current' = IF current = r THEN NoRequest ELSE current
-    /\ IF OwedBy(r) = {}
+    /\ IF ~Outstanding(r)
          THEN ReleaseAll(r, Keys) /\ request' = [request EXCEPT ![r] = CLOSED]
          ELSE ReleaseAll(r, {}) /\ request' = [request EXCEPT ![r] = FINISHED]
-    /\ UNCHANGED <<free, pool, items, allocated, meta, inbox, owed, acks, errors>>
+    /\ UNCHANGED <<free, pool, items, allocated, meta, inbox, owed, acks, errors, SaveVars>>
 
 \* update_connector_output with rank w's ack of load l.  When nothing of a
 \* finished (or quarantined: a late ack) request is owed any more, its pins
@@ -219,10 +237,12 @@ Ack(w, l) ==
     /\ acks' = acks \ {<<w, l>>}
     /\ owed' = owed \ {<<w, l>>}
     /\ LET r == l.req IN
-       IF request[r] \in {FINISHED, QUARANTINED} /\ ~\E p \in owed' : p[2].req = r
+       IF /\ request[r] \in {FINISHED, QUARANTINED}
+          /\ ~\E p \in owed' : p[2].req = r
+          /\ ~\E sv \in saving : sv.req = r
          THEN ReleaseAll(r, Keys) /\ request' = [request EXCEPT ![r] = CLOSED]
          ELSE UNCHANGED <<entry, request>>
-    /\ UNCHANGED <<free, pool, items, current, declared, allocated, meta, inbox, errors>>
+    /\ UNCHANGED <<free, pool, items, current, declared, allocated, meta, inbox, errors, SaveVars>>
 
 \* The hold timeout: acks owed for a finished request are overdue, perhaps
 \* lost.  The request is quarantined: its pins stay, never released,
@@ -231,7 +251,68 @@ LoseAck(r) ==
     /\ request[r] = FINISHED
     /\ request' = [request EXCEPT ![r] = QUARANTINED]
     /\ UNCHANGED <<entry, free, pool, items, current, declared, allocated, meta, inbox, owed,
-                   acks, errors>>
+                   acks, errors, SaveVars>>
+
+-----------------------------------------------------------------------------
+(* The producer path: fresh encoder outputs, through staging, into the cache. *)
+
+\* update_state_after_alloc(r, i) for an item r does not have (vLLM encodes
+\* it): a staging slot is reserved and a save joins the step's metadata
+\* (none free: no save; one per key and step).  Rank0 writes the fresh
+\* output there and acks.
+AllocSave(r, k) ==
+    /\ request[r] = ENSURED
+    /\ k \in items[r]
+    /\ <<r, k>> \notin declared \cup allocated
+    /\ r \notin entry[k].holders
+    /\ ~\E sv \in meta.saves : sv.key = k
+    /\ \E t \in stfree :
+         /\ meta' = [meta EXCEPT !.saves = @ \cup {[req |-> r, key |-> k, slot |-> t]}]
+         /\ saving' = saving \cup {[req |-> r, key |-> k, slot |-> t]}
+         /\ stfree' = stfree \ {t}
+         /\ staged' = [staged EXCEPT ![t] = Garbage]
+    /\ allocated' = allocated \cup {<<r, k>>}
+    /\ UNCHANGED <<entry, free, pool, request, items, current, declared, inbox, owed, acks,
+                   errors, sacks>>
+
+\* update_connector_output with Rank0's ack of save sv: the staged bytes are
+\* inserted (when k is absent and a pool slot is free) and the staging slot
+\* is freed; a finished request with nothing else owed closes.  An ack of a
+\* save the connector no longer waits for is ignored.
+InsertSlots(sv) == IF entry[sv.key].state = ABSENT /\ free # {} THEN free ELSE {NoSlot}
+Inserted(sv, p) == IF p = NoSlot THEN entry[sv.key]
+                   ELSE [NoEntry EXCEPT !.state = READY, !.slot = p]
+AckSave(sv) ==
+    /\ sv \in sacks
+    /\ sacks' = sacks \ {sv}
+    /\ IF sv \in saving
+         THEN \E p \in InsertSlots(sv) :
+              LET r == sv.req
+                  ins == [e |-> Inserted(sv, p), slot |-> p]
+                  closes == /\ request[r] \in {FINISHED, QUARANTINED}
+                            /\ OwedBy(r) = {}
+                            /\ ~\E o \in saving \ {sv} : o.req = r
+                  e1 == [entry EXCEPT ![sv.key] = ins.e]
+              IN  /\ saving' = saving \ {sv}
+                  /\ stfree' = stfree \cup {sv.slot}
+                  /\ staged' = [staged EXCEPT ![sv.slot] = Garbage]
+                  /\ free' = free \ {ins.slot}
+                  /\ pool' = IF ins.slot = NoSlot THEN pool
+                              ELSE [pool EXCEPT ![ins.slot] = staged[sv.slot]]
+                  /\ entry' = IF closes
+                               THEN [k \in Keys |-> [e1[k] EXCEPT !.holders = @ \ {r},
+                                                                 !.waiters = @ \ {r}]]
+                               ELSE e1
+                  /\ request' = IF closes THEN [request EXCEPT ![r] = CLOSED] ELSE request
+         ELSE UNCHANGED <<entry, free, pool, request, stfree, staged, saving>>
+    /\ UNCHANGED <<items, current, declared, allocated, meta, inbox, owed, acks, errors>>
+
+\* A save ack that never arrives: the staging slot stays reserved.
+DropSaveAck(sv) ==
+    /\ sv \in sacks
+    /\ sacks' = sacks \ {sv}
+    /\ UNCHANGED <<entry, free, pool, request, items, current, declared, allocated, meta, inbox,
+                   owed, acks, errors, stfree, staged, saving>>
 
 -----------------------------------------------------------------------------
 (* The worker connectors: one per rank, in the GPU worker processes. *)
@@ -250,22 +331,30 @@ WorkerLoad(w) ==
                                       got |-> got(d[2])] : d \in {d \in m.declared :
                                                                  got(d[2]) # d[2]}}
            /\ acks' = acks \cup ({w} \X m.loads)
+           /\ IF w = Rank0
+                THEN /\ staged' = [t \in Staging |->
+                                      IF \E sv \in m.saves : sv.slot = t
+                                        THEN (CHOOSE sv \in m.saves : sv.slot = t).key
+                                        ELSE staged[t]]
+                     /\ sacks' = sacks \cup m.saves
+                ELSE UNCHANGED <<staged, sacks>>
     /\ inbox' = [inbox EXCEPT ![w] = Tail(@)]
-    /\ UNCHANGED <<entry, free, pool, request, items, current, declared, allocated, meta, owed>>
+    /\ UNCHANGED <<entry, free, pool, request, items, current, declared, allocated, meta, owed,
+                   stfree, saving>>
 
 \* An ack that never arrives: a killed worker, a lost message.
 DropAck(w, l) ==
     /\ <<w, l>> \in acks
     /\ acks' = acks \ {<<w, l>>}
     /\ UNCHANGED <<entry, free, pool, request, items, current, declared, allocated, meta, inbox,
-                   owed, errors>>
+                   owed, errors, SaveVars>>
 
 \* Every request is closed or quarantined and nothing is in flight: the
 \* behaviour ends here (a stuttering step, so that TLC's deadlock check
 \* still flags any other state where nothing can happen).
 Done ==
     /\ \A r \in Requests : request[r] \in {CLOSED, QUARANTINED}
-    /\ meta = EmptyMeta /\ acks = {} /\ \A w \in Ranks : inbox[w] = <<>>
+    /\ meta = EmptyMeta /\ acks = {} /\ sacks = {} /\ \A w \in Ranks : inbox[w] = <<>>
     /\ UNCHANGED vars
 
 -----------------------------------------------------------------------------
@@ -284,11 +373,16 @@ Init ==
     /\ owed = {}
     /\ acks = {}
     /\ errors = {}
+    /\ stfree = Staging
+    /\ staged = [t \in Staging |-> Garbage]
+    /\ saving = {}
+    /\ sacks = {}
 
 Next ==
     \/ \E k \in Keys : BeginLoad(k) \/ EndLoad(k, TRUE) \/ EndLoad(k, FALSE) \/ Evict(k)
     \/ \E r \in Requests : Ensure(r) \/ Finish(r) \/ LoseAck(r)
-    \/ \E r \in Requests, k \in Keys : HasItem(r, k) \/ Alloc(r, k)
+    \/ \E r \in Requests, k \in Keys : HasItem(r, k) \/ Alloc(r, k) \/ AllocSave(r, k)
+    \/ \E sv \in Saves : AckSave(sv) \/ DropSaveAck(sv)
     \/ BuildMeta
     \/ \E w \in Ranks : WorkerLoad(w)
     \/ \E w \in Ranks, l \in Loads : Ack(w, l) \/ DropAck(w, l)
@@ -318,6 +412,10 @@ TypeOK ==
     /\ acks \subseteq Ranks \X Loads
     /\ errors \subseteq [rank : Ranks, req : Requests, key : Keys,
                          got : Keys \cup {Garbage, Nothing}]
+    /\ stfree \subseteq Staging
+    /\ staged \in [Staging -> Keys \cup {Garbage}]
+    /\ saving \subseteq Saves
+    /\ sacks \subseteq Saves
 
 \* What vLLM sees.  Every item a rank's model run needed was in its
 \* encoder_cache (else: RuntimeError "Encoder cache miss", the engine dies) ...
@@ -326,13 +424,16 @@ NoEncoderCacheMiss == \A e \in errors : e.got # Nothing
 \* ... and held that item's bytes, not a freed slot's or another item's.
 RightBytes == \A e \in errors : e.got = Nothing
 
+\* What a later load would deliver: a READY entry's slot holds its bytes
+\* (an insert from a staging slot reused too early breaks it).
+CachedBytesRight == \A k \in Keys : entry[k].state = READY => pool[entry[k].slot] = k
+
 \* The slots: an entry's slot is not free and no other entry's; a READY
 \* entry's slot holds its bytes.
 SlotsExact ==
     /\ \A k \in Keys : entry[k].state # ABSENT => entry[k].slot \notin free
     /\ \A j, k \in Keys : j # k /\ entry[j].state # ABSENT /\ entry[k].state # ABSENT
                             => entry[j].slot # entry[k].slot
-    /\ \A k \in Keys : entry[k].state = READY => pool[entry[k].slot] = k
     /\ \A k \in Keys : entry[k].holders # {} => entry[k].state = READY
     /\ \A k \in Keys : entry[k].waiters # {} => entry[k].state = LOADING
 
@@ -348,6 +449,11 @@ DeclaredIsPinned ==
            \E l \in m.loads : /\ l.key = d[2]
                               /\ Pinned(l.req, l.key) /\ entry[l.key].slot = l.slot
 
+\* A save the connector waits for keeps its staging slot, its own.
+StagingHeld ==
+    /\ \A sv \in saving : sv.slot \notin stfree
+    /\ \A s1, s2 \in saving : s1 # s2 => s1.slot # s2.slot
+
 \* No pin outlives its request: a finished or quarantined request pins only
 \* while an ack of it is owed, a closed one nothing; only a deferred request
 \* waits; the current request is an ensured one.
@@ -356,7 +462,7 @@ NoPinOutlivesRequest ==
            /\ r \in entry[k].waiters => request[r] = WAITING
            /\ r \in entry[k].holders =>
                   \/ request[r] \in Live
-                  \/ request[r] \in {FINISHED, QUARANTINED} /\ OwedBy(r) # {}
+                  \/ request[r] \in {FINISHED, QUARANTINED} /\ Outstanding(r)
     /\ current # NoRequest => request[current] = ENSURED
 
 =============================================================================
