@@ -16,8 +16,9 @@ Each side runs a warm-up, then ``low`` operations, then ``high``; the cost of on
   pages (one entry a page). Each request takes 8 distinct keys, the same on both sides.
 - evicting insert: the pool holds exactly ``entries`` 256 B entries, the oldest half pinned by
   an open request, so each insert of a fresh key evicts one idle entry (as
-  ``benchmarks.bench_eviction``). Ours: a request inserting one item, closed; SGLang's: the steps
-  of ``store_to_pool_async`` + ``wait_store_to_pool`` for a CPU tensor
+  ``benchmarks.bench_eviction``). Ours two ways: a request inserting one item, closed; and
+  ``cache.insert`` with no request, as a caller like SGLang's ``store_to_pool_async`` does it.
+  SGLang's: the steps of ``store_to_pool_async`` + ``wait_store_to_pool`` for a CPU tensor
   (``benchmarks.bench_peers.sglang_evicting_side``, its own code from the wheel).
 
 Rows are ``{name, ours, baseline, unit, ratio, target, met}`` in thousands of instructions per
@@ -119,8 +120,10 @@ def sglang_hit(entries: int, batches: list[list[str]]) -> tuple[Op, Callable[[in
     return op, check
 
 
-def ours_evicting(entries: int) -> tuple[Op, Callable[[int], None]]:
-    """Ours' evicting insert into a full pool, the oldest half pinned, and a check."""
+def ours_evicting(entries: int, request_less: bool) -> tuple[Op, Callable[[int], None]]:
+    """Ours' evicting insert into a full pool, the oldest half pinned, and a check: one item
+    inserted by a request that then closes, or (``request_less``) by ``cache.insert``, the call
+    for a caller with no request such as SGLang's ``store_to_pool_async``."""
     cache = ours_cache(entries)
     tensor = torch.zeros(SHAPE, dtype=torch.bfloat16)
     half = entries // 2
@@ -131,9 +134,12 @@ def ours_evicting(entries: int) -> tuple[Op, Callable[[int], None]]:
     before = cache.stats()
     assert before.free_bytes == 0 and before.pinned_entries == half
 
-    def op(n: int) -> None:
+    def in_request(n: int) -> None:
         with cache.request(f"e{n}") as request:
             request.insert([f"fresh{n}"], [tensor], publish=False)
+
+    def no_request(n: int) -> None:
+        cache.insert([f"fresh{n}"], [tensor], publish=False)
 
     def check(done: int) -> None:
         stats = cache.stats()
@@ -142,7 +148,7 @@ def ours_evicting(entries: int) -> tuple[Op, Callable[[int], None]]:
         assert stats.free_bytes == 0 and stats.pinned_entries == half, stats
         cache.check_invariants()
 
-    return op, check
+    return no_request if request_less else in_request, check
 
 
 def sglang_evicting(entries: int) -> tuple[Op, Callable[[int], None]]:
@@ -170,7 +176,8 @@ def child(entries: int, low: int, high: int) -> None:
     why = bench_peers.sglang_missing()
     sides: dict[str, tuple[Op, Callable[[int], None]]] = {
         "ours hit": ours_hit(entries, batches),
-        "ours evicting insert": ours_evicting(entries),
+        "ours evicting insert": ours_evicting(entries, request_less=False),
+        "ours request-less insert": ours_evicting(entries, request_less=True),
     }
     if why is None:
         sides["sglang hit"] = sglang_hit(entries, batches)
@@ -252,21 +259,31 @@ def per_operation(order: list[str], counts: list[int], span: int) -> dict[str, f
 
 
 def rows(entries: int = 1_000, low: int = 10, high: int = 110) -> list[Row]:
-    """Thousands of instructions per op, ours against SGLang's, for both operations."""
-    names = {
-        "hit": f"instructions, {BATCH}-item all-hit request, {entries} entries, vs SGLang",
-        "evicting insert": (
-            f"instructions, evicting insert, {entries} entries, half pinned, vs SGLang"
+    """Thousands of instructions per op, ours against SGLang's: the hit, the evicting insert
+    in a request and by ``cache.insert`` (both against SGLang's one evicting insert)."""
+    pool = f"{entries} entries"
+    compared = {  # row name: (our side, SGLang's side)
+        f"instructions, {BATCH}-item all-hit request, {pool}, vs SGLang": (
+            "ours hit",
+            "sglang hit",
+        ),
+        f"instructions, evicting insert in a request, {pool}, half pinned, vs SGLang": (
+            "ours evicting insert",
+            "sglang evicting insert",
+        ),
+        f"instructions, evicting cache.insert, {pool}, half pinned, vs SGLang": (
+            "ours request-less insert",
+            "sglang evicting insert",
         ),
     }
     try:
         per_op, why = count(entries, low, high)
     except Unavailable as exc:
-        return [skipped_row(name, str(exc), ">= 1.0x") for name in names.values()]
+        return [skipped_row(name, str(exc), ">= 1.0x") for name in compared]
     out = []
-    for what, name in names.items():
-        ours = per_op[f"ours {what}"]
-        peer = per_op.get(f"sglang {what}")
+    for name, (our_side, peer_side) in compared.items():
+        ours = per_op[our_side]
+        peer = per_op.get(peer_side)
         if peer is None:
             out.append(skipped_row(name, why or "", ">= 1.0x"))
             continue

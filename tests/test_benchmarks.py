@@ -243,7 +243,7 @@ def test_both_sides_of_the_instruction_count_do_their_work(
 
     bench_instructions.child(entries=64, low=1, high=3)
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    sides = ["ours hit", "ours evicting insert"]
+    sides = ["ours hit", "ours evicting insert", "ours request-less insert"]
     if bench_peers.sglang_missing() is None:
         sides += ["sglang hit", "sglang evicting insert"]
     assert report["order"] == [side for side in sides for _ in range(2)]
