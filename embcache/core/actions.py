@@ -63,6 +63,7 @@ class Actions:
         record_freed: bool = False,
     ) -> None:
         self._allocator = BestFitAllocator(capacity, alignment)
+        self._align = alignment
         self._max_batch = max_eviction_batch
         self._enable_eviction = enable_eviction
         self._events: list[dict[str, Any]] | None = [] if trace else None  # until taken
@@ -175,7 +176,11 @@ class Actions:
         transition(ABSENT if existing is None else existing.state, Step.BEGIN_LOAD)
         if item.nbytes > self.capacity:
             return self._alloc_failed(rs, item, Reason.TOO_LARGE)
-        size = self._allocator.rounded(item.nbytes)
+        nbytes, align = item.nbytes, self._align
+        if type(nbytes) is int and nbytes > 0:
+            size = (nbytes + align - 1) & -align  # the allocator's rounding, with no calls
+        else:
+            size = self._allocator.rounded(nbytes)  # raises the allocator's error
         offset = self._allocate(item.key, size)
         if isinstance(offset, Reason):
             return self._alloc_failed(rs, item, offset)
@@ -187,7 +192,8 @@ class Actions:
         if not from_store:
             rs.reserved.add(item.key)
         self._counts["loads_started" if from_store else "reservations"] += 1
-        self._emit("BeginLoad", rs.request_id, item.key, entry, outcome="OK")
+        if self._events is not None:
+            self._emit("BeginLoad", rs.request_id, item.key, entry, outcome="OK")
         return entry, None
 
     def end_load(
@@ -235,7 +241,8 @@ class Actions:
                 self._free(entry)
             else:
                 self._quarantine[entry.key] = self._clock()
-        self._emit("EndLoad", None, entry.key, entry, outcome=outcome.name)
+        if self._events is not None:
+            self._emit("EndLoad", None, entry.key, entry, outcome=outcome.name)
         return waiters
 
     def release(self, rs: RequestState, key: str) -> None:
@@ -259,7 +266,8 @@ class Actions:
         self._free(entry)
         self._counts["evictions"] += 1
         self._counts["evicted_bytes"] += entry.size
-        self._emit("Evict", None, entry.key, entry)
+        if self._events is not None:
+            self._emit("Evict", None, entry.key, entry)
 
     def remove(self, key: str) -> bool:
         """Remove(k): free now if idle, else doom; QUARANTINED entries wait for a fence."""
