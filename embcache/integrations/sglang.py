@@ -53,7 +53,7 @@ import torch
 
 from embcache import EmbeddingCache, EntryState, GlobalStore, Item, Status
 from embcache.errors import InvalidArgumentError
-from embcache.integrations.sglang_holds import Holds, Prefetch, Staged
+from embcache.integrations.sglang_holds import Holds, Prefetch, Staged, forget_mine
 from embcache.integrations.sglang_modality import ModalityDims
 from embcache.request import Request
 
@@ -190,6 +190,7 @@ class ControllerBase:
         modality: Any = None,
     ) -> None:
         """Pin the hits and start loading the global hits of ``mm_hashes`` for ``req_id``."""
+        forget_mine()
         dim = self._dims.dim_or_warn(modality, "prefetch")
         if dim is None:
             return

@@ -356,3 +356,40 @@ def test_legacy_insert_batch_pushes_present_keys_too(store: InProcessStore) -> N
         idle(ctl)  # type: ignore[arg-type]
     finally:
         ctl.close()
+
+
+def test_has_local_embedding_answers_for_the_callers_own_prefetch(
+    ctl: EmbeddingCacheController,
+) -> None:
+    """A request whose prefetch missed a hash must not be told it is local because another
+    request's prefetch pins it: that request may read and release it before this one reads."""
+    import contextvars
+
+    late, early = contextvars.Context(), contextvars.Context()
+    late.run(prefetch, ctl, "late", ["k"], [3])  # k not cached yet: a miss
+    insert(ctl, ["k"], [3])
+    early.run(prefetch, ctl, "early", ["k"], [3])
+    assert not late.run(ctl.has_local_embedding, "k")  # was True: the other request's ticket
+    assert early.run(ctl.has_local_embedding, "k")
+    assert early.run(ctl.get_pool_views, ["k"])[0] is not None
+    early.run(ctl.release_pool_views, ["k"])
+    idle(ctl)
+
+
+def test_a_reader_takes_its_own_prefetchs_pin_first(ctl: EmbeddingCacheController) -> None:
+    """Two requests pin the same hash; the second reads and releases first. The first request's
+    pin must still be there for its own read (it was the one used up by the other's read)."""
+    import contextvars
+
+    insert(ctl, ["k"], [3])
+    first, second = contextvars.Context(), contextvars.Context()
+    first.run(prefetch, ctl, "first", ["k"], [3])
+    second.run(prefetch, ctl, "second", ["k"], [3])
+    assert first.run(ctl.has_local_embedding, "k") and second.run(ctl.has_local_embedding, "k")
+    assert second.run(ctl.get_pool_views, ["k"])[0] is not None
+    second.run(ctl.release_pool_views, ["k"])
+    assert first.run(ctl.has_local_embedding, "k")
+    views = first.run(ctl.get_pool_views, ["k"])[0]
+    assert views is not None and raw(views[0]) == raw(embedding("k", 3))
+    first.run(ctl.release_pool_views, ["k"])
+    idle(ctl)
