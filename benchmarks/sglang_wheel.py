@@ -26,8 +26,6 @@ which a host without CUDA cannot give, so there it gets plain memory.
 from __future__ import annotations
 
 import enum
-import os
-import subprocess
 import sys
 import threading
 import zipfile
@@ -38,6 +36,8 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
+
+from benchmarks import wheels
 
 VERSION = "0.5.23"
 MODULE_FILE = "sglang/srt/mem_cache/embedding_cache_controller.py"
@@ -55,15 +55,11 @@ class SGLangUnavailable(RuntimeError):
 
 def cache_dir() -> Path:
     """The folder that holds the wheel: ``$EMBCACHE_SGLANG_CACHE`` or ~/.cache/embcache/sglang."""
-    folder = os.environ.get(CACHE_ENV)
-    return Path(folder) if folder else Path.home() / ".cache" / "embcache" / "sglang"
+    return wheels.cache_dir("sglang", CACHE_ENV)
 
 
 def _how_to_get_it(folder: Path) -> str:
-    return (
-        f"get it with `{sys.executable} -m pip download sglang=={VERSION} --no-deps -d {folder}` "
-        f"(or put the wheel in a folder and name it in ${CACHE_ENV})"
-    )
+    return wheels.how_to_get_it("sglang", VERSION, CACHE_ENV, folder)
 
 
 def wheel_path() -> Path:
@@ -71,31 +67,7 @@ def wheel_path() -> Path:
 
     Raises ``SGLangUnavailable`` (saying why, and how to get it) when pip cannot fetch it.
     """
-    folder = cache_dir()
-    found = sorted(folder.glob(f"sglang-{VERSION}-*.whl"))
-    if found:
-        return found[0]
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", f"sglang=={VERSION}", "--no-deps"]
-        done = subprocess.run(
-            [*command, "--disable-pip-version-check", "-d", str(folder)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SGLangUnavailable(
-            f"pip download of sglang=={VERSION} did not run ({exc}); {_how_to_get_it(folder)}"
-        ) from exc
-    found = sorted(folder.glob(f"sglang-{VERSION}-*.whl"))
-    if done.returncode != 0 or not found:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise SGLangUnavailable(
-            f"pip download of sglang=={VERSION} failed (exit {done.returncode}: "
-            f"{' / '.join(tail) or 'no output'}); {_how_to_get_it(folder)}"
-        )
-    return found[0]
+    return wheels.fetch_wheel("sglang", VERSION, CACHE_ENV, SGLangUnavailable, timeout=600)
 
 
 def _stand_ins() -> dict[str, ModuleType | None]:

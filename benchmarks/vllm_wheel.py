@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import subprocess
 import sys
 import threading
 import zipfile
@@ -42,6 +40,8 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
+
+from benchmarks import wheels
 
 VERSION = "0.33.0"
 WIDTH = 64  # the hidden size of the stand-in model
@@ -70,7 +70,6 @@ PACKAGES = (
     "vllm.v1.worker",
 )
 
-PIP_DOWNLOAD = (sys.executable, "-m", "pip", "download", f"vllm=={VERSION}", "--no-deps")
 
 _lock = threading.Lock()
 
@@ -89,15 +88,11 @@ class SchedulerOutput:
 
 def cache_dir() -> Path:
     """The folder that holds the wheel: ``$EMBCACHE_VLLM_CACHE`` or ~/.cache/embcache/vllm."""
-    folder = os.environ.get(CACHE_ENV)
-    return Path(folder) if folder else Path.home() / ".cache" / "embcache" / "vllm"
+    return wheels.cache_dir("vllm", CACHE_ENV)
 
 
 def _how_to_get_it(folder: Path) -> str:
-    return (
-        f"get it with `{sys.executable} -m pip download vllm=={VERSION} --no-deps -d {folder}` "
-        f"(or put the wheel in a folder and name it in ${CACHE_ENV})"
-    )
+    return wheels.how_to_get_it("vllm", VERSION, CACHE_ENV, folder)
 
 
 def wheel_path() -> Path:
@@ -105,30 +100,7 @@ def wheel_path() -> Path:
 
     Raises ``VLLMUnavailable`` (saying why, and how to get it) when pip cannot fetch it.
     """
-    folder = cache_dir()
-    found = sorted(folder.glob(f"vllm-{VERSION}-*.whl"))
-    if found:
-        return found[0]
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(
-            [*PIP_DOWNLOAD, "--disable-pip-version-check", "-d", str(folder)],
-            capture_output=True,
-            text=True,
-            timeout=1200,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise VLLMUnavailable(
-            f"pip download of vllm=={VERSION} did not run ({exc}); {_how_to_get_it(folder)}"
-        ) from exc
-    found = sorted(folder.glob(f"vllm-{VERSION}-*.whl"))
-    if done.returncode != 0 or not found:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise VLLMUnavailable(
-            f"pip download of vllm=={VERSION} failed (exit {done.returncode}: "
-            f"{' / '.join(tail) or 'no output'}); {_how_to_get_it(folder)}"
-        )
-    return found[0]
+    return wheels.fetch_wheel("vllm", VERSION, CACHE_ENV, VLLMUnavailable, timeout=1200)
 
 
 def _module(name: str, *, package: bool = False) -> ModuleType:
