@@ -1,4 +1,4 @@
-"""How the driver wakes requests that wait on loads: per request id, an Event and asyncio futures.
+"""How the driver wakes requests that wait on loads: per request record, an Event and futures.
 
 A request gets a ``Wakeup`` when it first waits on a load, and loses it when it closes; it is
 kept by the request's own record, so a later request that reuses the id is never woken by it. Every
