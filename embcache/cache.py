@@ -12,9 +12,7 @@ the range cannot be freed or reused under them.
 Lock hierarchy: the cache lock is level 1; requests take no lock of their own. Waiting requests
 are woken in ``_signal`` (``embcache.wakeups``); trace events reach the sink after the lock is
 released (``embcache.trace.TraceOutbox``); freed ranges are poisoned before it is released.
-
-``Request`` (``embcache.request``) talks to this driver through the private methods of the
-section "the seam Request uses", each taking the request's core state.
+``Request`` talks to this driver through the private methods of "the seam Request uses".
 """
 
 from __future__ import annotations
@@ -153,15 +151,13 @@ class EmbeddingCache:
             raise InvalidTypeError(f"request_id must be a str, got {request_id!r}")
         if not request_id:
             raise InvalidArgumentError("request_id must be a non-empty str")
-        core = self._core
         with self._lock:
             self._check_open()
-            if core.has_request(request_id):
+            if self._core.has_request(request_id):
                 raise RequestError(f"request {request_id!r} is already open: ids must be unique")
-            state = core.open_request(request_id)
+            state = self._core.open_request(request_id)
             events = self._settle() if self._effects else None
-        if events:
-            self._deliver(events)
+        self._deliver(events)
         return Request(self, state)
 
     def insert(
@@ -207,10 +203,9 @@ class EmbeddingCache:
 
     def clear(self) -> int:
         """Remove every entry (busy ones are doomed); returns how many were removed or doomed."""
-        core = self._core
         with self._lock:
             self._check_open()
-            removed = sum(core.remove(key) for key in list(core.entries))
+            removed = sum(self._core.remove(key) for key in list(self._core.entries))
             events = self._settle()
         self._deliver(events)
         return removed
@@ -223,7 +218,12 @@ class EmbeddingCache:
             events = self._settle()
         self._deliver(events)
         assert_unlocked("store fence")
-        self._store.fence()
+        try:
+            self._store.fence()
+        except BaseException:
+            with self._lock:
+                self._core.abandon_fence(snap)
+            raise
         with self._lock:
             freed = self._core.fence(snap)
             events = self._settle()
@@ -470,7 +470,7 @@ class EmbeddingCache:
             futures = self._wakeups.wake(requests)
         resolve(futures)
 
-    def _deliver(self, events: list[dict[str, Any]]) -> None:
+    def _deliver(self, events: list[dict[str, Any]] | None) -> None:
         """Hand trace events (if any) to the sink, in order. Called with no lock held."""
         if events:
             assert self._outbox is not None

@@ -680,6 +680,9 @@ def corrupt_and_check(corrupt: str) -> str:
             state["order"].remove("idle")
         elif corrupt == "evictable_bytes":
             state["evictable_bytes"] += 1
+        elif corrupt == "fenced_not_quarantined":
+            state["fencing"] = [(e["q"],)]  # a fence in flight took q; something else ended it
+            e["q"].state = READY
         del s
         with pytest.raises(InvariantError) as info:
             check_core(**state)
@@ -694,6 +697,7 @@ def corrupt_and_check(corrupt: str) -> str:
     ("corrupt", "message"),
     [
         ("allocation", r"allocations \[.*\] != entry ranges \[.*\]"),
+        ("fenced_not_quarantined", r"'q' is READY while a fence in flight holds it"),
         ("pin_times", r"pin start times kept for \['held', 'idle'\], not for the pinned entries"),
         ("reserved_not_waited", r"request 'r' bookkeeping inconsistent"),
         ("holder", r"'idle' holders (frozenset\()?\{'s'\}\)? != requests holding it set\(\)"),

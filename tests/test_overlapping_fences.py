@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from embcache import EmbeddingCache, Fault, TransferOutcome
+from embcache import EmbeddingCache, Fault, InProcessStore, Item, TransferOutcome
 from embcache.core.lifecycle import ABSENT, QUARANTINED
+from embcache.errors import StoreUnavailableError
 from embcache.fencing import FencePolicy
 from embcache.trace import TraceLog
 from tests.helpers import raw
@@ -99,3 +100,39 @@ def test_the_stray_read_lands_in_the_range_it_was_given(limbo: LimboStore) -> No
     limbo.open_all()
     limbo.fence()
     assert pool[:UNIT].eq(GARBAGE).all()
+
+
+def test_a_failed_store_fence_frees_nothing_and_leaves_no_fence_in_flight() -> None:
+    """The store's fence raises: the cache's fence raises, its snapshot is dropped (the runtime
+    check would otherwise keep it, and a dead master would pile one up a second), the entry
+    stays QUARANTINED, and the next fence that works frees it."""
+
+    class FailingFence(InProcessStore):
+        fail = True
+
+        def fence(self) -> None:
+            if self.fail:
+                raise StoreUnavailableError("the master is gone")
+            super().fence()
+
+    store = FailingFence()
+    store.put_object("q", torch.arange(64, dtype=torch.float32).numpy().tobytes())
+    store.inject("q", Fault.UNKNOWN)
+    cache = EmbeddingCache(16 * 256, store=store, pin_memory=False, auto_fence=None)
+    try:
+        with cache.request("r") as r:
+            r.lookup([Item("q", (64,), torch.float32)])
+            assert r.wait(timeout=10)
+        assert cache.entry_state("q") is QUARANTINED
+        with pytest.raises(StoreUnavailableError):
+            cache.fence()
+        assert cache._core.fences_in_flight == 0
+        assert cache.entry_state("q") is QUARANTINED
+        cache.check_invariants()
+        store.fail = False
+        assert cache.fence() == 1
+        assert cache._core.fences_in_flight == 0
+        cache.check_invariants()
+    finally:
+        store.release_holds()
+        cache.close()

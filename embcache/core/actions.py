@@ -83,6 +83,7 @@ class Actions:
         self._counts: Counter[str] = Counter()
         self._quarantine: dict[str, float] = {}  # QUARANTINED keys -> when (core clock)
         self._fences_begun = 0  # the id of the last BeginFence
+        self._fencing: dict[int, tuple[Entry, ...]] = {}  # fences in flight -> their snapshots
         self._freed: list[tuple[int, int]] | None = [] if record_freed else None  # until taken
         self._emit(
             "Init",
@@ -108,6 +109,7 @@ class Actions:
             self._order,
             self._evictable_bytes,
             self._quarantine,
+            self._fencing.values(),
         )
 
     def stats(self, now: float) -> CacheStats:
@@ -314,6 +316,7 @@ class Actions:
         self._fences_begun += 1
         entries = self._entries
         snap = FenceSnapshot(self._fences_begun, tuple(entries[key] for key in self._quarantine))
+        self._fencing[snap.fence] = snap.entries
         self._emit("BeginFence", None, fence=snap.fence, keys=[e.key for e in snap.entries])
         return snap
 
@@ -321,6 +324,7 @@ class Actions:
         """Fence(f): the store's fence ``snap.fence`` returned: free the entries of ``snap``
         that are still those very entries. Fences may overlap: a key another fence freed and
         that was QUARANTINED again since (by a transfer this fence does not cover) stays."""
+        self._fencing.pop(snap.fence, None)
         freed = []
         for entry in snap.entries:
             if self._entries.get(entry.key) is entry:
@@ -330,6 +334,16 @@ class Actions:
         self._counts["fences"] += 1
         self._emit("Fence", None, None, None, fence=snap.fence, keys=freed)
         return len(freed)
+
+    @property
+    def fences_in_flight(self) -> int:
+        """How many fences began and have neither ended nor been abandoned. O(1)."""
+        return len(self._fencing)
+
+    def abandon_fence(self, snap: FenceSnapshot) -> None:
+        """The store's fence ``snap.fence`` failed: the fence ends without freeing anything
+        (its entries stay QUARANTINED for the next one). O(1)."""
+        self._fencing.pop(snap.fence, None)
 
     def fence_due(self, now: float, max_bytes: int, max_age: float) -> bool:
         """Whether the automatic fence should run: more than ``max_bytes`` quarantined, or a

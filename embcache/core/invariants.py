@@ -6,7 +6,7 @@ from the requests' holds, the evictable set from the entries) and compares.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from embcache.core.allocator import BestFitAllocator
 from embcache.core.entries import Entry, Holder, RequestState
@@ -26,8 +26,14 @@ def check_core(
     order: Collection[str],
     evictable_bytes: int,
     quarantine: Mapping[str, float],
+    fencing: Iterable[tuple[Entry, ...]] = (),
 ) -> None:
-    """Raise ``InvariantError`` naming the first broken invariant of the core's state."""
+    """Raise ``InvariantError`` naming the first broken invariant of the core's state.
+    ``fencing``: the snapshots of the fences in flight (the entries each one took)."""
+    for snapshot in fencing:  # QuarantineHolds, its fence marks: only a fence ends a quarantine
+        for entry in snapshot:
+            if entries.get(entry.key) is entry and entry.state is not QUARANTINED:
+                _fail(f"{entry.key!r} is {entry.state.name} while a fence in flight holds it")
     allocator.check_invariants()
     spans = sorted((e.offset, e.size) for e in entries.values())
     if allocator.allocations() != spans:  # NoOverlap, Accounting
