@@ -3,7 +3,8 @@
 An encode worker keeps vision-encoder outputs (embeddings, keyed by a hash of the image) in
 one pool, a large uint8 tensor; entries are pinned while a request reads them, evicted in LRU
 order (or as a ``policy`` says) with contiguity in mind when the pool is full, and shared across
-workers through a global store (in-process, or Mooncake). A pure core (``embcache.core``) holds
+workers through a global store (Mooncake) when one is given; with none, the pool is the whole
+cache. A pure core (``embcache.core``) holds
 the state machine; ``EmbeddingCache`` is the driver that does the I/O around it.
 
 - ``EmbeddingCache(capacity_bytes, store=...)``: the cache. ``cache.request(id)`` opens a
@@ -15,7 +16,8 @@ the state machine; ``EmbeddingCache`` is the driver that does the I/O around it.
 - ``EncodePipeline(cache, encoder).encode(request_id, items, inputs)``: all of the above for
   one call, returning one tensor of the items' embeddings concatenated along dim 0.
 - ``Item(key, shape, dtype)``: what is looked up. Statuses: ``ItemStatus``, ``Status``,
-  ``Reason``. Stores: ``InProcessStore``; ``embcache.store.mooncake.MooncakeStore``.
+  ``Reason``. Stores: ``embcache.store.mooncake.MooncakeStore``; none (the default): no global tier.
+  ``embcache.testing.FaultInjectingStore`` is the fault-injecting test double.
 - Errors: all derive from ``EmbCacheError`` and the matching builtin (``embcache.errors``).
 - ``embcache.tools.metrics``: Prometheus metrics (extra ``metrics``). ``python -m embcache demo``:
   the main job. The design, its states and invariants: ``embcache/DESIGN.md``.
@@ -31,7 +33,7 @@ from embcache.fencing import FencePolicy
 from embcache.item import Item
 from embcache.pipeline import EncodePipeline, Encoder, PipelineStats, TensorParallelError
 from embcache.request import Request
-from embcache.store import Fault, GlobalStore, InProcessStore, TransferOutcome
+from embcache.store import GlobalStore, TransferOutcome
 
 from embcache.errors import (  # isort: skip
     ClosedError,
@@ -60,10 +62,8 @@ __all__ = [
     "EncodePipeline",
     "Encoder",
     "EntryState",
-    "Fault",
     "FencePolicy",
     "GlobalStore",
-    "InProcessStore",
     "InvalidArgumentError",
     "InvalidTypeError",
     "InvariantError",

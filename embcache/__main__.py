@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype, help="embedding dtype")
     demo.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel ranks (gloo)")
     demo.add_argument(
-        "--store", choices=["inprocess", "mooncake"], default=d.store, help="global store"
+        "--store", choices=["none", "mooncake"], default=d.store,
+        help="global store (none: the pool is the whole cache)"
     )
     demo.add_argument(
         "--master", default=None,
@@ -87,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--store-fault-rate", type=float, default=d.store_fault_rate,
-        help="fraction of store reads that fail on purpose",
+        help="fraction of store reads that fail on purpose (with --store mooncake)",
     )
     demo.add_argument(
         "--prefetch-timeout", type=float, default=d.prefetch_timeout,

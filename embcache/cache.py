@@ -47,7 +47,6 @@ from embcache.poison import poison, poison_requested
 from embcache.pool import PoolViews, make_pool, payload_nbytes
 from embcache.request import Request
 from embcache.store.base import GlobalStore, get_outcome, put_outcome
-from embcache.store.inprocess import InProcessStore
 from embcache.trace import TraceOutbox, TraceSink
 from embcache.wakeups import Wakeups, resolve
 
@@ -57,9 +56,11 @@ log = logging.getLogger(__name__)
 class EmbeddingCache:
     """An embedding cache over one pool, optionally backed by a global store.
 
-    ``capacity_bytes`` is the pool size (a multiple of ``alignment``). ``store=None`` uses an
-    ``InProcessStore``. The pool is a uint8 tensor, pinned when CUDA is available unless
-    ``pin_memory=False``, registered with the store once. ``trace``, when given, receives one
+    ``capacity_bytes`` is the pool size (a multiple of ``alignment``). ``store=None`` (the
+    default) means no global tier: lookups ask no store, inserts publish nothing, and the pool
+    is the whole cache, so ``capacity_bytes`` bounds every byte of payload it keeps. The pool
+    is a uint8 tensor, pinned when CUDA is available unless ``pin_memory=False``, registered
+    with the store (if any) once. ``trace``, when given, receives one
     event dict per action, in ``seq`` order. ``policy`` shapes the eviction order and may refuse
     inserts that would evict (``embcache.core.policy``: "lru", the default, "tinylfu", or a
     ``Policy``). ``auto_fence`` says when the cache fences by itself (``embcache.fencing``;
@@ -116,11 +117,12 @@ class EmbeddingCache:
         self._closed = False
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._pool = make_pool(capacity_bytes, pin, pool)
-        self._owns_store = store is None
-        self._store: GlobalStore = InProcessStore() if store is None else store
-        self._view = PoolViews(self._pool).view
+        self._store = store
+        self._views = PoolViews(self._pool)
+        self._view = self._views.view
         self._lock = HierarchyLock(CACHE_LEVEL, "cache lock")
-        self._store.register_buffer(self._pool)
+        if store is not None:
+            store.register_buffer(self._pool)
         self._io = concurrent.futures.ThreadPoolExecutor(io_workers, "embcache-io")
         self._fence_policy = auto_fence
         self._fencer = (
@@ -141,8 +143,8 @@ class EmbeddingCache:
         return self._pool
 
     @property
-    def store(self) -> GlobalStore:
-        """The global store this cache reads from and publishes to."""
+    def store(self) -> GlobalStore | None:
+        """The global store this cache reads from and publishes to; None: no global tier."""
         return self._store
 
     def request(self, request_id: str) -> Request:
@@ -179,7 +181,7 @@ class EmbeddingCache:
         outcomes, error = self._copy_in([(e, tensors[i]) for i, e in fills])
         with self._lock:
             (results, wake), writes = core.finish_insert_batch(
-                rs, fills, outcomes, len(items), publish=publish
+                rs, fills, outcomes, len(items), publish=publish and self._store is not None
             )
             events = self._settle()
         self._deliver(events)
@@ -211,15 +213,17 @@ class EmbeddingCache:
         return removed
 
     def fence(self) -> int:
-        """Fence the store, then free the very entries quarantined before it; returns how many."""
+        """Fence the store, then free the very entries quarantined before it; returns how many.
+        Refused by the lock-order check: begins nothing; raising later: abandoned, re-raised."""
+        assert_unlocked("store fence")
         with self._lock:
             self._check_open()
             snap = self._core.begin_fence()
             events = self._settle()
-        self._deliver(events)
-        assert_unlocked("store fence")
         try:
-            self._store.fence()
+            self._deliver(events)
+            if self._store is not None:
+                self._store.fence()
         except BaseException:
             with self._lock:
                 self._core.abandon_fence(snap)
@@ -231,7 +235,7 @@ class EmbeddingCache:
         return freed
 
     def close(self) -> None:
-        """Stop taking requests, finish transfers in flight, close a store this cache created."""
+        """Stop taking requests, finish transfers in flight; the store is left to its owner."""
         with self._lock:
             if self._closed:
                 return
@@ -240,8 +244,6 @@ class EmbeddingCache:
         if self._fencer is not None:
             self._fencer.stop()
         self._io.shutdown(wait=True)
-        if self._owns_store:
-            self._store.close()
 
     def __enter__(self) -> EmbeddingCache:
         return self
@@ -274,7 +276,9 @@ class EmbeddingCache:
         core = self._core
         with self._lock:
             self._check_request(rs)
-            statuses, ask = core.begin_lookup(rs, items, ask_store=prefetch, reserve=reserve)
+            statuses, ask = core.begin_lookup(
+                rs, items, ask_store=prefetch and self._store is not None, reserve=reserve
+            )
             if not ask:
                 self._wakeups.note(rs, self._new_event)
             events = self._settle() if self._effects else None
@@ -283,6 +287,7 @@ class EmbeddingCache:
         if not ask:
             return statuses
         assert_unlocked("store exists")
+        assert self._store is not None  # begin_lookup asks only when there is a store
         try:
             found: dict[str, bool] | None = dict(zip(ask, self._store.exists(ask), strict=True))
         except Exception:
@@ -322,7 +327,7 @@ class EmbeddingCache:
             self._signal(wake)
         if error is not None:
             raise error
-        if publish:
+        if publish and self._store is not None:
             self._start_publishes(rs, [items[i].key for i, _ in fills if results[i]])
         return results
 
@@ -334,12 +339,14 @@ class EmbeddingCache:
         return [None if r is None else self._view(*r) for r in ranges]
 
     def _publish(self, rs: RequestState, keys: Sequence[str]) -> list[bool]:
-        """``Request.publish``: start a write to the store of each key ``rs`` holds READY."""
+        """``Request.publish``: start a store write of each key ``rs`` holds READY (if any)."""
         if isinstance(keys, str):
             raise InvalidTypeError("publish takes a list of keys, got a str")
         keys = [check_key(k) for k in keys]
         with self._lock:
             self._check_request(rs)
+        if self._store is None:
+            return [False] * len(keys)
         return self._start_publishes(rs, keys)
 
     def _fallback(self, rs: RequestState) -> tuple[list[int], list[Reason | None]]:
@@ -389,17 +396,9 @@ class EmbeddingCache:
     def _copy_in(
         self, filling: list[tuple[Entry, torch.Tensor]]
     ) -> tuple[list[TransferOutcome], BaseException | None]:
-        """Copy fresh outputs into their LOADING ranges; a failure fails it and all after it."""
+        """Copy fresh outputs into their LOADING ranges (``PoolViews.copy_in``), no lock held."""
         assert_unlocked("payload copy")
-        outcomes = [TransferOutcome.FAILED] * len(filling)
-        with torch.no_grad():
-            for i, (entry, tensor) in enumerate(filling):
-                try:
-                    self._view(entry.offset, entry).copy_(tensor)
-                except BaseException as exc:
-                    return outcomes, exc
-                outcomes[i] = TransferOutcome.OK
-        return outcomes, None
+        return self._views.copy_in(filling)
 
     def _start_publishes(self, rs: RequestState, keys: list[str]) -> list[bool]:
         with self._lock:
@@ -415,14 +414,14 @@ class EmbeddingCache:
         """Worker: read every entry from the store, then end each load and wake its waiters,
         whatever is raised on the way (an error leaves each outcome UNKNOWN, then re-raises
         unless it is the store's own)."""
+        store = self._store
+        assert store is not None  # a load starts only from a store's answer
         sizes = [payload_nbytes(e) for e in entries]
         outcomes = [TransferOutcome.UNKNOWN] * len(entries)  # until the store says otherwise
         try:
             assert_unlocked("store get_into")
-            codes = self._store.get_into(
-                [e.key for e in entries], [e.offset for e in entries], sizes
-            )
-            outcomes = [get_outcome(self._store, c, n) for c, n in zip(codes, sizes, strict=True)]
+            codes = store.get_into([e.key for e in entries], [e.offset for e in entries], sizes)
+            outcomes = [get_outcome(store, c, n) for c, n in zip(codes, sizes, strict=True)]
         except LockOrderError:
             log.error("store read on an I/O thread broke the lock order", exc_info=True)
             raise
@@ -440,18 +439,19 @@ class EmbeddingCache:
                 self._signal(wake)
 
     def _run_publishes(self, request_id: str, entries: list[Entry]) -> None:
-        """Worker: write every entry to the store, then end each publish, whatever is raised on
-        the way (as ``_run_loads``)."""
+        """Worker: write every entry to the store, then end each publish, come what may."""
+        store = self._store
+        assert store is not None  # a publish starts only where there is a store
         outcomes = [TransferOutcome.UNKNOWN] * len(entries)
         try:
             assert_unlocked("store put_from")
-            codes = self._store.put_from(
+            codes = store.put_from(
                 [e.key for e in entries],
                 [e.offset for e in entries],
                 [payload_nbytes(e) for e in entries],
             )
             if len(codes) == len(entries):
-                outcomes = [put_outcome(self._store, c) for c in codes]
+                outcomes = [put_outcome(store, c) for c in codes]
         except LockOrderError:
             log.error("store write on an I/O thread broke the lock order", exc_info=True)
             raise

@@ -10,6 +10,7 @@ import math
 import torch
 
 from embcache.core.entries import Entry, ItemLike
+from embcache.core.outcomes import TransferOutcome
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["PoolViews", "make_pool", "payload_nbytes"]
@@ -52,6 +53,21 @@ class PoolViews:
         if typed is None:  # one view of the whole pool per dtype; a race makes two, both valid
             typed = self._typed.setdefault(dtype, self._pool.view(dtype))
         return typed.as_strided(item.shape, _strides(item.shape), offset // dtype.itemsize)
+
+    def copy_in(
+        self, filling: list[tuple[Entry, torch.Tensor]]
+    ) -> tuple[list[TransferOutcome], BaseException | None]:
+        """Copy each tensor into its entry's range: OK per copy; the first copy that raises
+        fails itself and every copy after it (FAILED), and its error is returned."""
+        outcomes = [TransferOutcome.FAILED] * len(filling)
+        with torch.no_grad():
+            for i, (entry, tensor) in enumerate(filling):
+                try:
+                    self.view(entry.offset, entry).copy_(tensor)
+                except BaseException as exc:
+                    return outcomes, exc
+                outcomes[i] = TransferOutcome.OK
+        return outcomes, None
 
 
 def payload_nbytes(entry: Entry) -> int:

@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for `models`
 
-from embcache import EmbeddingCache, InProcessStore  # after the path: this checkout first
+from embcache import EmbeddingCache  # after the path: this checkout first
+from embcache.testing import FaultInjectingStore
 
 _common = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 settings.register_profile("dev", max_examples=60, stateful_step_count=30, **_common)
@@ -33,15 +34,15 @@ if os.environ.get("EMBCACHE_LOCK_CHECK", "1") not in ("", "0"):
 
 
 @pytest.fixture
-def store() -> Iterator[InProcessStore]:
-    """An InProcessStore whose held transfers are released at the end."""
-    s = InProcessStore()
+def store() -> Iterator[FaultInjectingStore]:
+    """An FaultInjectingStore whose held transfers are released at the end."""
+    s = FaultInjectingStore()
     yield s
     s.release_holds()
 
 
 @pytest.fixture
-def make_cache(store: InProcessStore) -> Iterator[Callable[..., EmbeddingCache]]:
+def make_cache(store: FaultInjectingStore) -> Iterator[Callable[..., EmbeddingCache]]:
     """Makes EmbeddingCaches on ``store`` (by default), all closed at the end."""
     caches: list[EmbeddingCache] = []
 

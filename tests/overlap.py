@@ -12,8 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from embcache import EmbeddingCache, Fault, InProcessStore, Item, TransferOutcome
+from embcache import EmbeddingCache, Item, TransferOutcome
 from embcache.core.lifecycle import ABSENT, QUARANTINED
+from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import payload, wait_until
 
 UNIT = 256
@@ -21,8 +22,8 @@ WAIT_S = 60.0  # bounds waits that end at once (long: loaded CI machines)
 GARBAGE = 0xAB
 
 
-class LimboStore(InProcessStore):
-    """An ``InProcessStore`` whose fences return only when the test opens their gate, and whose
+class LimboStore(FaultInjectingStore):
+    """An ``FaultInjectingStore`` whose fences return only when the test opens their gate, and whose
     UNKNOWN reads are still in flight: each lands garbage in its range when the first store
     fence that began after it returns (the latest moment the protocol allows)."""
 

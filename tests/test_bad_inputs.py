@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from embcache import EmbeddingCache, EncodePipeline, InProcessStore, Item, RangeAllocator, Request
+from embcache import EmbeddingCache, EncodePipeline, Item, RangeAllocator, Request
 from embcache.errors import (
     ClosedError,
     EmbCacheError,
@@ -35,6 +35,7 @@ from embcache.errors import (
 )
 from embcache.store.mooncake import MooncakeStore
 from embcache.store.mooncake_config import _ENV
+from embcache.testing import FaultInjectingStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,7 +62,7 @@ class World:
     closed store."""
 
     cache: EmbeddingCache
-    store: InProcessStore
+    store: FaultInjectingStore
     holder: Request
     filler: Request
     waiter: Request
@@ -70,7 +71,7 @@ class World:
     stale: Request
     allocator: RangeAllocator
     pipeline: EncodePipeline
-    closed_store: InProcessStore
+    closed_store: FaultInjectingStore
 
 
 def snapshot(w: World) -> tuple[Any, ...]:
@@ -103,7 +104,7 @@ def check_invariants(w: World) -> None:
 def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     for variable in _ENV.values():
         monkeypatch.delenv(variable, raising=False)
-    store = InProcessStore()
+    store = FaultInjectingStore()
     cache = EmbeddingCache(1 << 16, store=store, pin_memory=False)
     with cache.request("setup") as setup:
         setup.insert(["idle", "held"], [torch.ones(256), torch.full((256,), 2.0)], publish=True)
@@ -122,7 +123,7 @@ def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     for size in (256, 1000, 512):
         allocator.allocate(size)
     allocator.free(256)  # a hole in the middle
-    closed_store = InProcessStore()
+    closed_store = FaultInjectingStore()
     closed_store.close()
     deadline = time.monotonic() + 10
     while cache.stats().publishes_ok < 2:  # let the publishes land before any snapshot
@@ -424,23 +425,23 @@ CATALOGUE: dict[str, Row | Any] = {  # Any: a pytest.param row carrying a bug ma
         InvalidTypeError,
         "expected a torch.Tensor for 'k', got list",
     ),
-    # ---------------------------------------------------------------- InProcessStore
-    "InProcessStore: register a float buffer": (
-        lambda w: InProcessStore().register_buffer(torch.zeros(16)),
+    # ---------------------------------------------------------------- FaultInjectingStore
+    "FaultInjectingStore: register a float buffer": (
+        lambda w: FaultInjectingStore().register_buffer(torch.zeros(16)),
         InvalidArgumentError,
         "contiguous 1-D uint8",
     ),
-    "InProcessStore: register a second pool": (
+    "FaultInjectingStore: register a second pool": (
         lambda w: w.store.register_buffer(torch.zeros(4096, dtype=torch.uint8)),
         InvalidArgumentError,
         "already registered",
     ),
-    "InProcessStore: lengths differ": (
+    "FaultInjectingStore: lengths differ": (
         lambda w: w.store.get_into(["idle"], [0, 256], [1024]),
         InvalidArgumentError,
         "keys, offsets and sizes must have the same length",
     ),
-    "InProcessStore: closed": (
+    "FaultInjectingStore: closed": (
         lambda w: w.closed_store.exists(["idle"]),
         ClosedError,
         "the store is closed",

@@ -20,16 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from embcache import (
-    EmbeddingCache,
-    Fault,
-    InProcessStore,
-    Item,
-    ItemStatus,
-    Reason,
-    Request,
-    Status,
-)
+from embcache import EmbeddingCache, Item, ItemStatus, Reason, Request, Status
 from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
 from embcache.errors import (
     ClosedError,
@@ -38,7 +29,7 @@ from embcache.errors import (
     InvalidTypeError,
     RequestError,
 )
-from embcache.store.inprocess import NOT_FOUND, TIMED_OUT
+from embcache.testing import NOT_FOUND, TIMED_OUT, Fault, FaultInjectingStore
 from tests.helpers import aligned, item_of, payload, raw, wait_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("poison_modes")]
@@ -152,7 +143,7 @@ def test_each_request_gets_its_own_view_objects(
 
 
 def test_closing_a_request_from_another_thread_ends_its_wait(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     """A server cancelling a request (close on another thread) wakes the thread waiting on it."""
     cache = make_cache()
@@ -174,7 +165,7 @@ def test_closing_a_request_from_another_thread_ends_its_wait(
 
 
 def test_loading_from_the_store_then_ready(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     cache = make_cache()
     data = payload((16, 16), torch.float32, seed=2)
@@ -218,7 +209,9 @@ def test_reserved_then_insert_fills_it(make_cache: Callable[..., EmbeddingCache]
     assert_clean(cache)
 
 
-def test_miss_not_found(store: InProcessStore, make_cache: Callable[..., EmbeddingCache]) -> None:
+def test_miss_not_found(
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
+) -> None:
     cache = make_cache()
     item = slot_item("img")
     with cache.request("r") as request:
@@ -238,7 +231,9 @@ def test_miss_not_found(store: InProcessStore, make_cache: Callable[..., Embeddi
     assert_clean(cache)
 
 
-def test_miss_too_large(store: InProcessStore, make_cache: Callable[..., EmbeddingCache]) -> None:
+def test_miss_too_large(
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
+) -> None:
     cache = make_cache(capacity=4 * UNIT)
     big = slot_item("big", units=5)
     store.put_object("big", raw(slot(4, units=5)))
@@ -255,7 +250,7 @@ def test_miss_too_large(store: InProcessStore, make_cache: Callable[..., Embeddi
 
 
 def test_miss_no_space_when_everything_is_pinned(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     cache = make_cache(capacity=2 * UNIT)
     insert(cache, "a", slot(1))
@@ -294,7 +289,7 @@ def test_miss_mismatch(make_cache: Callable[..., EmbeddingCache]) -> None:
 
 
 def test_miss_busy_for_doomed_and_quarantined_entries(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     cache = make_cache()
     insert(cache, "doomed", slot(1))
@@ -318,7 +313,7 @@ def test_miss_busy_for_doomed_and_quarantined_entries(
     assert_clean(cache)
 
 
-class ExistsRaises(InProcessStore):
+class ExistsRaises(FaultInjectingStore):
     def exists(self, keys: Sequence[str]) -> list[bool]:
         raise ConnectionError("the store's master is down")
 
@@ -453,7 +448,7 @@ def test_reservation_ended_by_an_exception_wakes_waiters(
 
 # ---------------------------------------------------------------------------- duplicates
 def test_duplicate_key_in_one_lookup_has_the_first_status_and_one_pin(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     trace: list[dict[str, Any]] = []
     cache = make_cache(trace=trace)
@@ -530,7 +525,7 @@ def test_remove_busy_entry_dooms_it_until_the_last_release(
 
 
 def test_remove_loading_entry_fails_its_waiters_when_the_load_ends(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     cache = make_cache()
     store.put_object("a", raw(slot(1)))
@@ -564,7 +559,7 @@ def test_remove_reserved_entry_then_insert_is_not_cached(
 
 
 def test_remove_quarantined_entry_waits_for_fence(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     cache = make_cache()
     store.put_object("a", raw(slot(1)))
@@ -580,7 +575,7 @@ def test_remove_quarantined_entry_waits_for_fence(
 
 # ---------------------------------------------------------------------------- quarantine
 def test_unknown_load_is_quarantined_and_freed_only_by_fence(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     cache = make_cache(capacity=2 * UNIT)
     store.put_object("q", raw(slot(1)))
@@ -614,7 +609,7 @@ def test_unknown_load_is_quarantined_and_freed_only_by_fence(
     assert_clean(cache)
 
 
-class GatedPutStore(InProcessStore):
+class GatedPutStore(FaultInjectingStore):
     """``put_from`` blocks until ``gate`` opens, then answers ``code`` for every key."""
 
     def __init__(self, code: int) -> None:
@@ -658,7 +653,7 @@ def test_unknown_publish_quarantines_once_the_last_pin_goes(
 
 
 def test_publish_runs_under_its_own_pin(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     cache = make_cache(capacity=UNIT)
     store.inject("a", Fault.HOLD)
@@ -691,7 +686,7 @@ def test_failed_publish_keeps_the_entry(make_cache: Callable[..., EmbeddingCache
 
 # ---------------------------------------------------------------------------- clear, close
 def test_clear_frees_idle_and_dooms_busy_entries(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     cache = make_cache()
     insert(cache, "idle", slot(1))
@@ -721,7 +716,7 @@ def test_clear_frees_idle_and_dooms_busy_entries(
 
 
 def test_close_then_use_raises_closed_error(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     cache = make_cache()
     insert(cache, "a", slot(1))
@@ -750,7 +745,7 @@ def test_close_then_use_raises_closed_error(
 
 # ---------------------------------------------------------------------------- waiting
 def test_wait_async_does_not_block_the_event_loop(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     cache = make_cache()
     store.put_object("a", raw(slot(1)))
@@ -774,7 +769,7 @@ def test_wait_async_does_not_block_the_event_loop(
 
 
 def test_timed_out_async_wait_on_a_finished_loop_does_not_block_other_waiters(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     """A wait_async that timed out under ``asyncio.run`` leaves a future on a closed loop; the
     load's completion must still wake every other request waiting on it."""
@@ -813,7 +808,7 @@ class GatedDone(threading.Event):
 
 
 def test_wait_is_not_ended_by_a_stale_wake_up(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     """The wake-up for load A, delivered late, must not end a wait on load B started meanwhile.
 
@@ -947,7 +942,7 @@ def test_eviction_batch_limit_evicts_nothing_when_exceeded(
 
 # ---------------------------------------------------------------------------- stats, trace
 def test_stats_counters_and_occupancy(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     cache = make_cache(capacity=4 * UNIT)
     fresh = cache.stats()
@@ -995,7 +990,7 @@ def test_stats_counters_and_occupancy(
 
 
 def test_trace_has_one_event_per_action_in_order(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     trace: list[dict[str, Any]] = []
     cache = make_cache(capacity=2 * UNIT, trace=trace)
@@ -1115,7 +1110,7 @@ def setup(make_cache: Callable[..., EmbeddingCache]) -> Iterator[Setup]:
     filler.lookup([Item("reserved", (16, 16), torch.float32)], reserve_misses=True)
     closed_request = cache.request("closed")
     closed_request.close()
-    closed_cache = make_cache(store=InProcessStore())
+    closed_cache = make_cache(store=FaultInjectingStore())
     stale = closed_cache.request("stale")
     closed_cache.close()
     yield Setup(cache, trace, holder, filler, closed_request, closed_cache, stale)
@@ -1322,7 +1317,7 @@ def test_bad_constructor_arguments(
 
 # ---------------------------------------------------------------------------- concurrency
 def test_concurrent_requests_serve_only_stored_bytes(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     """Four threads look up, reserve, insert and read over a small pool; whatever is served is
     the key's own bytes, and nothing is left pinned afterwards."""
@@ -1367,7 +1362,7 @@ def test_concurrent_requests_serve_only_stored_bytes(
 
 
 def test_wait_with_an_infinite_timeout_waits_until_the_load_ends(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     cache = make_cache()
     store.put_object("A", raw(slot(1)))

@@ -1,6 +1,6 @@
 """One test per failure of the design that ``EmbeddingCache`` replaces (issue 3).
 
-Each test drives the cache only through its public API with an injectable ``InProcessStore``,
+Each test drives the cache only through its public API with an injectable ``FaultInjectingStore``,
 checks that the bytes a request reads are exactly the bytes that were stored, and ends with
 ``check_invariants()``, no pins left and exact byte accounting. Transfers are kept in flight
 deterministically with ``Fault.HOLD`` and ``release_holds()``; nothing sleeps to let things
@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from embcache import EmbeddingCache, Fault, InProcessStore, Item, Reason, Status
+from embcache import EmbeddingCache, Item, Reason, Status
 from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
+from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import aligned, item_of, payload, raw, wait_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("poison_modes")]
@@ -54,7 +55,7 @@ def read_back(cache: EmbeddingCache, item: Item, request_id: str) -> bytes:
         return raw(view)
 
 
-class PartialWriteStore(InProcessStore):
+class PartialWriteStore(FaultInjectingStore):
     """A store whose reads of ``partial`` keys write garbage into half the range, then say so."""
 
     def __init__(self) -> None:
@@ -131,7 +132,7 @@ def test_failed_or_partial_read_is_never_served_or_republished(failure: str) -> 
 
 # ---------------------------------------------------------------------------- 2
 def test_second_request_during_read_waits_and_never_sees_half_written_memory(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     """A request that joins a read in flight gets LOADING and no view until the bytes are valid."""
     cache = make_cache()
@@ -171,7 +172,7 @@ def test_second_request_during_read_waits_and_never_sees_half_written_memory(
 
 # ---------------------------------------------------------------------------- 3
 def test_no_eviction_between_load_completion_and_the_waiter_reading(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     """EndLoad pins every waiter at once: allocation pressure right after it evicts nothing."""
     data = payload((256, 64), torch.float32, seed=3)  # 64 KiB
@@ -226,7 +227,7 @@ def test_no_eviction_between_load_completion_and_the_waiter_reading(
 
 # ---------------------------------------------------------------------------- 4
 def test_one_failed_item_does_not_hold_up_the_request(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     """A batch with one failing item ends at once; the mask marks exactly that item."""
     cache = make_cache()
@@ -259,7 +260,7 @@ def test_one_failed_item_does_not_hold_up_the_request(
 
 # ---------------------------------------------------------------------------- 5
 def test_an_exception_in_the_io_worker_does_not_kill_later_loads(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     """A raising store call fails its items (UNKNOWN); the one I/O worker keeps serving."""
     cache = make_cache(io_workers=1)
@@ -323,7 +324,7 @@ class FailingCopy(torch.Tensor):
 
 
 def test_exception_part_way_through_a_batch_insert_leaks_nothing(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     """A copy that raises mid-batch frees its range and the rest; leaving the request unpins."""
     cache = make_cache()
@@ -362,7 +363,7 @@ def test_exception_part_way_through_a_batch_insert_leaks_nothing(
 
 # ---------------------------------------------------------------------------- 7
 def test_a_release_only_ever_drops_its_own_pin(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     """Requests release only what they hold, however often they close or reuse an id."""
     data = payload((128, 64), torch.float32, seed=7)  # 32 KiB: the pool holds exactly one
@@ -432,7 +433,7 @@ def age_in_order(cache: EmbeddingCache, keys: str) -> None:
 
 
 def test_eviction_frees_only_adjacent_victims(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     """LRU order A, C, B, D and a two-slot request: plain LRU would evict A and C (not
     adjacent) for nothing; the rule evicts exactly A and B and keeps C."""
@@ -457,7 +458,7 @@ def test_eviction_frees_only_adjacent_victims(
 
 
 def test_eviction_evicts_nothing_when_no_contiguous_run_exists(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     """With B and D pinned, the free-able A and C are not adjacent: no eviction, MISS(no_space)."""
     cache = make_cache(capacity=4 * UNIT)
@@ -488,7 +489,7 @@ def test_eviction_evicts_nothing_when_no_contiguous_run_exists(
 # ---------------------------------------------------------------------------- 9
 @pytest.mark.parametrize("shape", [(64, 3584), (3, 5), (1, 7, 129)])
 def test_bf16_entries_take_bf16_bytes_and_read_back_as_bf16(
-    store: InProcessStore, make_cache: Callable[..., EmbeddingCache], shape: tuple[int, ...]
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache], shape: tuple[int, ...]
 ) -> None:
     """A bf16 entry uses its own bytes (rounded to the alignment), for inserts and for loads."""
     cache = make_cache(capacity=4 << 20)
@@ -521,7 +522,7 @@ def test_bf16_entries_take_bf16_bytes_and_read_back_as_bf16(
 
 
 # ---------------------------------------------------------------------------- 10
-class ProbeStore(InProcessStore):
+class ProbeStore(FaultInjectingStore):
     """Runs ``probe`` inside every transfer, where the payload bytes move."""
 
     def __init__(self) -> None:

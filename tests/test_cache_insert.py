@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from embcache import EmbeddingCache, InProcessStore, Item, Status
+from embcache import EmbeddingCache, Item, Status
 from embcache.core.lifecycle import LOADING, READY
 from embcache.errors import ClosedError, InvalidArgumentError
+from embcache.testing import FaultInjectingStore
 from embcache.trace import TraceLog
 from tests.helpers import payload, raw, wait_until
 
@@ -68,7 +69,7 @@ def test_a_full_pool_evicts_idle_entries_oldest_first() -> None:
 
 
 def test_publish_writes_each_cached_entry_to_the_store() -> None:
-    store = InProcessStore(delay_seconds=0.0)
+    store = FaultInjectingStore(delay_seconds=0.0)
     with EmbeddingCache(4 * UNIT, store=store, pin_memory=False) as cache:
         assert cache.insert(["a", "b"], [slot(1), slot(2)]) == [True, True]
         wait_until(lambda: cache.stats().publishes_ok == 2, "both publishes")

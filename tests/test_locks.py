@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from embcache import EmbeddingCache, Fault, InProcessStore, Item, RangeAllocator
+from embcache import EmbeddingCache, Item, RangeAllocator
 from embcache.core.lifecycle import QUARANTINED, READY
 from embcache.errors import LockOrderError
 from embcache.locks import assert_unlocked, enable_lock_checking, lock_checking_enabled
+from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import raw, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,8 +30,8 @@ pytestmark = pytest.mark.timeout(60)
 WAIT_S = 10.0
 
 
-class ProbeStore(InProcessStore):
-    """An ``InProcessStore`` that checks, in every call, that its caller holds no lock."""
+class ProbeStore(FaultInjectingStore):
+    """An ``FaultInjectingStore`` that checks, in every call, that its caller holds no lock."""
 
     def __init__(self) -> None:
         super().__init__(delay_seconds=0.001)
@@ -236,7 +237,7 @@ def test_store_that_takes_the_cache_lock_is_refused_when_called_under_it(
     """A store that calls back into the cache (here: ``stats()``) is fine from the I/O thread,
     which holds nothing, and refused if the controller ever called it under the lock."""
 
-    class CallbackStore(InProcessStore):
+    class CallbackStore(FaultInjectingStore):
         def __init__(self) -> None:
             super().__init__()
             self.cache: EmbeddingCache | None = None
@@ -339,7 +340,7 @@ def scripted_flow() -> dict[str, Any]:
     """One normal run touching every action; each asynchronous step is awaited, so the trace
     is deterministic. Returns everything observable."""
     trace: list[dict[str, Any]] = []
-    store = InProcessStore(delay_seconds=0.001)
+    store = FaultInjectingStore(delay_seconds=0.001)
     observed: list[Any] = []
     unit = (256,)
     with EmbeddingCache(

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from embcache import EmbeddingCache, InProcessStore, InvalidArgumentError, InvalidTypeError
+from embcache import EmbeddingCache, InvalidArgumentError, InvalidTypeError
+from embcache.testing import FaultInjectingStore
 from tests.helpers import item_of, payload
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -56,7 +57,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples[(name, frozenset(labels.items()))]
 
 
-def run_requests(cache: EmbeddingCache, store: InProcessStore) -> None:
+def run_requests(cache: EmbeddingCache, store: FaultInjectingStore) -> None:
     """Inserts that evict, hits, a miss, and a load from the store of an evicted entry."""
     tensors = [payload((64, 16), torch.float32, seed) for seed in range(6)]  # 4 KiB each
     for i, tensor in enumerate(tensors):
@@ -74,7 +75,7 @@ def run_requests(cache: EmbeddingCache, store: InProcessStore) -> None:
 def test_every_counter_and_gauge_matches_stats(
     scrape: Callable[[CacheMetrics], Samples],
 ) -> None:
-    store = InProcessStore()
+    store = FaultInjectingStore()
     timed_metrics = CacheMetrics()
     cache = EmbeddingCache(
         4 * 4096, store=TimedStore(store, timed_metrics, "main"), pin_memory=False

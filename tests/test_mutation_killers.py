@@ -22,7 +22,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embcache import EmbeddingCache, Fault, InProcessStore, Item, RangeAllocator, Reason
+from embcache import EmbeddingCache, Item, RangeAllocator, Reason, Status
 from embcache.allocator import Block
 from embcache.core.eviction import Piece, Window, best_window, neighbourhood
 from embcache.core.invariants import check_core
@@ -37,6 +37,7 @@ from embcache.errors import (
     TransitionError,
 )
 from embcache.locks import HierarchyLock, lock_checking_enabled
+from embcache.testing import Fault, FaultInjectingStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -281,7 +282,7 @@ def test_fence_refuses_to_call_the_store_under_a_lock() -> None:
         cache.close()
 
 
-class MiscountingStore(InProcessStore):
+class MiscountingStore(FaultInjectingStore):
     """A store whose ``put_from`` answers one code too many."""
 
     def put_from(self, keys, offsets, sizes):  # type: ignore[no-untyped-def]
@@ -311,7 +312,7 @@ def test_publish_answered_with_the_wrong_number_of_codes_is_unknown() -> None:
 
 def test_timed_out_async_wait_drops_its_future() -> None:
     """Kills cache _wait_async__mutmut_11 (a timed-out waiter left in async_waiters)."""
-    store = InProcessStore()
+    store = FaultInjectingStore()
     tensor = torch.arange(64, dtype=torch.float32)
     store.put_object("k", tensor.numpy().tobytes())
     store.inject("k", Fault.HOLD)
@@ -341,7 +342,7 @@ def test_trace_events_of_a_failed_allocation_a_publish_and_a_remove() -> None:
     _remove__mutmut_25/29 (trace events with wrong fields) and _publish__mutmut_21 (the count).
     """
     trace: list[dict[str, object]] = []
-    cache = EmbeddingCache(4 * ALIGN, pin_memory=False, trace=trace)
+    cache = EmbeddingCache(4 * ALIGN, store=FaultInjectingStore(), pin_memory=False, trace=trace)
     try:
         small = torch.arange(64, dtype=torch.float32)  # one ALIGN
         with cache.request("r") as request:
@@ -429,7 +430,7 @@ def test_blocking_work_under_a_lock_names_what_it_was(call: str) -> None:
         "close": "waiting for I/O workers",
         "lookup": "store exists",
     }[call]
-    cache = EmbeddingCache(8 * ALIGN, pin_memory=False)
+    cache = EmbeddingCache(8 * ALIGN, store=FaultInjectingStore(), pin_memory=False)
     outer = HierarchyLock(0, "test outer lock")
     t = torch.arange(64, dtype=torch.float32)
     try:
@@ -500,8 +501,8 @@ def test_stats_fragmentation_when_full_and_pin_age() -> None:
 
 
 # ------------------------------------------------------------------ wake-ups
-def held_cache(keys: list[str]) -> tuple[EmbeddingCache, InProcessStore]:
-    store = InProcessStore()
+def held_cache(keys: list[str]) -> tuple[EmbeddingCache, FaultInjectingStore]:
+    store = FaultInjectingStore()
     for key in keys:
         store.put_object(key, torch.arange(64, dtype=torch.float32).numpy().tobytes())
         store.inject(key, Fault.HOLD)
@@ -575,7 +576,7 @@ def test_a_load_nobody_waits_for_any_more_becomes_evictable() -> None:
 def test_trace_fields_of_waiters_doomed_and_tainted() -> None:
     """Kills cache _emit__mutmut_21..23/28..30 and _end_load__mutmut_53 (event fields)."""
     trace: list[dict[str, object]] = []
-    store = InProcessStore()
+    store = FaultInjectingStore()
     store.put_object("k", torch.arange(64, dtype=torch.float32).numpy().tobytes())
     store.inject("k", Fault.HOLD)
     cache = EmbeddingCache(8 * ALIGN, store=store, pin_memory=False, trace=trace)
@@ -630,7 +631,7 @@ def state_copy(cache: EmbeddingCache) -> dict[str, Any]:
 def corrupt_and_check(corrupt: str) -> str:
     """Build idle, held, loading and quarantined entries, break one invariant in a copy of the
     state, return the error ``check_core`` (what ``check_invariants`` runs) raises for it."""
-    store = InProcessStore()
+    store = FaultInjectingStore()
     store.put_object("q", torch.arange(64, dtype=torch.float32).numpy().tobytes())
     store.inject("q", Fault.UNKNOWN)
     cache = EmbeddingCache(16 * ALIGN, store=store, pin_memory=False)
@@ -757,19 +758,22 @@ def test_constructor_messages_and_the_smallest_alignment() -> None:
 
 
 def test_close_closes_only_a_store_the_cache_created() -> None:
-    """Kills cache __init____mutmut_52/53/55 (store ownership and the default store)."""
-    store = InProcessStore()
+    """Kills cache __init____mutmut_52/53/55 (store ownership and the default store): a given
+    store is left open; with none there is no global tier (nothing to close, nothing asked)."""
+    store = FaultInjectingStore()
     cache = EmbeddingCache(4 * ALIGN, store=store, pin_memory=False)
     cache.close()
     store.put_object("k", b"x")  # still open
     assert store.exists(["k"]) == [True]
     store.close()
     own = EmbeddingCache(4 * ALIGN, pin_memory=False)
-    created = own.store
-    assert isinstance(created, InProcessStore)
+    assert own.store is None
+    with own.request("r") as request:
+        assert request.lookup([Item("k", (1,), torch.uint8)])[0].status is Status.MISS
+        assert request.insert(["k"], [torch.ones(1, dtype=torch.uint8)]) == [True]
+        assert request.publish(["k"]) == [False]
+    assert own.stats().loads_started == own.stats().publishes_started == 0
     own.close()
-    with pytest.raises(ClosedError, match=r"^the store is closed$"):
-        created.exists(["k"])
 
 
 def test_request_close_under_a_lock_names_the_wake_up() -> None:
@@ -815,7 +819,7 @@ def test_init_event_carries_the_whole_configuration() -> None:
 def test_invariants_hold_while_a_publish_is_in_flight() -> None:
     """Kills cache _publish__mutmut_14 (publishing flag not set) and
     _check_invariants_locked__mutmut_65 (the NoUseAfterFree check inverted)."""
-    store = InProcessStore()
+    store = FaultInjectingStore()
     store.inject("k", Fault.HOLD)
     cache = EmbeddingCache(8 * ALIGN, store=store, pin_memory=False)
     try:
@@ -907,14 +911,14 @@ def test_transition_table_agrees_with_how_the_controller_uses_it() -> None:
     assert guard_only | freeing | {Step.BEGIN_LOAD} <= seen
 
 
-class ShortExistsStore(InProcessStore):
+class ShortExistsStore(FaultInjectingStore):
     """A store whose ``exists`` answers one key too few."""
 
     def exists(self, keys):  # type: ignore[no-untyped-def]
         return super().exists(keys)[:-1]
 
 
-class ShortReadStore(InProcessStore):
+class ShortReadStore(FaultInjectingStore):
     """A store whose ``get_into`` answers one key too few."""
 
     def get_into(self, keys, offsets, sizes):  # type: ignore[no-untyped-def]

@@ -16,10 +16,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from embcache import EmbeddingCache, Fault, InProcessStore, Item, TransferOutcome
+from embcache import EmbeddingCache, Item, TransferOutcome
 from embcache.core.lifecycle import ABSENT, QUARANTINED
 from embcache.errors import StoreUnavailableError
 from embcache.fencing import FencePolicy
+from embcache.testing import Fault, FaultInjectingStore
 from embcache.trace import TraceLog
 from tests.helpers import raw
 from tests.overlap import (
@@ -107,7 +108,7 @@ def test_a_failed_store_fence_frees_nothing_and_leaves_no_fence_in_flight() -> N
     check would otherwise keep it, and a dead master would pile one up a second), the entry
     stays QUARANTINED, and the next fence that works frees it."""
 
-    class FailingFence(InProcessStore):
+    class FailingFence(FaultInjectingStore):
         fail = True
 
         def fence(self) -> None:
@@ -130,6 +131,75 @@ def test_a_failed_store_fence_frees_nothing_and_leaves_no_fence_in_flight() -> N
         assert cache.entry_state("q") is QUARANTINED
         cache.check_invariants()
         store.fail = False
+        assert cache.fence() == 1
+        assert cache._core.fences_in_flight == 0
+        cache.check_invariants()
+    finally:
+        store.release_holds()
+        cache.close()
+
+
+def _quarantined_cache(trace: object = None) -> tuple[EmbeddingCache, FaultInjectingStore]:
+    """A cache (no automatic fence) holding one QUARANTINED entry, "q"."""
+    store = FaultInjectingStore()
+    store.put_object("q", torch.arange(64, dtype=torch.float32).numpy().tobytes())
+    store.inject("q", Fault.UNKNOWN)
+    cache = EmbeddingCache(
+        16 * 256, store=store, pin_memory=False, auto_fence=None, trace=trace  # type: ignore[arg-type]
+    )
+    with cache.request("r") as r:
+        r.lookup([Item("q", (64,), torch.float32)])
+        assert r.wait(timeout=10)
+    assert cache.entry_state("q") is QUARANTINED
+    return cache, store
+
+
+def test_a_fence_refused_by_the_lock_check_begins_nothing() -> None:
+    """A fence asked for while the caller holds a lock (here one below the cache's level, so
+    taking the cache lock is allowed but the store call is not) is refused before it begins:
+    no fence left in flight, the entry still QUARANTINED, and the next fence frees it."""
+    from embcache.errors import LockOrderError
+    from embcache.locks import HierarchyLock, lock_checking_enabled
+
+    if not lock_checking_enabled():
+        pytest.skip("needs EMBCACHE_LOCK_CHECK=1")
+    cache, store = _quarantined_cache()
+    outer = HierarchyLock(0, "caller's lock")
+    try:
+        with outer, pytest.raises(LockOrderError, match="store fence while holding"):
+            cache.fence()
+        assert cache._core.fences_in_flight == 0
+        assert cache.entry_state("q") is QUARANTINED
+        cache.check_invariants()
+        assert cache.fence() == 1
+        assert cache._core.fences_in_flight == 0
+    finally:
+        store.release_holds()
+        cache.close()
+
+
+def test_a_fence_whose_trace_sink_raises_is_abandoned() -> None:
+    """The sink raises on the BeginFence event: the fence raises, is abandoned (nothing freed,
+    none in flight), and a later fence (with a working sink) frees the entry."""
+
+    class FlakySink(TraceLog):
+        fail = False
+
+        def append(self, event: dict[str, object], /) -> None:
+            if self.fail and event["action"] == "BeginFence":
+                raise RuntimeError("the trace sink is full")
+            super().append(event)
+
+    sink = FlakySink()
+    cache, store = _quarantined_cache(sink)
+    try:
+        sink.fail = True
+        with pytest.raises(RuntimeError, match="trace sink is full"):
+            cache.fence()
+        assert cache._core.fences_in_flight == 0
+        assert cache.entry_state("q") is QUARANTINED
+        cache.check_invariants()
+        sink.fail = False
         assert cache.fence() == 1
         assert cache._core.fences_in_flight == 0
         cache.check_invariants()

@@ -17,17 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from embcache import (
-    EmbeddingCache,
-    EncodePipeline,
-    Fault,
-    InProcessStore,
-    Item,
-    PipelineStats,
-)
+from embcache import EmbeddingCache, EncodePipeline, Item, PipelineStats
 from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
 from embcache.errors import InvalidArgumentError, InvalidTypeError, RequestError
 from embcache.locks import assert_unlocked
+from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import raw, wait_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("poison_modes")]
@@ -112,19 +106,19 @@ def counts(stats: PipelineStats) -> tuple[int, int, int]:
 
 
 @pytest.fixture
-def store() -> InProcessStore:
-    return InProcessStore(delay_seconds=0.05)
+def store() -> FaultInjectingStore:
+    return FaultInjectingStore(delay_seconds=0.05)
 
 
 @pytest.fixture
-def cache(store: InProcessStore) -> Iterator[EmbeddingCache]:
+def cache(store: FaultInjectingStore) -> Iterator[EmbeddingCache]:
     with EmbeddingCache(1 << 16, store=store, pin_memory=False) as c:
         yield c
         assert_idle(c)
 
 
 # ---------------------------------------------------------------------------- paths
-def test_all_misses_then_all_hits(cache: EmbeddingCache, store: InProcessStore) -> None:
+def test_all_misses_then_all_hits(cache: EmbeddingCache, store: FaultInjectingStore) -> None:
     encoder = FakeEncoder()
     pipeline = EncodePipeline(cache, encoder)
     inputs = [1, 2, 3]
@@ -143,7 +137,7 @@ def test_all_misses_then_all_hits(cache: EmbeddingCache, store: InProcessStore) 
     assert all(store.object(item(n).key) == raw(expected(n)) for n in inputs), "published"
 
 
-def test_store_hits_are_loaded_not_encoded(store: InProcessStore) -> None:
+def test_store_hits_are_loaded_not_encoded(store: FaultInjectingStore) -> None:
     for n in (4, 5):
         store.put_object(item(n).key, raw(expected(n)))
     with EmbeddingCache(1 << 16, store=store, pin_memory=False) as cache:
@@ -166,7 +160,7 @@ def test_duplicate_keys_are_encoded_once_and_kept_in_order(cache: EmbeddingCache
     assert counts(pipeline.stats()) == (2, 0, 1 + 3)
 
 
-def test_partial_load_failures_fall_back_per_item(store: InProcessStore) -> None:
+def test_partial_load_failures_fall_back_per_item(store: FaultInjectingStore) -> None:
     faults = {10: Fault.FAIL, 11: Fault.SHORT, 12: Fault.UNKNOWN, 13: None}
     for n, fault in faults.items():
         store.put_object(item(n).key, raw(expected(n)))
@@ -250,7 +244,7 @@ def test_encoder_output_that_disagrees_with_its_item_is_refused(cache: Embedding
     assert cache.entry_state(item(40).key) is ABSENT
 
 
-def test_prefetch_timeout_encodes_instead(store: InProcessStore) -> None:
+def test_prefetch_timeout_encodes_instead(store: FaultInjectingStore) -> None:
     store.put_object(item(50).key, raw(expected(50)))
     store.inject(item(50).key, Fault.HOLD)
     with EmbeddingCache(1 << 16, store=store, pin_memory=False) as cache:
@@ -330,7 +324,7 @@ def test_concurrent_calls_with_eviction_stay_correct() -> None:
 
 
 # ---------------------------------------------------------------------------- asyncio
-def test_encode_async_matches_encode(store: InProcessStore) -> None:
+def test_encode_async_matches_encode(store: FaultInjectingStore) -> None:
     store.put_object(item(80).key, raw(expected(80)))
     store.inject(item(80).key, Fault.DELAY)
     with EmbeddingCache(1 << 16, store=store, pin_memory=False) as cache:

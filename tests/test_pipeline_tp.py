@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessContext, start_processes
 
-from embcache import EmbeddingCache, EncodePipeline, Fault, InProcessStore, Item
+from embcache import EmbeddingCache, EncodePipeline, Item
 from embcache.errors import RequestError
 from embcache.pipeline import TensorParallelError
+from embcache.testing import Fault, FaultInjectingStore
 from embcache.tools.encoders import TinyViT, synthetic_image
 from tests.helpers import raw
 
@@ -151,7 +152,7 @@ def assert_idle(cache: EmbeddingCache | None) -> None:
     assert s.entries_by_state.get("LOADING", 0) == 0, s
 
 
-def make_cache(r: Rank, store: InProcessStore | None = None) -> EmbeddingCache | None:
+def make_cache(r: Rank, store: FaultInjectingStore | None = None) -> EmbeddingCache | None:
     return EmbeddingCache(1 << 16, store=store, pin_memory=False) if r.rank == 0 else None
 
 
@@ -171,7 +172,7 @@ def same_outputs_as_tp1(r: Rank) -> None:
 
 
 def partial_load_failures_on_rank_0(r: Rank) -> None:
-    store = InProcessStore()
+    store = FaultInjectingStore()
     faults = {10: Fault.FAIL, 11: Fault.SHORT, 12: Fault.UNKNOWN, 13: None}
     for n, fault in faults.items():
         store.put_object(item(n).key, raw(expected(n)))
@@ -190,7 +191,7 @@ def partial_load_failures_on_rank_0(r: Rank) -> None:
 
 
 def prefetch_timeout_on_rank_0(r: Rank) -> None:
-    store = InProcessStore()
+    store = FaultInjectingStore()
     store.put_object(item(50).key, raw(expected(50)))
     store.inject(item(50).key, Fault.HOLD)
     cache = make_cache(r, store)

@@ -11,18 +11,19 @@ import pytest
 import torch
 
 import embcache.cache as cache_module
-from embcache import EmbeddingCache, EncodePipeline, Fault, InProcessStore, Item
+from embcache import EmbeddingCache, EncodePipeline, Item
 from embcache.core.lifecycle import ABSENT, QUARANTINED
 from embcache.errors import InvalidArgumentError, InvalidTypeError, LockOrderError
 from embcache.fencing import FencePolicy
 from embcache.poison import POISON
+from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import evict_idle_after_close, item_of, payload, raw, wait_until
 
 FAST = FencePolicy(max_fraction=1.0, max_age_s=0.2, min_interval_s=0.05, check_interval_s=0.05)
 WAIT_S = 10.0
 
 
-def quarantine(cache: EmbeddingCache, store: InProcessStore, key: str) -> None:
+def quarantine(cache: EmbeddingCache, store: FaultInjectingStore, key: str) -> None:
     """Leave ``key``'s range QUARANTINED: its store read ends UNKNOWN."""
     tensor = payload((64,), torch.float32, 1)
     store.put_object(key, raw(tensor))
@@ -35,7 +36,7 @@ def quarantine(cache: EmbeddingCache, store: InProcessStore, key: str) -> None:
 
 # ------------------------------------------------------------------ fencing by the cache itself
 def test_the_cache_fences_by_itself_when_a_quarantine_gets_old(
-    make_cache: Callable[..., EmbeddingCache], store: InProcessStore
+    make_cache: Callable[..., EmbeddingCache], store: FaultInjectingStore
 ) -> None:
     cache = make_cache(auto_fence=FAST)
     quarantine(cache, store, "q")
@@ -46,7 +47,7 @@ def test_the_cache_fences_by_itself_when_a_quarantine_gets_old(
 
 
 def test_the_cache_fences_by_itself_when_too_much_is_quarantined(
-    make_cache: Callable[..., EmbeddingCache], store: InProcessStore
+    make_cache: Callable[..., EmbeddingCache], store: FaultInjectingStore
 ) -> None:
     by_bytes = FencePolicy(max_fraction=0.0, max_age_s=3600, min_interval_s=0.05,
                            check_interval_s=0.05)  # fmt: skip
@@ -56,7 +57,7 @@ def test_the_cache_fences_by_itself_when_too_much_is_quarantined(
 
 
 def test_an_unknown_publish_is_fenced_by_itself_too(
-    make_cache: Callable[..., EmbeddingCache], store: InProcessStore
+    make_cache: Callable[..., EmbeddingCache], store: FaultInjectingStore
 ) -> None:
     cache = make_cache(auto_fence=FAST)
     tensor = payload((64,), torch.float32, 2)
@@ -68,7 +69,7 @@ def test_an_unknown_publish_is_fenced_by_itself_too(
 
 
 def test_without_auto_fence_only_fence_frees_the_quarantine(
-    make_cache: Callable[..., EmbeddingCache], store: InProcessStore
+    make_cache: Callable[..., EmbeddingCache], store: FaultInjectingStore
 ) -> None:
     cache = make_cache(auto_fence=None)
     quarantine(cache, store, "q")
@@ -137,7 +138,7 @@ def test_a_request_releases_its_pins_in_lookup_order(
 # ------------------------------------------------------------------ errors on I/O threads
 def test_an_error_on_an_io_thread_ends_the_load_and_wakes_its_waiters(
     make_cache: Callable[..., EmbeddingCache],
-    store: InProcessStore,
+    store: FaultInjectingStore,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -182,7 +183,7 @@ def test_an_error_on_an_io_thread_ends_the_publish(
 
 # ------------------------------------------------------------------ Request.publish
 def test_publish_puts_back_what_the_store_lost(
-    make_cache: Callable[..., EmbeddingCache], store: InProcessStore
+    make_cache: Callable[..., EmbeddingCache], store: FaultInjectingStore
 ) -> None:
     cache = make_cache()
     tensor = payload((64,), torch.float32, 5)
@@ -287,7 +288,7 @@ def test_the_harness_catches_a_pipeline_that_keeps_a_view_past_its_request(
 
 
 def test_a_young_small_quarantine_is_left_alone(
-    make_cache: Callable[..., EmbeddingCache], store: InProcessStore
+    make_cache: Callable[..., EmbeddingCache], store: FaultInjectingStore
 ) -> None:
     patient = FencePolicy(max_fraction=0.5, max_age_s=3600, min_interval_s=0.05,
                           check_interval_s=0.05)  # fmt: skip

@@ -2,7 +2,7 @@
 
 Three sources: the Hypothesis state machine of ``tests/stateful/test_cache_model.py`` (every
 example's trace, fences begun and ended as separate steps), multi-threaded runs against an
-``InProcessStore`` whose faults make loads complete out of order, fail, raise and end UNKNOWN,
+``FaultInjectingStore`` whose faults make loads complete out of order, fail, raise and end UNKNOWN,
 with removes and fences in between, and the overlapping fences of issue 25 (two fences in
 flight, a key freed by one and QUARANTINED again before the other ends).
 ``python -m tests.tracegen OUT_DIR --machine N --threaded M`` writes them as JSON lines.
@@ -20,7 +20,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from embcache import EmbeddingCache, Fault, InProcessStore, Item
+from embcache import EmbeddingCache, Item
+from embcache.testing import Fault, FaultInjectingStore
 from embcache.trace import TraceLog
 from tests.stateful.test_cache_model import CacheMachine
 
@@ -52,7 +53,7 @@ def machine_traces(count: int, seed: int = 0) -> list[Trace]:
 def threaded_trace(seed: int, threads: int = 4, steps: int = 40) -> Trace:
     """One trace of ``threads`` request loops racing on a tiny pool with a faulty store."""
     rng = random.Random(seed)
-    store = InProcessStore(delay_seconds=0.002)
+    store = FaultInjectingStore(delay_seconds=0.002)
     trace = TraceLog()
     keys = [f"k{i}" for i in range(6)]
     items = {k: Item(k, (64 * (1 + i % 3),), torch.float32) for i, k in enumerate(keys)}

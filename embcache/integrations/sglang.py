@@ -234,10 +234,11 @@ class ControllerBase:
         state, ready = self.cache.entry_state, EntryState.READY
         found = [state(h) is ready for h in mm_hashes]
         missing = [i for i, hit in enumerate(found) if not hit]
-        if missing:
+        store = self.cache.store
+        if missing and store is not None:
             keys = [mm_hashes[i] for i in missing]
             try:
-                stored = await asyncio.to_thread(self.cache.store.exists, keys)
+                stored = await asyncio.to_thread(store.exists, keys)
             except Exception:
                 logger.warning("batch_is_exist: the global store failed; %d misses", len(keys))
                 return found

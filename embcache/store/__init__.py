@@ -1,7 +1,7 @@
-"""Global stores: the protocol, the embedded in-process default, and Mooncake."""
+"""Global stores: the protocol and Mooncake. With no store a cache has no global tier; the
+fault-injecting test double is ``embcache.testing.FaultInjectingStore``."""
 
 from embcache.store.base import GlobalStore, TransferOutcome
-from embcache.store.inprocess import Fault, InProcessStore
 from embcache.store.mooncake import MooncakeStore
 
-__all__ = ["Fault", "GlobalStore", "InProcessStore", "MooncakeStore", "TransferOutcome"]
+__all__ = ["GlobalStore", "MooncakeStore", "TransferOutcome"]

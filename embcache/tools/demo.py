@@ -3,7 +3,8 @@
 A catalogue of synthetic images of mixed sizes; requests of a few images each, drawn from a
 Zipf popularity; ``concurrency`` lanes send them at the same time through one
 ``EncodePipeline`` over a pool small enough that eviction matters, with ``TinyViT`` as the
-encoder and the in-process or a Mooncake global store behind it. A seeded fraction of store
+encoder and, by default, no global tier (the pool is the whole cache: its size bounds the
+memory the cache keeps), or a Mooncake global store behind it, of which a seeded fraction of
 reads fails on purpose, so per-item fallbacks show. At the end the cache is closed and checked
 for leaks: no pin, no load in flight, no open request, accounting exact, invariants hold.
 
@@ -136,13 +137,11 @@ class FlakyStore:
 
 
 @contextlib.contextmanager
-def _global_store(config: DemoConfig) -> Iterator[GlobalStore]:
-    """The store the config asks for; a master started here is stopped on the way out."""
-    if config.store == "inprocess":
-        from embcache.store.inprocess import InProcessStore
-
-        with contextlib.closing(InProcessStore()) as embedded:
-            yield embedded
+def _global_store(config: DemoConfig) -> Iterator[GlobalStore | None]:
+    """The store the config asks for (None: no global tier); a master started here is stopped
+    on the way out."""
+    if config.store == "none":
+        yield None
         return
     from embcache.store.mooncake import MooncakeStore
     from embcache.store.mooncake_master import MooncakeMaster
@@ -302,11 +301,12 @@ def run_demo(config: DemoConfig, progress: TextIO | None = None) -> DemoResult:
     try:
         with contextlib.ExitStack() as stack:
             store = stack.enter_context(_global_store(config))
-            flaky = FlakyStore(store, config.store_fault_rate, config.seed)
+            rate = config.store_fault_rate
+            flaky = None if store is None else FlakyStore(store, rate, config.seed)
             metrics = None if config.metrics_port is None else _serve_metrics(
                 stack, config.metrics_port
             )  # fmt: skip
-            timed: GlobalStore = flaky if metrics is None else _timed(flaky, metrics)
+            timed = flaky if metrics is None or flaky is None else _timed(flaky, metrics)
             pool = int(config.pool_mib * (1 << 20)) // 256 * 256
             cache = EmbeddingCache(pool, store=timed, pin_memory=False)
             stack.callback(cache.close)
@@ -346,7 +346,7 @@ def _serve_metrics(stack: contextlib.ExitStack, port: int) -> CacheMetrics:
 def _run(
     config: DemoConfig,
     cache: EmbeddingCache,
-    store: FlakyStore,
+    store: FlakyStore | None,
     out: TextIO | None,
     metrics: CacheMetrics | None = None,
 ) -> DemoResult:
@@ -396,7 +396,8 @@ def _run(
     seconds = progress.timeline[-1].seconds
     cache.close()  # waits for every load and publish still in flight
     return make_result(
-        config, cache.stats(), pipeline_stats(), progress.latencies, seconds, store.injected,
+        config, cache.stats(), pipeline_stats(), progress.latencies, seconds,
+        0 if store is None else store.injected,
         errors, leak_check(cache), progress.mismatches if config.verify else None,
         progress.timeline,
     )  # fmt: skip

@@ -44,7 +44,7 @@ class DemoConfig:
     hidden: int = 1024
     dtype: str = "bf16"
     tp: int = 1
-    store: str = "inprocess"  # or "mooncake"
+    store: str = "none"  # no global tier; or "mooncake"
     master: str | None = None  # a running mooncake_master; None: start one on loopback
     metadata_server: str | None = None
     segment_mib: int = 256  # memory this worker lends to the Mooncake store
@@ -166,7 +166,7 @@ class DemoResult:
         def mib(n: int) -> str:
             return f"{n / (1 << 20):.1f} MiB"
 
-        store = c.store if c.store_fault_rate == 0 else (
+        store = c.store if c.store_fault_rate == 0 or c.store == "none" else (
             f"{c.store} ({100 * c.store_fault_rate:g}% of store reads fail on purpose)"
         )
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.fallbacks_by_reason.items()))

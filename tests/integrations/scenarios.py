@@ -1,5 +1,5 @@
 """MMEncoder's request sequence against embcache's SGLang controllers on 2 gloo ranks, with the
-embedded ``InProcessStore`` as the global store (its fault injection makes partial loads).
+embedded ``FaultInjectingStore`` as the global store (its fault injection makes partial loads).
 
 Each scenario runs on every rank: every rank builds the controller (its constructor makes the
 gloo group, a collective), only rank 0 calls it, both broadcast the masks and encode the
@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from embcache import EmbeddingCache, Fault, InProcessStore
+from embcache import EmbeddingCache
 from embcache.integrations.sglang import EmbeddingCacheController
 from embcache.integrations.sglang_legacy import LegacyEmbeddingCacheController
+from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import raw, wait_until
 from tests.integrations.mmencoder import (
     DIM,
@@ -103,7 +104,7 @@ def assert_idle(ctl: Any) -> None:
     assert s.entries_by_state.get("LOADING", 0) == 0, s
 
 
-def publish_objects(store: InProcessStore, keys: Sequence[str], tokens: Sequence[int]) -> None:
+def publish_objects(store: FaultInjectingStore, keys: Sequence[str], tokens: Sequence[int]) -> None:
     """What another encode worker would have published: the encoder's bytes under each key."""
     for key, n in zip(keys, tokens, strict=True):
         store.put_object(key, raw(embedding(key, n)))
@@ -111,7 +112,7 @@ def publish_objects(store: InProcessStore, keys: Sequence[str], tokens: Sequence
 
 # ---------------------------------------------------------------------------- 0.5.23 interface
 def misses_then_local_hits(r: Rank) -> None:
-    ctl = controller(r, InProcessStore())
+    ctl = controller(r, FaultInjectingStore())
     encoder = Encoder()
     keys, tokens = keys_of("m", "abc")
     check(
@@ -137,7 +138,7 @@ def misses_then_local_hits(r: Rank) -> None:
 
 
 def global_hits_from_another_worker(r: Rank) -> None:
-    store = InProcessStore()
+    store = FaultInjectingStore()
     keys, tokens = keys_of("g", "abcd")
     publish_objects(store, keys, tokens)
     ctl = controller(r, store)
@@ -153,7 +154,7 @@ def global_hits_from_another_worker(r: Rank) -> None:
 
 
 def partial_load_falls_back_per_item(r: Rank) -> None:
-    store = InProcessStore()
+    store = FaultInjectingStore()
     keys, tokens = keys_of("p", "abcd")
     faults = [Fault.FAIL, Fault.SHORT, Fault.UNKNOWN, None]
     publish_objects(store, keys, tokens)
@@ -177,7 +178,7 @@ def partial_load_falls_back_per_item(r: Rank) -> None:
 
 
 def full_pool_falls_back_and_skips_the_insert(r: Rank) -> None:
-    store = InProcessStore()
+    store = FaultInjectingStore()
     pool = 1024  # 32 tokens
     blockers, blocker_tokens = ["full-x", "full-y"], [16, 16]
     keys, tokens = ["full-z", "full-w", "full-big"], [8, 4, 40]
@@ -209,7 +210,7 @@ def full_pool_falls_back_and_skips_the_insert(r: Rank) -> None:
 
 
 def prefetch_timeout_falls_back_and_the_hold_expires(r: Rank) -> None:
-    store = InProcessStore()
+    store = FaultInjectingStore()
     keys, tokens = keys_of("t", "ab")
     publish_objects(store, keys, tokens)
     store.inject("t-a", Fault.HOLD)
@@ -241,7 +242,7 @@ def prefetch_timeout_falls_back_and_the_hold_expires(r: Rank) -> None:
 
 def all_rank_get_agrees_on_every_rank(r: Rank) -> None:
     """With ``all_rank_get`` every rank polls and the answer is the group's minimum."""
-    store = InProcessStore()
+    store = FaultInjectingStore()
     publish_objects(store, ["ag-a"], [3])
     store.inject("ag-a", Fault.HOLD)
     ctl = EmbeddingCacheController(
@@ -273,7 +274,7 @@ class AssemblyFailed(RuntimeError):
 
 
 def failure_before_the_read_expires_the_holds(r: Rank) -> None:
-    store = InProcessStore()
+    store = FaultInjectingStore()
     keys, tokens = keys_of("f", "ab")
     ctl = controller(r, store)
     ctl.hold_timeout_s = 0.3
@@ -305,14 +306,14 @@ def failure_before_the_read_expires_the_holds(r: Rank) -> None:
 
 # ---------------------------------------------------------------------------- older interface
 def legacy_misses_hits_global_hits(r: Rank) -> None:
-    ctl = legacy(r, InProcessStore())
+    ctl = legacy(r, FaultInjectingStore())
     encoder = Encoder()
     keys, tokens = keys_of("l", "abc")
     served = serve_legacy(ctl, r.rank, r.world, "l1", keys, tokens, encoder)
     check(r, served, keys, tokens, [0] * 3, [0] * 3)
     served = serve_legacy(ctl, r.rank, r.world, "l2", keys, tokens, encoder)
     check(r, served, keys, tokens, [1] * 3, [0] * 3)
-    store = InProcessStore()
+    store = FaultInjectingStore()
     publish_objects(store, keys, tokens)
     other = legacy(r, store)  # a worker that finds them in the global store
     served = serve_legacy(other, r.rank, r.world, "l3", keys, tokens, encoder)
@@ -328,7 +329,7 @@ def legacy_misses_hits_global_hits(r: Rank) -> None:
 
 
 def legacy_partial_load_and_full_pool(r: Rank) -> None:
-    store = InProcessStore()
+    store = FaultInjectingStore()
     keys, tokens = keys_of("lp", "adc")  # 3, 4 and 2 tokens
     publish_objects(store, keys, tokens)
     store.inject("lp-a", Fault.FAIL)

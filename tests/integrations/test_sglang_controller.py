@@ -11,9 +11,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from embcache import EntryState, InProcessStore
+from embcache import EntryState
 from embcache.errors import InvalidArgumentError
 from embcache.integrations.sglang import EmbeddingCacheController
+from embcache.testing import FaultInjectingStore
 from tests.helpers import raw, wait_until
 from tests.integrations.mmencoder import DIM, DTYPE, Modality, embedding
 
@@ -21,14 +22,14 @@ IMAGE = Modality.IMAGE
 
 
 @pytest.fixture
-def store() -> Iterator[InProcessStore]:
-    s = InProcessStore(delay_seconds=0.005)
+def store() -> Iterator[FaultInjectingStore]:
+    s = FaultInjectingStore(delay_seconds=0.005)
     yield s
     s.release_holds()
 
 
 @pytest.fixture
-def ctl(store: InProcessStore) -> Iterator[EmbeddingCacheController]:
+def ctl(store: FaultInjectingStore) -> Iterator[EmbeddingCacheController]:
     controller = EmbeddingCacheController(
         store, max_pool_size_gb=(64 << 10) / (1 << 30), hidden_dims={IMAGE: DIM}, dtype=DTYPE
     )
@@ -157,7 +158,7 @@ def test_a_prefetch_joins_a_staged_insert_instead_of_encoding_again(
 
 
 def test_store_skips_what_sglang_skips_and_takes_cpu_tensors_of_any_dtype(
-    ctl: EmbeddingCacheController, store: InProcessStore
+    ctl: EmbeddingCacheController, store: FaultInjectingStore
 ) -> None:
     insert(ctl, ["present"], [2])
     store.delete("present")  # the global store lost it: staging it pushes it again
@@ -196,10 +197,10 @@ def test_abandoned_holds_expire_but_a_reader_keeps_its_pin(ctl: EmbeddingCacheCo
 
 
 def test_a_second_prefetch_of_one_req_id_replaces_the_first(
-    ctl: EmbeddingCacheController, store: InProcessStore
+    ctl: EmbeddingCacheController, store: FaultInjectingStore
 ) -> None:
     store.put_object("held", raw(embedding("held", 2)))
-    from embcache import Fault
+    from embcache.testing import Fault
 
     store.inject("held", Fault.HOLD)
     ctl.prefetch("r", ["held"], [2], IMAGE)
@@ -221,7 +222,9 @@ def test_bad_arguments_raise_and_change_nothing(ctl: EmbeddingCacheController) -
     ctl.prefetch("r", ["a"], [3], Modality.MULTI_IMAGES)  # SGLang: no pool, nothing happens
     assert ctl.check_prefetch_progress("r") and not ctl.has_local_embedding("a")
     with pytest.raises(InvalidArgumentError, match="gives no pool"):
-        EmbeddingCacheController(InProcessStore(), max_pool_size_gb=0.0, hidden_dims={IMAGE: 8})
+        EmbeddingCacheController(
+            FaultInjectingStore(), max_pool_size_gb=0.0, hidden_dims={IMAGE: 8}
+        )
     idle(ctl)
 
 
@@ -251,7 +254,7 @@ def test_an_unknown_modality_warns_once_per_modality_and_caches_nothing(
     idle(ctl)
 
 
-def test_dims_per_modality_follow_sglang(store: InProcessStore) -> None:
+def test_dims_per_modality_follow_sglang(store: FaultInjectingStore) -> None:
     ctl = EmbeddingCacheController(
         store, max_pool_size_gb=1 / 1024, hidden_dims={Modality.VIDEO: 12}, dtype=DTYPE
     )
@@ -266,7 +269,7 @@ def test_dims_per_modality_follow_sglang(store: InProcessStore) -> None:
 
 
 def test_concurrent_requests_over_shared_keys_serve_the_right_bytes(
-    store: InProcessStore,
+    store: FaultInjectingStore,
 ) -> None:
     """MMEncoder serves requests concurrently on rank 0: 4 threads, overlapping keys, a pool
     that holds a third of them (evictions, no space, joins of each other's staged inserts)."""
@@ -319,7 +322,7 @@ def test_concurrent_requests_over_shared_keys_serve_the_right_bytes(
 
 
 @pytest.mark.parametrize("policy", ["lru", "tinylfu"])
-def test_a_subclass_picks_the_cache_policy(store: InProcessStore, policy: str) -> None:
+def test_a_subclass_picks_the_cache_policy(store: FaultInjectingStore, policy: str) -> None:
     class Controller(EmbeddingCacheController):
         cache_policy = policy
 
@@ -339,7 +342,7 @@ def test_a_subclass_picks_the_cache_policy(store: InProcessStore, policy: str) -
         ctl.close()
 
 
-def test_legacy_insert_batch_pushes_present_keys_too(store: InProcessStore) -> None:
+def test_legacy_insert_batch_pushes_present_keys_too(store: FaultInjectingStore) -> None:
     from embcache.integrations.sglang_legacy import LegacyEmbeddingCacheController
 
     ctl = LegacyEmbeddingCacheController(

@@ -57,7 +57,7 @@ STAND_INS = {
 RANK = """
 import multiprocessing, sys
 import torch
-from embcache import InProcessStore
+from embcache.testing import FaultInjectingStore
 
 def rank(name):
     from sglang.srt.mem_cache.embedding_cache_controller import EmbeddingCacheController
@@ -66,7 +66,7 @@ def rank(name):
         print(name, EmbeddingCacheController.__module__)  # SGLang's pins memory: needs CUDA
         return
     controller = EmbeddingCacheController(
-        embedding_store=InProcessStore(), hidden_dims={Modality.IMAGE: 8},
+        embedding_store=FaultInjectingStore(), hidden_dims={Modality.IMAGE: 8},
         all_rank_get=False, dtype=torch.bfloat16, max_pool_size_gb=1 / 1024,
     )
     print(name, type(controller).__module__, controller.get_embedding_dim(Modality.IMAGE))

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from benchmarks.sglang_wheel import SGLangUnavailable, load_controller_module
-from embcache import InProcessStore
 from embcache.integrations.sglang import EmbeddingCacheController
 from embcache.integrations.sglang_install import interface_differences
+from embcache.testing import FaultInjectingStore
 
 pytestmark = pytest.mark.timeout(600)  # a first run downloads the wheel (about 40 MB)
 
@@ -99,7 +99,10 @@ def test_the_interface_check_names_a_changed_or_missing_method(sglang_class: typ
 
 def test_an_instance_has_the_attributes_mmencoder_reads(sglang_class: type) -> None:
     ctl = EmbeddingCacheController(
-        InProcessStore(), max_pool_size_gb=1 / 1024, hidden_dims={"IMAGE": 8}, dtype=torch.bfloat16
+        FaultInjectingStore(),
+        max_pool_size_gb=1 / 1024,
+        hidden_dims={"IMAGE": 8},
+        dtype=torch.bfloat16,
     )
     try:
         assert ctl.prefetch_tp_group is None  # one rank: MMEncoder broadcasts only when TP > 1

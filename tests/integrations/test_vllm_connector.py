@@ -190,12 +190,16 @@ def test_a_lost_ack_quarantines_the_range_for_good_and_a_late_one_ends_it(
     sched.check_invariants()
 
 
-def test_a_store_read_defers_the_request_until_it_ends(make_scheduler: Callable[..., Any]) -> None:
-    from embcache import InProcessStore
+def test_a_store_read_defers_the_request_until_it_ends(
+    make_scheduler: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from embcache.integrations.vllm import scheduler
+    from embcache.testing import FaultInjectingStore
 
+    monkeypatch.setattr(scheduler, "_store", lambda options: FaultInjectingStore())
     sched = make_scheduler(SMALL)
     store = sched._scheduler.cache.store
-    assert isinstance(store, InProcessStore)
+    assert isinstance(store, FaultInjectingStore)
     key = "stored"
     with sched._scheduler.cache.request("seed") as r:
         r.insert([key], [embedding(key, 8)])  # published to the store, then evicted below
@@ -232,11 +236,10 @@ def test_each_option_is_checked_with_a_clear_error(
         make_scheduler({**SMALL, **extra})
 
 
-def test_without_options_it_runs_on_the_embedded_store(make_scheduler: Callable[..., Any]) -> None:
-    from embcache import InProcessStore
-
+def test_without_options_it_has_no_global_tier(make_scheduler: Callable[..., Any]) -> None:
+    """No mooncake_master: no store at all (nothing outside the pool keeps payload bytes)."""
     sched = make_scheduler()
-    assert isinstance(sched._scheduler.cache.store, InProcessStore)
+    assert sched._scheduler.cache.store is None
     assert sched._scheduler.cache.capacity == 1 << 30
 
 

@@ -21,8 +21,9 @@ import hypothesis.strategies as st
 import torch
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from embcache import EmbeddingCache, Fault, InProcessStore, Item
+from embcache import EmbeddingCache, Item
 from embcache.core.policy import make_policy
+from embcache.testing import Fault, FaultInjectingStore
 from embcache.trace import TraceLog
 from models.cache import ModelCache
 
@@ -80,8 +81,8 @@ class ManualExecutor:
             self.run(0)
 
 
-class GatedStore(InProcessStore):
-    """An ``InProcessStore`` whose next ``fence()`` after ``hold_next()`` waits for its gate."""
+class GatedStore(FaultInjectingStore):
+    """A ``FaultInjectingStore`` whose next ``fence()`` after ``hold_next()`` waits for its gate."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -49,20 +49,12 @@ from typing import Any
 import pytest
 import torch
 
-from embcache import (
-    EmbeddingCache,
-    EncodePipeline,
-    Fault,
-    InProcessStore,
-    Item,
-    Reason,
-    Status,
-    TransferOutcome,
-)
+from embcache import EmbeddingCache, EncodePipeline, Item, Reason, Status, TransferOutcome
 from embcache.core.entries import RequestState
 from embcache.core.lifecycle import ABSENT, QUARANTINED, READY
 from embcache.locks import assert_unlocked
 from embcache.request import Request
+from embcache.testing import Fault, FaultInjectingStore
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(120)]
 
@@ -319,8 +311,8 @@ class ManualIO:
         self.drain()
 
 
-class ScheduledStore(InProcessStore):
-    """An ``InProcessStore`` with a switch before every call, whose UNKNOWN transfers really
+class ScheduledStore(FaultInjectingStore):
+    """An ``FaultInjectingStore`` with a switch before every call, whose UNKNOWN transfers really
     are still in flight: they land at the next ``fence`` (the latest moment the protocol
     allows). A read lands garbage in its range; a write stores the range's bytes as they are
     then. So a quarantined range reused before the fence is caught by the byte checks. A

@@ -1,5 +1,5 @@
 """Stress: 8 request threads, a monitor and a chaos thread against one cache and one
-``InProcessStore`` whose faults change at random (see ``workload.py`` for the workload and the
+``FaultInjectingStore`` whose faults change at random (see ``workload.py`` for the workload and the
 end-state checks).
 
 ``EMBCACHE_STRESS_SECONDS`` bounds the run (default 3); ``EMBCACHE_STRESS_SEED`` replays a seed
@@ -16,8 +16,9 @@ from collections.abc import Callable
 
 import pytest
 
-from embcache import EmbeddingCache, Fault, InProcessStore
+from embcache import EmbeddingCache
 from embcache.fencing import FencePolicy
+from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import wait_until
 from tests.stress.workload import Mix, Workload, raw
 
@@ -45,7 +46,7 @@ def stress_seed() -> int:
 
 
 def in_process_chaos(
-    store: InProcessStore, keys: list[str]
+    store: FaultInjectingStore, keys: list[str]
 ) -> Callable[[random.Random, threading.Event], None]:
     """Every ~2 ms give a random key a random fault; a HOLD is released within 10 ms."""
 
@@ -73,7 +74,7 @@ def test_random_requests_with_store_faults_keep_every_invariant(
 ) -> None:
     seed = stress_seed()
     print(f"EMBCACHE_STRESS_SEED={seed}")
-    store = InProcessStore(delay_seconds=0.003)
+    store = FaultInjectingStore(delay_seconds=0.003)
     cache = EmbeddingCache(40 * UNIT, store=store, pin_memory=False, io_workers=4)
     try:
         workload = Workload(cache, seed=seed, unit=UNIT)
@@ -100,7 +101,7 @@ def test_a_flaky_store_and_no_manual_fence_end_with_the_quarantine_drained(
     """Nobody calls fence(): the cache's own fencer frees every quarantined range."""
     seed = stress_seed()
     print(f"EMBCACHE_STRESS_SEED={seed}")
-    store = InProcessStore(delay_seconds=0.003)
+    store = FaultInjectingStore(delay_seconds=0.003)
     policy = FencePolicy(max_fraction=0.1, max_age_s=0.5, min_interval_s=0.1)
     cache = EmbeddingCache(
         40 * UNIT, store=store, pin_memory=False, io_workers=4, auto_fence=policy

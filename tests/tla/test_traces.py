@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from embcache import EmbeddingCache, Fault, InProcessStore, Item, TransferOutcome
+from embcache import EmbeddingCache, Item, TransferOutcome
 from embcache.core.cache_core import CacheCore
 from embcache.core.lifecycle import ABSENT, QUARANTINED
+from embcache.testing import Fault, FaultInjectingStore
 from embcache.trace import TraceLog
 from tests.tla.tla_modules import load_trace
 
@@ -63,7 +64,9 @@ def tensor(it: Item) -> torch.Tensor:
 def traced() -> Iterator[Callable[..., tuple[EmbeddingCache, TraceLog]]]:
     caches: list[EmbeddingCache] = []
 
-    def make(units: int, store: InProcessStore | None = None) -> tuple[EmbeddingCache, TraceLog]:
+    def make(
+        units: int, store: FaultInjectingStore | None = None
+    ) -> tuple[EmbeddingCache, TraceLog]:
         log = TraceLog()
         cache = EmbeddingCache(
             units * ALIGN, store=store, alignment=ALIGN, max_eviction_batch=2,
@@ -156,7 +159,7 @@ def test_freeing_on_an_unknown_load_is_rejected_at_the_end_load(
             del self._emit
 
     monkeypatch.setattr(CacheCore, "end_load", end_load)
-    store = InProcessStore(delay_seconds=0.0)
+    store = FaultInjectingStore(delay_seconds=0.0)
     x = item("x")
     store.put_object("x", bytes(x.nbytes))
     store.inject("x", Fault.UNKNOWN)
@@ -216,7 +219,7 @@ def test_skipping_the_waiter_hand_off_is_rejected_at_the_end_load(
         return original(self, entry, outcome, reason)
 
     monkeypatch.setattr(CacheCore, "end_load", end_load)
-    store = InProcessStore(delay_seconds=0.0)
+    store = FaultInjectingStore(delay_seconds=0.0)
     x = item("x")
     store.put_object("x", bytes(x.nbytes))
     cache, log = traced(2, store)

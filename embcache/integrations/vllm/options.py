@@ -5,7 +5,7 @@ option             meaning (default)
 =================  =========================================================================
 pool_bytes         the cache's pool in shared memory (1 GiB)
 staging_bytes      where fresh encoder outputs wait for the scheduler's insert (64 MiB)
-mooncake_master    "host:port" of a Mooncake master; absent: the embedded in-process store
+mooncake_master    "host:port" of a Mooncake master; absent: no global tier (the pool is all)
 mooncake_segment   bytes this engine lends the Mooncake store (0)
 key_prefix         namespace of the keys in the global store ("embcache/vllm/")
 policy             eviction order and admission: "lru" or "tinylfu" ("lru"; checked by

@@ -25,7 +25,6 @@ import torch
 from embcache import (
     EmbeddingCache,
     GlobalStore,
-    InProcessStore,
     InvalidArgumentError,
     InvariantError,
     Item,
@@ -283,7 +282,7 @@ class SchedulerSide:
 
     def _close_store(self) -> None:
         try:
-            if self._own_store:
+            if self._own_store and self._store is not None:
                 self._store.close()
         finally:
             self._shared.close()
@@ -335,9 +334,10 @@ class SchedulerSide:
         return pinned + sum(self._save_acks[k][1].nbytes for k in held.saves)
 
 
-def _store(options: ConnectorOptions) -> GlobalStore:
+def _store(options: ConnectorOptions) -> GlobalStore | None:
+    """The Mooncake store ``options`` names; None (no global tier) when it names no master."""
     if options.mooncake_master is None:
-        return InProcessStore()
+        return None
     from embcache.store.mooncake import MooncakeStore
 
     return MooncakeStore(

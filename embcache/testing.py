@@ -1,10 +1,12 @@
-"""``InProcessStore``: the embedded default global store, with fault injection for tests.
+"""Test support: ``FaultInjectingStore``, a ``GlobalStore`` in this process that injects faults.
 
-Objects are bytes in a dict. Transfers copy between the dict and the registered pool, outside
-the store's own lock. Faults are set per key: ``FAIL`` returns a code that means nothing is in
-flight, ``UNKNOWN`` a code that means something may be, ``RAISE`` raises from the call,
-``SHORT`` returns fewer bytes than asked, ``DELAY`` sleeps first, ``HOLD`` blocks the call until
-``release_holds`` (or ``fence``), so tests can keep a transfer in flight deterministically.
+A test double, never a production default: it keeps every object put into it, in a dict of
+bytes with no byte budget, so nothing bounds its memory. Transfers copy between the dict and
+the registered pool, outside the store's own lock. Faults are set per key: ``FAIL`` returns a
+code that means nothing is in flight, ``UNKNOWN`` a code that means something may be, ``RAISE``
+raises from the call, ``SHORT`` returns fewer bytes than asked, ``DELAY`` sleeps first,
+``HOLD`` blocks the call until ``release_holds`` (or ``fence``), so tests can keep a transfer
+in flight deterministically.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ class InjectedError(RuntimeError):
     """Raised by a transfer whose key has the ``RAISE`` fault."""
 
 
-class InProcessStore:
-    """A ``GlobalStore`` living in this process. Thread-safe."""
+class FaultInjectingStore:
+    """A ``GlobalStore`` living in this process, for tests: faults on demand. Thread-safe."""
 
     def __init__(self, delay_seconds: float = 0.01) -> None:
         self._lock = threading.Lock()
@@ -92,7 +94,8 @@ class InProcessStore:
             raise InvalidArgumentError("register a contiguous 1-D uint8 tensor")
         if self._pool is not None and self._pool is not buffer:
             raise InvalidArgumentError(
-                "a pool is already registered with this InProcessStore: give each cache its own"
+                "a pool is already registered with this FaultInjectingStore: give each cache its"
+                " own"
             )
         self._pool = buffer
 
