@@ -1,0 +1,159 @@
+"""One real vLLM engine in its own process, driven by the engine tier over a pipe.
+
+The engine is vLLM's ``LLM`` with the engine core in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the scheduler, the model runner and both roles of
+the connector live here and can be counted: the identifiers the scheduler sent to the encoder
+(``encoded``), the images that went through the vision tower (``vision_images``, a forward hook
+on it), the connector's ``SchedulerStats`` and its cache's ``CacheStats``.
+
+Requests come as JSON lines on stdin, answers go as JSON lines to the file descriptor
+``--reply-fd``; vLLM's own output goes to stdout and stderr (the tier sends them to a log).
+Operations: ``generate`` (prompts of words and image numbers, greedy), ``stats``, ``check``
+(the connector's ``check_invariants``), ``quit``.
+
+    python -m tests.engine.host --model DIR --reply-fd N [--ec JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from dataclasses import asdict
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in-process
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+MAX_MODEL_LEN = 256
+
+
+class Engine:
+    """The engine and its counters."""
+
+    def __init__(self, model: str, ec: dict[str, Any] | None) -> None:
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {}
+        if ec is not None:
+            kwargs["ec_transfer_config"] = ec
+        self.llm = LLM(
+            model=model,
+            tokenizer=model,
+            runner="generate",
+            model_impl="vllm",
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=32,
+            max_num_batched_tokens=2048,
+            seed=0,
+            limit_mm_per_prompt={"image": 2},
+            disable_log_stats=True,
+            **kwargs,
+        )
+        core = self.llm.llm_engine.engine_core.engine_core
+        self.scheduler = core.scheduler
+        self.connector = self.scheduler.ec_connector
+        self.encoded: list[str] = []
+        self.vision_images = 0
+        self._wrap_schedule()
+        worker = core.model_executor.driver_worker.worker
+        model_obj = worker.model_runner.get_model()
+        model_obj.vision_tower.register_forward_hook(self._count_images)
+
+    def _wrap_schedule(self) -> None:
+        schedule = self.scheduler.schedule
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            out = schedule(*args, **kwargs)
+            for req_id, indexes in out.scheduled_encoder_inputs.items():
+                features = self.scheduler.requests[req_id].mm_features
+                self.encoded.extend(features[i].identifier for i in indexes)
+            return out
+
+        self.scheduler.schedule = counted
+
+    def _count_images(self, module: Any, inputs: Any, output: Any) -> None:
+        self.vision_images += int(inputs[0].shape[0])
+
+    def generate(self, requests: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        from tests.engine.tiny_llava import images
+
+        prompts = []
+        for r in requests:
+            pics = [images(1, offset=i)[0] for i in r["images"]]
+            text = " ".join(["<image>"] * len(pics) + r["words"])
+            prompt: dict[str, Any] = {"prompt": text}
+            if pics:
+                prompt["multi_modal_data"] = {"image": pics}
+            prompts.append(prompt)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0, ignore_eos=True)
+        before_encoded, before_images = len(self.encoded), self.vision_images
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return {
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "encoded": self.encoded[before_encoded:],
+            "vision_images": self.vision_images - before_images,
+            **self.stats(),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"pid": os.getpid(), "vision_images_total": self.vision_images}
+        if self.connector is not None and hasattr(self.connector, "stats"):
+            out["connector"] = asdict(self.connector.stats())
+            cache = self.connector._scheduler.cache
+            out["cache"] = {k: v for k, v in asdict(cache.stats()).items() if _plain(v)}
+        return out
+
+    def check(self) -> dict[str, Any]:
+        if self.connector is not None:
+            self.connector.check_invariants()
+        return {"checked": self.connector is not None}
+
+
+def _plain(value: object) -> bool:
+    return isinstance(value, int | float | str | bool) or value is None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--reply-fd", type=int, required=True)
+    parser.add_argument("--ec", default=None, help="ec_transfer_config as JSON")
+    args = parser.parse_args()
+    reply = os.fdopen(args.reply_fd, "w", buffering=1)
+    ec = json.loads(args.ec) if args.ec else None
+    try:
+        engine = Engine(args.model, ec)
+    except BaseException:
+        traceback.print_exc()
+        reply.write(json.dumps({"ok": False, "error": traceback.format_exc()}) + "\n")
+        return 1
+    reply.write(json.dumps({"ok": True, "ready": True, **engine.stats()}) + "\n")
+    for line in sys.stdin:
+        command = json.loads(line)
+        op = command.pop("op")
+        try:
+            if op == "quit":
+                if engine.connector is not None:
+                    engine.connector.shutdown()
+                reply.write(json.dumps({"ok": True}) + "\n")
+                return 0
+            result = getattr(engine, op)(**command)
+            reply.write(json.dumps({"ok": True, **result}) + "\n")
+        except Exception:
+            traceback.print_exc()
+            reply.write(json.dumps({"ok": False, "error": traceback.format_exc()}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
