@@ -11,7 +11,7 @@ Requests come as JSON lines on stdin, answers go as JSON lines to the file descr
 Operations: ``generate`` (prompts of words and image numbers, greedy), ``stats``, ``check``
 (the connector's ``check_invariants``), ``quit``.
 
-    python -m tests.engine.host --model DIR --reply-fd N [--ec JSON]
+    python -m tests.engine.host --model DIR --reply-fd N [--ec JSON] [--engine-args JSON]
 """
 
 from __future__ import annotations
@@ -36,10 +36,14 @@ MAX_MODEL_LEN = 256
 class Engine:
     """The engine and its counters."""
 
-    def __init__(self, model: str, ec: dict[str, Any] | None) -> None:
+    def __init__(self, model: str, ec: dict[str, Any] | None, overrides: dict[str, Any]) -> None:
         from vllm import LLM
 
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {
+            "max_num_seqs": 32,
+            "max_num_batched_tokens": 2048,
+            **overrides,
+        }
         if ec is not None:
             kwargs["ec_transfer_config"] = ec
         self.llm = LLM(
@@ -50,8 +54,6 @@ class Engine:
             dtype="float32",
             enforce_eager=True,
             max_model_len=MAX_MODEL_LEN,
-            max_num_seqs=32,
-            max_num_batched_tokens=2048,
             seed=0,
             limit_mm_per_prompt={"image": 2},
             disable_log_stats=True,
@@ -128,11 +130,12 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--reply-fd", type=int, required=True)
     parser.add_argument("--ec", default=None, help="ec_transfer_config as JSON")
+    parser.add_argument("--engine-args", default="{}", help="more arguments of LLM, as JSON")
     args = parser.parse_args()
     reply = os.fdopen(args.reply_fd, "w", buffering=1)
     ec = json.loads(args.ec) if args.ec else None
     try:
-        engine = Engine(args.model, ec)
+        engine = Engine(args.model, ec, json.loads(args.engine_args))
     except BaseException:
         traceback.print_exc()
         reply.write(json.dumps({"ok": False, "error": traceback.format_exc()}) + "\n")
