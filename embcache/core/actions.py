@@ -46,6 +46,8 @@ from embcache.core.policy import LruPolicy, Policy
 from embcache.core.stats import CacheStats, snapshot
 from embcache.errors import InvariantError
 
+MAX_SHAPES = 4096  # distinct item shapes interned at once (entries share one tuple per shape)
+
 
 class Actions:
     """All cache state and the DESIGN actions over it. Not thread-safe: the driver locks."""
@@ -71,7 +73,7 @@ class Actions:
         self._seq = 0
         self._entries: dict[str, Entry] = {}
         self._pinned_since: dict[str, float] = {}  # pinned keys -> when the first pin came
-        self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct shape
+        self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # interned: <= MAX_SHAPES
         self._policy: Policy = LruPolicy() if policy is None else policy
         self._order = self._policy.order()  # the evictable keys, first victim first
         # The policy's record of each looked-up key; None when it records nothing (lru).
@@ -186,7 +188,11 @@ class Actions:
         offset = self._allocate(item.key, size)
         if isinstance(offset, Reason):
             return self._alloc_failed(rs, item, offset)
-        shape = self._shapes.setdefault(item.shape, item.shape)
+        shape = self._shapes.get(item.shape)
+        if shape is None:  # intern it; a full table starts afresh (MAX_SHAPES bounds it)
+            if len(self._shapes) >= MAX_SHAPES:
+                self._shapes.clear()
+            shape = self._shapes[item.shape] = item.shape
         entry = Entry(item.key, shape, item.dtype, offset, size, waiters=frozenset({rs.request_id}))
         entry.filler = None if from_store else rs.request_id
         self._entries[item.key] = entry

@@ -247,7 +247,9 @@ class ControllerBase:
         return found
 
     def get_stats(self) -> dict[str, Any]:
-        """SGLang's keys where embcache has the same number, and the whole snapshot."""
+        """SGLang's keys where embcache has the same number, the whole snapshot, and the size
+        of each container of the pin accounting (``holds``: empty once every prefetch is read
+        and every staged store waited for)."""
         stats = self.cache.stats()
         mib = 1 << 20
         return {
@@ -260,6 +262,7 @@ class ControllerBase:
             "free_mb": stats.free_bytes / mib,
             "total_mb": stats.capacity_bytes / mib,
             "embcache": dataclasses.asdict(stats),
+            "holds": self._holds.sizes(),
         }
 
     # ------------------------------------------------------------------ helpers

@@ -118,6 +118,18 @@ class Holds:
             self._live[prefetch] = deadline
             return [] if old is None else self._close(old)
 
+    def sizes(self) -> dict[str, int]:
+        """How many entries each container holds now (the memory bounds: all empty once
+        every prefetch is read or expired and every staged store claimed). O(1)."""
+        with self._lock:
+            return {
+                "running": len(self._running),
+                "tickets": len(self._tickets),
+                "readers": len(self._readers),
+                "backing": len(self._backing),
+                "live": len(self._live),
+            }
+
     def running(self, req_id: str) -> Prefetch | None:
         """The unfinished prefetch of ``req_id``, if any."""
         with self._lock:

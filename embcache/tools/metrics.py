@@ -96,12 +96,17 @@ class CacheMetrics:
     ``add(name, cache)`` watches a cache (``name`` is its ``cache`` label). Register the
     collector with a ``prometheus_client.CollectorRegistry`` (or the default ``REGISTRY``) and
     serve that (``serve``). Latencies may be observed under a name before its cache is added.
-    Thread-safe.
+    The latency histograms keep at most ``MAX_LABEL_PAIRS`` distinct (cache, modality) pairs:
+    one more raises ``InvalidArgumentError`` and records nothing, so no label set grows
+    without bound. Thread-safe.
     """
+
+    MAX_LABEL_PAIRS = 64
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._caches: dict[str, EmbeddingCache] = {}
+        self._pairs: set[tuple[str, str]] = set()  # (cache, modality) series of the histograms
         labels = ("cache", "modality")
         self._load = Histogram(
             "embcache_load_seconds",
@@ -135,16 +140,26 @@ class CacheMetrics:
     def observe_load(self, cache: str, seconds: float, modality: str = "image") -> None:
         """Record one load's latency for cache ``cache``. O(buckets)."""
         seconds = _check_seconds(seconds)  # before .labels(), which adds a series
-        self._load.labels(_check_name("cache", cache), _check_name("modality", modality)).observe(
-            seconds
-        )
+        self._load.labels(*self._pair(cache, modality)).observe(seconds)
 
     def observe_insert(self, cache: str, seconds: float, modality: str = "image") -> None:
         """Record one insert call's latency for cache ``cache``. O(buckets)."""
         seconds = _check_seconds(seconds)  # before .labels(), which adds a series
-        self._insert.labels(_check_name("cache", cache), _check_name("modality", modality)).observe(
-            seconds
-        )
+        self._insert.labels(*self._pair(cache, modality)).observe(seconds)
+
+    def _pair(self, cache: str, modality: str) -> tuple[str, str]:
+        """The checked label pair; a new one only while fewer than MAX_LABEL_PAIRS exist."""
+        pair = (_check_name("cache", cache), _check_name("modality", modality))
+        with self._lock:
+            if pair not in self._pairs:
+                if len(self._pairs) >= self.MAX_LABEL_PAIRS:
+                    raise InvalidArgumentError(
+                        f"latency histograms already hold {self.MAX_LABEL_PAIRS} (cache, modality)"
+                        f" label pairs; {pair} would be one more: use a fixed set of cache and"
+                        " modality names"
+                    )
+                self._pairs.add(pair)
+        return pair
 
     def describe(self) -> Iterable[Metric]:
         """Nothing: the registry then takes no snapshot at registration (see ``collect``)."""

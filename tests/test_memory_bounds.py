@@ -1,0 +1,186 @@
+"""Memory bounds (embcache/DESIGN.md, "Memory bounds"): each container that grows with keys,
+requests or time stays at its stated bound when a test drives far past it.
+
+Private names read here (each the container a bound is about, with no public count):
+``cache._core._shapes`` (the interned shapes), ``cache._wakeups`` (wake-ups of open
+requests), ``cache._outbox._waiting`` (trace batches not yet delivered).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+
+from embcache import EmbeddingCache, InvalidArgumentError, Item, Status
+from embcache.core import actions
+from embcache.core.actions import MAX_SHAPES
+from embcache.testing import Fault, FaultInjectingStore
+from embcache.trace import TraceLog
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MIB = 1 << 20
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * PAGE
+
+
+def push_distinct_images(cache: EmbeddingCache, count: int, start: int, nbytes: int) -> None:
+    """``count`` requests, each inserting one new distinct image of ``nbytes`` (fresh bytes)."""
+    for i in range(start, start + count):
+        key = f"img-{i}"
+        with cache.request(f"r{i}") as request:
+            assert request.lookup([Item(key, (nbytes,), torch.uint8)])[0].status is Status.MISS
+            request.insert([key], [torch.full((nbytes,), i % 251, dtype=torch.uint8)])
+
+
+def growth_while_pushing(cache: EmbeddingCache, pool: int, nbytes: int) -> tuple[int, int]:
+    """RSS and traced-heap growth while 10x the pool passes, after a warm-up of 2x."""
+    per_pool = pool // nbytes
+    push_distinct_images(cache, 2 * per_pool, 0, nbytes)  # warm-up: full, evicting
+    gc.collect()
+    tracemalloc.start()
+    try:
+        rss0, heap0 = rss(), tracemalloc.get_traced_memory()[0]
+        push_distinct_images(cache, 10 * per_pool, 2 * per_pool, nbytes)
+        gc.collect()
+        return rss() - rss0, tracemalloc.get_traced_memory()[0] - heap0
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_readme_cache_holds_at_most_its_pool_however_many_images_pass() -> None:
+    """``EmbeddingCache(pool_bytes)`` as the README's first example: 10x the pool of distinct
+    images pass and neither the process nor Python's heap grows by a fraction of a pool."""
+    pool, nbytes = 4 * MIB, 64 << 10
+    with EmbeddingCache(pool, pin_memory=False) as cache:
+        assert cache.store is None
+        grew, heap = growth_while_pushing(cache, pool, nbytes)
+        stats = cache.stats()
+    assert stats.allocated_bytes <= pool and stats.evictions >= 10 * (pool // nbytes)
+    assert grew < pool // 4, f"RSS grew by {grew / MIB:.1f} MiB while 40 MiB passed"
+    assert heap < 256 << 10, f"the Python heap grew by {heap >> 10} KiB"
+
+
+def test_the_growth_measure_catches_a_store_that_keeps_everything() -> None:
+    """The same run with a store that keeps every publish (the old default): the measure above
+    sees it, so the bound test is not one that cannot fail."""
+    pool, nbytes = 4 * MIB, 64 << 10
+    store = FaultInjectingStore()
+    with EmbeddingCache(pool, store=store, pin_memory=False) as cache:
+        grew, heap = growth_while_pushing(cache, pool, nbytes)
+    store.close()
+    assert grew >= pool // 4 or heap >= 256 << 10, (grew, heap)
+
+
+def test_interned_shapes_stay_at_their_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """10x the bound of distinct shapes pass: the interning table never holds more (the bound
+    shrunk to 64 for the test, as sortedcontainers' tests shrink their load factor)."""
+    assert MAX_SHAPES == 4096
+    monkeypatch.setattr(actions, "MAX_SHAPES", 64)
+    with EmbeddingCache(1 << 16, pin_memory=False) as cache:
+        most = 0
+        for i in range(10 * 64):
+            key = f"k{i}"
+            with cache.request(f"r{i}") as request:
+                request.lookup([Item(key, (1, 1 + i), torch.uint8)])
+                request.insert([key], [torch.zeros((1, 1 + i), dtype=torch.uint8)])
+            most = max(most, len(cache._core._shapes))
+        cache.check_invariants()
+    assert most == 64
+
+
+def test_wakeups_fences_and_trace_batches_empty_when_requests_close() -> None:
+    """Requests that waited on loads, fences and traced steps: once every request closes and
+    every fence returns, no wake-up, fence snapshot or undelivered trace batch is left."""
+    store, trace = FaultInjectingStore(), TraceLog()
+    payload = torch.arange(64, dtype=torch.float32)
+    for i in range(300):
+        store.put_object(f"s{i}", payload.numpy().tobytes())
+        if i % 3 == 0:
+            store.inject(f"s{i}", Fault.UNKNOWN)  # quarantined, freed by a fence
+    with EmbeddingCache(32 * 256, store=store, pin_memory=False, trace=trace) as cache:
+        for i in range(300):
+            with cache.request(f"r{i}") as request:
+                request.lookup([Item(f"s{i}", (64,), torch.float32)])
+                assert request.wait(timeout=10)
+            if i % 50 == 49:
+                cache.fence()
+        cache.fence()
+        assert cache.stats().open_requests == 0
+        assert len(cache._wakeups._by_rs) == 0
+        assert cache._core.fences_in_flight == 0
+        assert not cache._outbox._waiting  # type: ignore[union-attr]
+        cache.check_invariants()
+    assert len(trace.events) > 300
+    store.close()
+
+
+def test_metrics_label_pairs_are_bounded() -> None:
+    """The 65th (cache, modality) pair is refused with a clear error and records nothing."""
+    pytest.importorskip("prometheus_client")
+    from embcache.tools.metrics import CacheMetrics
+
+    metrics = CacheMetrics()
+    for i in range(CacheMetrics.MAX_LABEL_PAIRS):
+        metrics.observe_load("c", 0.01, modality=f"m{i}")
+    metrics.observe_insert("c", 0.01, modality="m0")  # a pair already there: fine
+    with pytest.raises(InvalidArgumentError, match=r"already hold 64 .cache, modality. label"):
+        metrics.observe_insert("c", 0.01, modality="one-too-many")
+    series = {
+        sample.labels.get("modality")
+        for family in metrics.collect()
+        for sample in family.samples
+        if sample.name.startswith(("embcache_load", "embcache_insert"))
+    }
+    assert "one-too-many" not in series and len(series - {None}) == 64
+
+
+def _soak(*front_ends: str) -> dict[str, object]:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.soak_memory", "--quick", "--json", "--front-end",
+         *front_ends],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    out: dict[str, object] = json.loads(done.stdout)
+    return out
+
+
+def test_memory_soak_cache_and_pipeline_quick() -> None:
+    """benchmarks/soak_memory.py --quick: 20,000 distinct items through a 0.25 MiB pool, RSS
+    growth < 5% and the heap flat after the warm-up, no request left open."""
+    out = _soak("cache", "pipeline")
+    rows = out["rows"]
+    assert isinstance(rows, list) and [r["front_end"] for r in rows] == ["cache", "pipeline"]
+    for row in rows:
+        assert row["rss_growth_pct"] < 5 and row["heap_growth_kib"] <= 256, row
+        assert row["containers"]["open_requests"] == 0, row
+        assert row["containers"]["entries"] <= out["pool_bytes"] // 256, row
+
+
+@pytest.mark.mooncake
+def test_memory_soak_sglang_adapter_quick() -> None:
+    """The SGLang adapter through MMEncoder's sequence on a real master: flat, holds empty."""
+    pytest.importorskip("mooncake.store")
+    from embcache.store.mooncake_master import find_master_binary
+
+    if find_master_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("mooncake_master must be installed in CI")
+        pytest.skip("mooncake_master is not on PATH")
+    out = _soak("sglang")
+    (row,) = out["rows"]  # type: ignore[misc]
+    assert row["rss_growth_pct"] < 5 and row["heap_growth_kib"] <= 256, row
+    holds = {k: v for k, v in row["containers"].items() if k.startswith("holds_")}
+    assert holds and not any(holds.values()), row
