@@ -2,7 +2,7 @@
 
 Each run is ``embcache.tools.demo.run_demo`` with its default workload (a catalogue of synthetic
 images of mixed sizes, requests of 1-4 images with Zipf popularity, through ``EncodePipeline``
-with ``TinyViT`` as the encoder, an in-process store that fails 2% of reads on purpose, a pool
+with ``TinyViT`` as the encoder, no global tier (the demo's default store ``none``), a pool
 small enough that eviction matters), only ``concurrency`` (the client threads) changing. Every
 run starts from a fresh cache and must end leak-free with no errors. The baseline of each row
 is the one-thread run of the same suite: the ratio is the scaling (the machine's cores and the

@@ -362,7 +362,7 @@ class PipelineServer(Contender):
     ) -> None:
         super().__init__(encoder)
         self.name = f"embcache pipeline {policy}"
-        self.cache = EmbeddingCache(pool_bytes, store=store or NullGlobalStore(), policy=policy)
+        self.cache = EmbeddingCache(pool_bytes, store=store, policy=policy)  # None: no tier
         self.pipeline = EncodePipeline(self.cache, encoder)
 
     def _serve(self, request_id: str, images: Sequence[Image], lane: Lane) -> torch.Tensor:
