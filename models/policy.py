@@ -1,7 +1,9 @@
 """Reference models of ``embcache.core.policy``: lists and plain loops, each line obviously right.
 
-The eviction order is a list (oldest first); counts are a dict rebuilt by comprehension; the
-running mean of the shift detector is recomputed from the list of block means every time.
+The eviction order is a list (oldest first); counts are a count-min sketch kept as a list of
+rows of ints, each key's counter in row ``r`` at ``(hash + r * step) % width``; the running mean
+of the shift detector is recomputed from the list of block means every time; ghosts are a list,
+oldest first.
 """
 
 from __future__ import annotations
@@ -58,6 +60,43 @@ class ModelLru:
         return 0
 
 
+DEPTH = 4
+
+
+class ModelSketch:
+    """``DEPTH`` rows of ``width`` counters; a key's estimate is the least of its counters."""
+
+    def __init__(self, max_count: int) -> None:
+        self.max_count = max_count
+        self.rows: list[list[int]] = [[0] for _ in range(DEPTH)]
+
+    def columns(self, key: str) -> list[int]:
+        width = len(self.rows[0])
+        start = hash(key) % width
+        step = (hash(key) >> 32) % width // 2 * 2 + 1  # odd
+        return [(start + r * step) % width for r in range(DEPTH)]
+
+    def estimate(self, key: str) -> int:
+        return min(row[c] for row, c in zip(self.rows, self.columns(key), strict=True))
+
+    def add(self, key: str) -> None:
+        """Conservative update: no counter of the key ends below its new estimate."""
+        after = min(self.estimate(key) + 1, self.max_count)
+        for row, c in zip(self.rows, self.columns(key), strict=True):
+            row[c] = max(row[c], after)
+
+    def halve(self) -> None:
+        self.rows = [[c // 2 for c in row] for row in self.rows]
+
+    def clear(self) -> None:
+        self.rows = [[0] * len(row) for row in self.rows]
+
+    def grow(self, width: int) -> None:
+        """Double every row (each repeated) until it has at least ``width`` counters."""
+        while len(self.rows[0]) < width:
+            self.rows = [row + row for row in self.rows]
+
+
 class ModelTinyLfu:
     """TinyLFU as its docstring says it, step by step."""
 
@@ -78,12 +117,20 @@ class ModelTinyLfu:
         self.shift_block = shift_block
         self.shift_drop = shift_drop
         self.resident: set[str] = set()  # keys ever added to the order, not forgotten since
-        self.counts: dict[str, int] = {}
+        self.sketch = ModelSketch(max_count)
         self.start_sample()
 
+    def entries(self) -> int:
+        return max(len(self.resident), self.min_entries)
+
     def start_sample(self) -> None:
-        """A new sample of lookups: its size from today's residents, no blocks yet."""
-        self.sample = self.sample_factor * max(len(self.resident), self.min_entries)
+        """A new sample of lookups: its size from today's residents, no blocks yet; the
+        sketch's rows at least 4 x as long as the sample (a power of two)."""
+        self.sample = self.sample_factor * self.entries()
+        width = 1
+        while width < 4 * self.sample:
+            width *= 2
+        self.sketch.grow(width)
         self.lookups = 0
         self.block: list[int] = []  # the counts that the block's keys had when looked up
         self.block_means: list[float] = []  # of the blocks ended since the sample started
@@ -92,14 +139,14 @@ class ModelTinyLfu:
         return ModelOrder(self.resident)
 
     def estimate(self, key: str) -> int:
-        return self.counts.get(key, 0)
+        return self.sketch.estimate(key)
 
     def record(self, key: str) -> None:
         before = self.estimate(key)
-        self.counts[key] = min(before + 1, self.max_count)
+        self.sketch.add(key)
         self.lookups += 1
         if self.lookups == self.sample:
-            self.counts = {k: c // 2 for k, c in self.counts.items() if c // 2 > 0}
+            self.sketch.halve()
             self.start_sample()
             return
         if self.shift_drop == 0:
@@ -110,7 +157,7 @@ class ModelTinyLfu:
         mean = sum(self.block) / len(self.block)
         self.block = []
         if self.block_means and mean < self.shift_drop * self.running_mean():
-            self.counts = {}
+            self.sketch.clear()
             self.start_sample()
         else:
             self.block_means.append(mean)
@@ -131,8 +178,10 @@ class ModelTinyLfu:
 class ModelAdaptive(ModelTinyLfu):
     """The adaptive policy as its docstring says it: TinyLFU's counts and filter; a refused
     candidate is admitted when ``window`` x the bytes refused since the last such admission
-    (minus the bytes that admission spent) reach its bytes; regrets are a list of
-    (key, last lookup, bytes, side), searched newest first and pruned once per period."""
+    (minus the bytes that admission spent) reach its bytes; ghosts are a list of
+    (key, last lookup, bytes, side), one per key (a new one replaces the key's old one), the
+    oldest dropped beyond 2 x (horizon + 1) x max(resident, min_entries), pruned once per
+    period."""
 
     name = "adaptive"
 
@@ -164,7 +213,7 @@ class ModelAdaptive(ModelTinyLfu):
         self.now += 1
         mine = [g for g in self.ghosts if g[0] == key]
         if mine:
-            _, last, nbytes, refused = mine[-1]
+            _, last, nbytes, refused = mine[0]
             self.ghosts = [g for g in self.ghosts if g[0] != key]
             if last >= self.now:
                 self.regrets.append((refused, nbytes))
@@ -188,22 +237,27 @@ class ModelAdaptive(ModelTinyLfu):
                 self.window = max(self.window - self.step, self.low)
         self.decided, self.regrets = [], []
         self.ghosts = [g for g in self.ghosts if g[1] >= self.now]
-        self.period = max(len(self.resident), self.min_entries)
+        self.period = self.entries()
 
     def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
         if super().admit(key, nbytes, victims):
             return True
         self.credit += self.window * nbytes
-        last = self.now + self.horizon * max(len(self.resident), self.min_entries)
+        last = self.now + self.horizon * self.entries()
         if self.credit < nbytes:
             self.decided.append((True, nbytes))
-            self.ghosts.append((key, last, nbytes, True))
+            self.haunt((key, last, nbytes, True))
             return False
         self.credit -= nbytes
         self.decided.append((False, nbytes))
         for victim in victims:
-            self.ghosts.append((victim, last, nbytes / len(victims), False))
+            self.haunt((victim, last, nbytes / len(victims), False))
         return True
+
+    def haunt(self, ghost: tuple[str, int, float, bool]) -> None:
+        self.ghosts = [g for g in self.ghosts if g[0] != ghost[0]] + [ghost]
+        while len(self.ghosts) > 2 * (self.horizon + 1) * self.entries():
+            self.ghosts.pop(0)
 
 
 MODELS = {"lru": ModelLru, "tinylfu": ModelTinyLfu, "adaptive": ModelAdaptive}

@@ -1,10 +1,12 @@
 """Eviction orders and admission policies: each against its reference model, LRU against the
-seed's OrderedDict, the TinyLFU filter's aging on a drifting mix, bad knobs, and the benchmark's
-simulation against the real cache."""
+seed's OrderedDict, the TinyLFU filter's aging on a drifting mix, the frequency sketch, memory
+that stays at its bound however many keys pass, bad knobs, and the benchmark's simulation
+against the real cache."""
 
 from __future__ import annotations
 
 import re
+import tracemalloc
 from collections import OrderedDict
 from typing import Any
 
@@ -12,7 +14,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embcache.core.policy import AdaptivePolicy, LruPolicy, Policy, TinyLfuPolicy, make_policy
+from embcache.core.cache_core import CacheCore
+from embcache.core.outcomes import Status, TransferOutcome
+from embcache.core.policy import (
+    DEPTH,
+    AdaptivePolicy,
+    FrequencySketch,
+    LruPolicy,
+    Policy,
+    TinyLfuPolicy,
+    make_policy,
+)
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 from models.policy import MODELS
 
@@ -95,6 +107,24 @@ def test_adaptive_matches_its_model(
     knobs: dict[str, Any], window: dict[str, Any], ops: list[tuple[Any, ...]]
 ) -> None:
     drive("adaptive", {**knobs, **window, "low": 0.0, "high": 1.0}, ops)
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("record"), KEYS),
+            st.tuples(st.just("admit"), KEYS, st.just(1), st.integers(1, 9)),
+        ),
+        max_size=100,
+    )
+)
+def test_adaptive_matches_its_model_past_its_ghost_bound(ops: list[tuple[Any, ...]]) -> None:
+    """One resident entry, looked up often: most admissions are refused, and the ghosts
+    (bounded at 2 x (1 + 1) x 1) overflow, so the oldest are dropped, as the model drops them."""
+    knobs = {"min_entries": 1, "shift_drop": 0, "sample_factor": 8, "window": 0.3, "step": 0.25}
+    drive(
+        "adaptive", {**knobs, "low": 0.0, "high": 1.0}, [("add", "a"), *[("record", "a")] * 3, *ops]
+    )
 
 
 def test_adaptive_admits_a_window_share_of_the_refused_bytes() -> None:
@@ -307,6 +337,134 @@ def test_tinylfu_detector_stays_quiet_on_a_steady_mix() -> None:
     assert policy.shifts == 0 and policy.halvings > 0
 
 
+@given(
+    st.lists(st.tuples(st.text(max_size=3), st.integers(1, 20)), max_size=30),
+    st.integers(0, 4),
+    st.integers(0, 6),
+)
+def test_sketch_growth_keeps_every_estimate(
+    counts: list[tuple[str, int]], start: int, more: int
+) -> None:
+    """Doubling the width repeats each row: every key's counters keep their values, so every
+    estimate (collisions included) is what it was; halving and clearing then act on all."""
+    sketch = FrequencySketch(1 << start, 15)
+    for key, times in counts:
+        for _ in range(times):
+            sketch.add(key)
+    keys = [key for key, _ in counts]
+    before = [sketch.estimate(key) for key in keys]
+    sketch.grow(1 << (start + more))
+    assert sketch.width == 1 << (start + more) and sketch.nbytes == DEPTH << (start + more)
+    assert [sketch.estimate(key) for key in keys] == before
+    sketch.grow(1)  # never shrinks
+    assert sketch.width == 1 << (start + more)
+    sketch.halve()
+    assert [sketch.estimate(key) for key in keys] == [count // 2 for count in before]
+    sketch.clear()
+    assert not any(map(any, sketch.rows))
+
+
+def test_sketch_counts_exactly_without_collisions_and_saturates() -> None:
+    """Conservative update: the estimate before each add, the add, saturation at max_count;
+    a never-seen key in a wide, nearly empty sketch is 0 (no collision in every row)."""
+    sketch = FrequencySketch(1 << 16, 4)
+    assert [sketch.add("a") for _ in range(6)] == [0, 1, 2, 3, 4, 4]
+    assert sketch.estimate("a") == 4 and sketch.estimate("b") == 0
+
+
+@pytest.mark.parametrize("name", ["tinylfu", "adaptive"])
+def test_memory_stays_at_its_bound_however_many_keys_pass(name: str) -> None:
+    """A cache of 16 entries (its sketch: 4 rows of 1024 counters; its ghosts: at most 64).
+    32,000 distinct keys are looked up (31 x the width), and each lookup is followed by ten
+    admissions of distinct keys against the oldest resident, nine of them never looked up (as
+    request-less inserts ask admission without a lookup): 320,000 refusals or window admissions,
+    5000 x the ghost bound, outrunning the periods that prune ghosts. Sketch bytes, resident
+    keys and ghosts never exceed the bound for 16 entries and reach it; over the last 2,000
+    lookups Python's heap (tracemalloc) stays flat."""
+    policy: Any = make_policy(name)
+    order = policy.order()
+    for n in range(16):
+        order.add(f"hot{n}")
+    bound = policy.bound(16)
+    assert bound.sketch_bytes == DEPTH * 1024  # 4 rows x next power of two >= 4 x 10 x 16
+
+    def step(n: int) -> None:
+        policy.record(f"{n:064x}")
+        for key in [f"{n:064x}", *(f"{n:064x}-{j}" for j in range(9))]:
+            victim = next(iter(order))
+            if policy.admit(key, 1 << 20, [victim]):
+                order.discard(victim)
+                policy.forget(victim)
+                order.add(key)
+
+    worst = policy.footprint()
+    for n in range(30_000):
+        step(n)
+        if n % 100 == 0:
+            now = policy.footprint()
+            assert now.within(bound), (n, now, bound)
+            worst = max(worst, now, key=lambda f: (f.ghosts, f.sketch_bytes))
+    assert worst.sketch_bytes == bound.sketch_bytes  # reached, not just respected
+    assert worst.ghosts == (64 if name == "adaptive" else 0)
+    tracemalloc.start()
+    try:
+        for n in range(30_000, 30_200):
+            step(n)
+        warm = tracemalloc.get_traced_memory()[0]
+        for n in range(30_200, 32_000):
+            step(n)
+        end = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert policy.footprint().within(bound)
+    assert end - warm < 32 << 10, (warm, end)
+
+
+def test_the_core_keeps_a_policy_within_its_bound() -> None:
+    """Through the core (lookups that reserve, inserts, evictions, frees), 20,000 distinct keys
+    and a hot set: the policy's resident keys are never more than the entries present, and its
+    footprint stays within the bound for the pool's capacity in entries (capacity // alignment)."""
+    align, units = 256, 8
+    policy: Any = make_policy("adaptive", min_entries=1)
+    core = CacheCore(units * align, align, 4, True, policy=policy)
+    bound = policy.bound(units)
+    for n in range(20_000):
+        rs = core.open_request(f"r{n}")
+        keys = [f"{n:064x}", f"hot{n % 3}"]
+        items = [_Thing(key, align) for key in keys]
+        statuses, _ = core.begin_lookup(rs, items, ask_store=False, reserve=True)
+        reserved = [i for i, s in zip(items, statuses, strict=True) if s.status is Status.RESERVED]
+        fills = core.begin_insert(rs, reserved)
+        core.finish_insert(fills, [TransferOutcome.OK] * len(fills), len(reserved))
+        core.end_request(rs)
+        assert policy.footprint().resident <= len(core.entries) <= units
+        assert policy.footprint().within(bound), n
+    core.check_invariants()
+    assert core.stats(0.0).evictions > 1000
+
+
+class _Thing:
+    """An item as the core sees it (no torch)."""
+
+    def __init__(self, key: str, nbytes: int) -> None:
+        self.key, self.nbytes, self.shape, self.dtype = key, nbytes, (1,), "u8"
+
+
+def test_adaptive_drops_the_oldest_ghost_beyond_its_bound() -> None:
+    """The bound is 2 x (horizon 1 + 1) x 1 entry = 4 ghosts: a fifth refusal drops the oldest,
+    a key refused again becomes the newest; 10,000 refusals and no lookup leave the last 4."""
+    policy = AdaptivePolicy(min_entries=1, window=0.02, step=0.5, shift_drop=0, low=0.02)
+    policy.order()
+    policy.record("hot")
+    for key in ("k0", "k1", "k2", "k3", "k0", "k4"):
+        assert not policy.admit(key, 100, ["hot"])
+    assert list(policy._ghosts) == ["k2", "k3", "k0", "k4"]
+    assert policy.footprint().ghosts == policy.bound(1).ghosts == 4
+    for n in range(10_000):  # admissions with no lookup at all: no period ends to prune
+        policy.admit(f"new{n}", 100, ["hot"])
+    assert list(policy._ghosts) == [f"new{n}" for n in range(9996, 10_000)]
+
+
 @pytest.mark.parametrize("name", ["tinylfu", "adaptive"])
 def test_a_counting_policy_serves_one_cache(name: str) -> None:
     policy = make_policy(name)
@@ -325,6 +483,7 @@ def test_a_counting_policy_serves_one_cache(name: str) -> None:
         ("lru", {"sample_factor": 2}, InvalidArgumentError, "sample_factor"),
         ("tinylfu", {"sample_factor": 0}, InvalidArgumentError, ">= 1, got 0"),
         ("tinylfu", {"max_count": 1.5}, InvalidTypeError, "max_count must be an int, got float"),
+        ("tinylfu", {"max_count": 256}, InvalidArgumentError, "<= 255 (a counter is a byte)"),
         ("tinylfu", {"shift_drop": 1.0}, InvalidArgumentError, "got 1.0"),
         ("tinylfu", {"shift_drop": "0.5"}, InvalidTypeError, "'0.5'"),
         ("tinylfu", {"min_entries": True}, InvalidTypeError, "True"),

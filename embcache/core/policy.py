@@ -19,15 +19,24 @@ Policies (``make_policy(name, **knobs)``):
   is admitted anyway, and that share moves toward the answer (filter or window) that has been
   proving wrong less often, from LRU (share 1) to ``tinylfu`` (share 0).
 
-Design notes on ``tinylfu`` (chosen by measurement, ``benchmarks/bench_policy.py``). Counts are
-exact per key in a dict (0.05 us a count where a 4-row count-min sketch with conservative
-update took 0.37 us in Python; no collisions; the halving drops the keys that fall to 0),
-saturating at 15 as TinyLFU's 4-bit counters do, and halved every ``sample_factor`` x
-(resident entries) lookups, TinyLFU's sample of ten times the cache. That alone follows a
-slow drift but not a sudden one: after the popularity is reshuffled, the stale favourites keep
-high counts for several halvings and the filter refuses the new favourites (on the drifting
-mix it saved 33.2% of encoder tokens where LRU saved 44.2%). Halving faster, or a feedback on
-refusals that later proved wrong (ARC-like), traded the steady mix's gain away for drift.
+Design notes on ``tinylfu`` (chosen by measurement, ``benchmarks/bench_policy.py`` and
+``benchmarks/bench_policy_grid.py``). Counts are a count-min sketch (``FrequencySketch``: 4
+rows of one-byte counters, conservative update, ``hash(key)`` once and the rows' indexes by
+double hashing), saturating at 15 as TinyLFU's 4-bit counters do, and halved every
+``sample_factor`` x (resident entries) lookups, TinyLFU's sample of ten times the cache. Its
+width is the next power of two >= 4 x a sample's lookups, grown (never shrunk) when a sample
+starts, so its memory is a fixed function of the entries the pool holds, never of the keys
+seen (DESIGN.md, "Memory bounds"). Issue 28 replaced exact counts in a dict keyed by every key
+of the sample window: the dict was faster (0.2 us a record against 0.6 us, best of 9 on the
+2-core machine) but kept a key and a count per key seen. Measured on the grid against the
+exact counts: with 4 counters per lookup no cell lost more than 0.11 point (none with two of
+three hash seeds); with 1 or 2 per lookup cells lost up to 1.3 and 0.35 points, and with 2 rows
+of 8 per lookup (0.25 us a record) up to 0.5. Counters take a byte, not a nibble: packing two a
+byte cost 60% more per record for half the bytes. The aging alone follows a slow drift but not
+a sudden one: after the popularity is reshuffled, the stale favourites keep high counts for
+several halvings and the filter refuses the new favourites (on the drifting mix it saved 33.2%
+of encoder tokens where LRU saved 44.2%). Halving faster, or a feedback on refusals that later
+proved wrong (ARC-like), traded the steady mix's gain away for drift.
 So the policy detects the shift itself: it averages the counts of the keys looked up, per
 block of ``shift_block`` lookups; a block whose mean falls below ``shift_drop`` x the running
 mean of earlier blocks means the traffic moved to keys the counts do not know, and every count
@@ -49,7 +58,11 @@ paired signal: the regret of each answer on the same stream, in the same period.
 candidate looked up again within the horizon regrets its bytes against the filter; a victim
 evicted for a window admission looked up again regrets its share against the window. Sizes
 are the candidates' bytes, which ``admit`` is given; victims share their candidate's bytes.
-The share stays within [0.02, 0.98] so that both answers keep being measured.
+The share stays within [0.02, 0.98] so that both answers keep being measured. Ghosts (the keys
+whose regret is pending) are pruned once per period, and bounded at 2 x (horizon + 1) x
+max(resident, ``min_entries``), the oldest dropped (issue 28): admissions asked with no lookup
+(request-less inserts) end no period. On the grid they peak below 1.4 per resident entry, so
+the bound never drops one there.
 """
 
 from __future__ import annotations
@@ -57,6 +70,7 @@ from __future__ import annotations
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from embcache.errors import InvalidArgumentError, InvalidTypeError
@@ -173,20 +187,133 @@ def _range_knob(name: str, value: object, top: float) -> float:
     return float(value)
 
 
+DEPTH = 4  # rows of the frequency sketch
+HALF = bytes(count >> 1 for count in range(256))  # bytearray.translate: every counter halved
+MAX_COUNTER = 255  # a counter is one byte
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a policy keeps per key: bytes of sketch, resident keys, ghosts (DESIGN.md,
+    "Memory bounds"). ``within(bound)``: no field above ``bound``'s."""
+
+    sketch_bytes: int
+    resident: int
+    ghosts: int = 0
+
+    def within(self, bound: Footprint) -> bool:
+        """Every field at most ``bound``'s."""
+        return (
+            self.sketch_bytes <= bound.sketch_bytes
+            and self.resident <= bound.resident
+            and self.ghosts <= bound.ghosts
+        )
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class FrequencySketch:
+    """A count-min sketch of recent lookups: ``DEPTH`` rows of ``width`` one-byte counters
+    (``width`` a power of two), saturating at ``max_count``, with conservative update.
+
+    ``hash(key)`` is taken once; row ``r`` counts the key at ``(a + r * b) & (width - 1)``, with
+    ``a`` its low bits and ``b`` (odd) its bits from 32 up (double hashing, Kirsch and
+    Mitzenmacher). An estimate is the smallest of the key's ``DEPTH`` counters: never below the
+    key's true count (saturated, halved), above it only when every row collides. Collisions,
+    hence a few answers at the margin, depend on the interpreter's hash seed (PYTHONHASHSEED).
+    ``grow`` doubles the width by repeating every row, which leaves every estimate unchanged
+    (the new index of a key is its old one or that plus the old width). Memory: ``DEPTH`` x
+    ``width`` bytes, nothing per key.
+    """
+
+    __slots__ = ("mask", "max_count", "rows")
+
+    def __init__(self, width: int, max_count: int) -> None:
+        self.rows = tuple(bytearray(width) for _ in range(DEPTH))
+        self.mask = width - 1
+        self.max_count = max_count
+
+    @property
+    def width(self) -> int:
+        """Counters per row."""
+        return self.mask + 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of counters (the sketch's whole per-key memory)."""
+        return DEPTH * self.width
+
+    def estimate(self, key: str) -> int:
+        """Recent lookups of ``key`` (saturating, halved with the sketch). O(1)."""
+        h, mask = hash(key), self.mask
+        a, b = h & mask, ((h >> 32) & mask) | 1
+        return min(row[(a + r * b) & mask] for r, row in enumerate(self.rows))
+
+    def add(self, key: str) -> int:
+        """Count one lookup of ``key``: raise those of its counters that hold its estimate (the
+        smallest), unless saturated; the estimate before. O(1), no loop: runs on every lookup."""
+        h, mask = hash(key), self.mask
+        i0 = h & mask
+        b = ((h >> 32) & mask) | 1
+        i1 = (i0 + b) & mask
+        i2 = (i1 + b) & mask
+        i3 = (i2 + b) & mask
+        r0, r1, r2, r3 = self.rows
+        c0, c1, c2, c3 = r0[i0], r1[i1], r2[i2], r3[i3]
+        before = c0 if c0 < c1 else c1
+        if c2 < before:
+            before = c2
+        if c3 < before:
+            before = c3
+        if before < self.max_count:
+            after = before + 1
+            if c0 == before:
+                r0[i0] = after
+            if c1 == before:
+                r1[i1] = after
+            if c2 == before:
+                r2[i2] = after
+            if c3 == before:
+                r3[i3] = after
+        return before
+
+    def halve(self) -> None:
+        """Every counter halved (rounded down), in C. O(width)."""
+        for row in self.rows:
+            row[:] = row.translate(HALF)
+
+    def clear(self) -> None:
+        """Every counter 0. O(width)."""
+        for row in self.rows:
+            row[:] = bytes(len(row))
+
+    def grow(self, width: int) -> None:
+        """At least ``width`` counters a row (a power of two); never shrinks. O(new width)."""
+        while self.mask + 1 < width:
+            for row in self.rows:
+                row.extend(row)
+            self.mask = 2 * self.mask + 1
+
+
 class TinyLfuPolicy:
     """Recency order with a TinyLFU admission filter that follows a drifting mix.
 
     Knobs: ``sample_factor`` (counts halve every ``sample_factor`` x max(resident entries,
-    ``min_entries``) lookups), ``max_count`` (counts saturate there), ``shift_block`` and
-    ``shift_drop`` (every count is cleared when the mean count of a block of ``shift_block``
-    looked-up keys falls below ``shift_drop`` x the running mean of the blocks before; 0
-    turns this off). ``record`` is O(1) amortised (a halving is O(keys counted), once per
-    sample); ``admit`` O(victims).
+    ``min_entries``) lookups), ``max_count`` (counts saturate there, at most 255),
+    ``shift_block`` and ``shift_drop`` (every count is cleared when the mean count of a block
+    of ``shift_block`` looked-up keys falls below ``shift_drop`` x the running mean of the
+    blocks before; 0 turns this off). Counts are a ``FrequencySketch`` whose width is, from
+    the start of each sample, at least the next power of two >= ``COUNTERS_PER_LOOKUP`` x the
+    sample's lookups (it grows, never shrinks). ``record`` O(1) amortised (a halving is
+    O(width), once per sample); ``admit`` O(victims).
     """
 
     name = "tinylfu"
     records_lookups = True
     SMOOTHING = 0.3  # weight of the newest block in the running mean
+    COUNTERS_PER_LOOKUP = 4  # sketch width per lookup of a sample (2: -0.35 point on a cell)
 
     def __init__(
         self,
@@ -199,17 +326,20 @@ class TinyLfuPolicy:
         self._sample_factor = _int_knob("sample_factor", sample_factor)
         self._min_entries = _int_knob("min_entries", min_entries)
         self._max_count = _int_knob("max_count", max_count)
+        if max_count > MAX_COUNTER:
+            raise InvalidArgumentError(
+                f"max_count must be <= {MAX_COUNTER} (a counter is a byte), got {max_count}"
+            )
         self._shift_block = _int_knob("shift_block", shift_block)
         self._shift_drop = _fraction_knob("shift_drop", shift_drop)
         self._resident: set[str] = set()
         self._has_order = False
-        self._counts: dict[str, int] = {}
-        self._samples = 0
-        self._sample = self._sample_size()
+        self._sketch = FrequencySketch(1, max_count)
         self._block_lookups = 0
         self._block_sum = 0
         self._running_mean: float | None = None
-        self._span = self._left = 0
+        self._span = self._left = self._samples = self._sample = 0
+        self._start_sample()
         self._schedule()
         self.halvings = 0
         self.shifts = 0
@@ -227,17 +357,18 @@ class TinyLfuPolicy:
         self._has_order = True
         return _ResidentOrder(self._resident)
 
+    @property
+    def sketch(self) -> FrequencySketch:
+        """The counts (read it, do not change it)."""
+        return self._sketch
+
     def estimate(self, key: str) -> int:
         """Recent lookups of ``key`` (saturating, halved once per sample). O(1)."""
-        return self._counts.get(key, 0)
+        return self._sketch.estimate(key)
 
     def record(self, key: str) -> None:
         """Count one lookup of ``key``; age the counts when a sample is full or a shift shows."""
-        counts = self._counts
-        count = counts.get(key, 0)
-        if count < self._max_count:
-            counts[key] = count + 1
-        self._block_sum += count
+        self._block_sum += self._sketch.add(key)
         self._left -= 1
         if not self._left:
             self._tick()
@@ -261,21 +392,39 @@ class TinyLfuPolicy:
 
     def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
         """True iff ``key`` was looked up more often than each of ``victims``. O(victims)."""
-        counts = self._counts
-        count = counts.get(key, 0)
-        return all(count > counts.get(victim, 0) for victim in victims)
+        estimate = self._sketch.estimate
+        count = estimate(key)
+        return all(count > estimate(victim) for victim in victims)
 
     def forget(self, key: str) -> None:
         """``key`` is no longer resident."""
         self._resident.discard(key)
 
-    def _sample_size(self) -> int:
-        return self._sample_factor * max(len(self._resident), self._min_entries)
+    def footprint(self) -> Footprint:
+        """What this policy keeps now. O(1)."""
+        return Footprint(self._sketch.nbytes, len(self._resident))
+
+    def bound(self, entries: int) -> Footprint:
+        """The most ``footprint()`` reaches in a cache that holds at most ``entries`` entries
+        (a pool of ``capacity`` bytes holds at most ``capacity // alignment``): the resident
+        keys are entries, and the sketch is as wide as the widest sample asks. O(1)."""
+        sample = self._sample_factor * max(entries, self._min_entries)
+        return Footprint(DEPTH * _next_power_of_two(self.COUNTERS_PER_LOOKUP * sample), entries)
+
+    def _entries(self) -> int:
+        """The resident entries, or ``min_entries`` if more: what samples and bounds scale by."""
+        return max(len(self._resident), self._min_entries)
+
+    def _start_sample(self) -> None:
+        """A new sample, sized by today's residents; the sketch at least
+        ``COUNTERS_PER_LOOKUP`` x as wide as it has lookups."""
+        self._samples = 0
+        self._sample = self._sample_factor * self._entries()
+        self._sketch.grow(_next_power_of_two(self.COUNTERS_PER_LOOKUP * self._sample))
 
     def _halve(self) -> None:
-        self._counts = {k: c >> 1 for k, c in self._counts.items() if c > 1}
-        self._samples = 0
-        self._sample = self._sample_size()
+        self._sketch.halve()
+        self._start_sample()
         self.halvings += 1
         self._restart_blocks()
 
@@ -285,9 +434,8 @@ class TinyLfuPolicy:
         if self._running_mean is None:
             self._running_mean = mean
         elif mean < self._shift_drop * self._running_mean:
-            self._counts.clear()
-            self._samples = 0
-            self._sample = self._sample_size()
+            self._sketch.clear()
+            self._start_sample()
             self.shifts += 1
             self._restart_blocks()
         else:
@@ -309,11 +457,13 @@ class AdaptivePolicy(TinyLfuPolicy):
     bytes against the window. Every max(resident, ``min_entries``) lookups, ``window`` moves
     by ``step`` toward the side with the lower regret per byte decided (within
     [``low``, ``high``], so both sides keep being measured); no decision, no move.
-    ``record`` O(1) amortised (expired regrets are dropped once per period), ``admit``
-    O(victims).
+    Ghosts (pending regrets) are at most ``GHOSTS_PER_ENTRY`` x (``horizon`` + 1) x
+    max(resident, ``min_entries``), the oldest dropped. ``record`` O(1) amortised (expired
+    regrets are dropped once per period), ``admit`` O(victims).
     """
 
     name = "adaptive"
+    GHOSTS_PER_ENTRY = 2  # the grid's runs peak below 1.4 ghosts per resident entry
 
     def __init__(
         self,
@@ -340,8 +490,9 @@ class AdaptivePolicy(TinyLfuPolicy):
         self._horizon = _int_knob("horizon", horizon)
         self._credit = 0.0  # refused bytes times window, not yet spent on an admission
         self._now = 0  # lookups so far
-        # key -> (last lookup that counts, bytes it regrets, True: refused / False: evicted)
-        self._ghosts: dict[str, tuple[int, float, bool]] = {}
+        # key -> (last lookup that counts, bytes it regrets, True: refused / False: evicted),
+        # oldest written first; at most ``_ghost_bound()``
+        self._ghosts: OrderedDict[str, tuple[int, float, bool]] = OrderedDict()
         self._refused_bytes = self._admitted_bytes = 0  # decided by each side this period
         self._refused_regret = self._admitted_regret = 0.0
         self._period_end = self._min_entries  # the lookup that ends this period
@@ -350,11 +501,7 @@ class AdaptivePolicy(TinyLfuPolicy):
     def record(self, key: str) -> None:
         """Count one lookup of ``key``; a regret it settles; age, or move the window, when due.
         (``TinyLfuPolicy.record`` written out: this runs on every hit.)"""
-        counts = self._counts
-        count = counts.get(key, 0)
-        if count < self._max_count:
-            counts[key] = count + 1
-        self._block_sum += count
+        self._block_sum += self._sketch.add(key)
         self._left -= 1
         if not self._left:
             self._tick()
@@ -378,17 +525,41 @@ class AdaptivePolicy(TinyLfuPolicy):
         if super().admit(key, nbytes, victims):
             return True
         self._credit += self.window * nbytes
-        last = self._now + self._horizon * max(len(self._resident), self._min_entries)
+        last = self._now + self._horizon * self._entries()
         if self._credit < nbytes:
             self._refused_bytes += nbytes
-            self._ghosts[key] = (last, nbytes, True)
+            self._haunt(key, (last, nbytes, True))
             return False
         self._credit -= nbytes
         self._admitted_bytes += nbytes
         share = nbytes / len(victims)  # not empty: with no victims the filter admits
         for victim in victims:
-            self._ghosts[victim] = (last, share, False)
+            self._haunt(victim, (last, share, False))
         return True
+
+    def footprint(self) -> Footprint:
+        """What this policy keeps now. O(1)."""
+        return Footprint(self._sketch.nbytes, len(self._resident), len(self._ghosts))
+
+    def bound(self, entries: int) -> Footprint:
+        """``TinyLfuPolicy.bound``, and at most ``_ghost_bound()`` ghosts. O(1)."""
+        ghosts = self.GHOSTS_PER_ENTRY * (self._horizon + 1) * max(entries, self._min_entries)
+        return Footprint(super().bound(entries).sketch_bytes, entries, ghosts)
+
+    def _ghost_bound(self) -> int:
+        """``GHOSTS_PER_ENTRY`` x (``horizon`` + 1) x max(resident, ``min_entries``): a ghost
+        lives ``horizon`` periods and is pruned at the end of the next one."""
+        return self.GHOSTS_PER_ENTRY * (self._horizon + 1) * self._entries()
+
+    def _haunt(self, key: str, ghost: tuple[int, float, bool]) -> None:
+        """Note ``ghost`` for ``key`` (replacing any, as the newest); drop the oldest ghosts
+        beyond the bound. O(1) amortised."""
+        ghosts = self._ghosts
+        ghosts[key] = ghost
+        ghosts.move_to_end(key)
+        bound = self._ghost_bound()
+        while len(ghosts) > bound:
+            ghosts.popitem(last=False)
 
     def _move(self) -> None:
         """Move ``window`` a step toward the side that regretted less per byte it decided."""
@@ -404,8 +575,8 @@ class AdaptivePolicy(TinyLfuPolicy):
         self._refused_bytes = self._admitted_bytes = 0
         self._refused_regret = self._admitted_regret = 0.0
         now = self._now
-        self._ghosts = {k: g for k, g in self._ghosts.items() if g[0] >= now}
-        self._period_end = now + max(len(self._resident), self._min_entries)
+        self._ghosts = OrderedDict((k, g) for k, g in self._ghosts.items() if g[0] >= now)
+        self._period_end = now + self._entries()
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {
