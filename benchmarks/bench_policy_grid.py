@@ -36,6 +36,7 @@ import contextlib
 import heapq
 import math
 import os
+import platform
 import random
 import statistics
 import time
@@ -316,6 +317,10 @@ def markdown(grid: dict[Cell, Summary], seconds: float, jobs: int, tiny: bool) -
         + " --markdown benchmarks/policy_grid.md --plot benchmarks/plots`; do not edit by hand.",
         f"{len(grid)} cells x {len(seeds)} seeds x {requests} requests; {jobs} process(es), "
         f"{seconds:.0f} s wall on a shared machine (load average {load} at the end).",
+        f"Run {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU(s) ({platform.machine()}), "
+        f"Python {platform.python_version()}, PYTHONHASHSEED="
+        f"{os.environ.get('PYTHONHASHSEED', 'random')} (the frequency sketch's collisions "
+        "depend on it).",
         "Tokens saved (%) per contender, means over the seeds; margin: "
         f"`{DEFAULT}` minus the best baseline (target >= -{SLACK:g}); to opt: `{OPTIMUM}` minus "
         f"`{DEFAULT}`; churn: bytes evicted per byte inserted, `{DEFAULT}` / `lru` / `{PAGED}`.",
