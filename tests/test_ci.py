@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("install", "test", "run", "fresh_clone")
+SCRIPTS = ("install", "test", "run", "fresh_clone", "engine_env")
 WHOLE_TLC_RUN = "tests/tla/test_tla.py::test_models_pass_and_mutants_are_rejected"
 
 pytestmark = pytest.mark.timeout(180)
@@ -75,10 +75,19 @@ def test_the_full_tier_runs_every_test_once_and_tlc_over_every_model() -> None:
     steps, output = collected()
     assert steps and max(steps.values()) == 1, [t for t, n in steps.items() if n > 1]
     assert WHOLE_TLC_RUN not in steps, "run by tla/check.py in its own step instead"
-    assert set(steps) | {WHOLE_TLC_RUN} == every
+    assert set(steps) | {WHOLE_TLC_RUN} == every - collect("-m", "engine")
     assert re.search(r"^model +Small ", output, re.M), "tla/check.py lists its runs"
 
-def test_the_quick_tier_is_every_test_but_tlc_mooncake_stress_and_crosshair() -> None:
+
+def test_the_engine_tier_is_the_engine_tests_and_only_there() -> None:
+    engine, _ = collected("--engine")
+    assert engine and max(engine.values()) == 1
+    assert set(engine) == collect("-m", "engine") == collect("tests/engine")
+    full, _ = collected()
+    assert not set(engine) & set(full)
+
+def test_the_quick_tier_is_every_test_but_tlc_mooncake_stress_crosshair_and_engine() -> None:
     quick, _ = collected("--quick")
     assert quick and max(quick.values()) == 1
-    assert set(quick) == collect() - collect("-m", "tla or mooncake or stress or crosshair")
+    slow = collect("-m", "tla or mooncake or stress or crosshair or engine")
+    assert set(quick) == collect() - slow

@@ -17,8 +17,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tests.engine.engines import MISS, EngineProcess, Prompt, World, shm_entries, wait_for
-from tests.engine.engines import memfds_of, shm_paths_of
+from tests.engine.engines import (
+    MISS,
+    EngineProcess,
+    Prompt,
+    World,
+    memfds_of,
+    shm_entries,
+    shm_paths_of,
+    wait_for,
+)
 
 ITEM_BYTES = 37 * 128 * 4  # one image: 37 rows (36 patches and CLS) x 128 float32
 POOL_AB = 4 << 20
@@ -135,10 +143,9 @@ def publishing_resumed(
         served(engine, [prompt([image], salt=3)], ref)
         after = wait_for(
             f"engine {engine.name}'s publish of image {image} to end",
-            lambda: (c := engine.stats()["cache"])[
-                "publishes_started"] > before["publishes_started"] and _settled(c) and c,
+            lambda started=before["publishes_started"]: _settled(engine, started),
             PUBLISH_TIMEOUT_S,
-        )  # fmt: skip
+        )
         if after["publishes_ok"] > before["publishes_ok"]:
             done.append(image)
             if len(done) == want:
@@ -147,9 +154,15 @@ def publishing_resumed(
     raise AssertionError(f"engine {engine.name} published {done} of images {images}")
 
 
-def _settled(cache: dict[str, Any]) -> bool:
+def _settled(engine: EngineProcess, started: int) -> dict[str, Any] | None:
+    """``engine``'s cache stats once a publish after the first ``started`` ended, else None."""
+    cache: dict[str, Any] = engine.stats()["cache"]
     ended = cache["publishes_ok"] + cache["publishes_failed"] + cache["publishes_unknown"]
-    return bool(ended == cache["publishes_started"])
+    return (
+        cache
+        if cache["publishes_started"] > started and ended == cache["publishes_started"]
+        else None
+    )
 
 
 def sigkill_leaves_nothing(world: World, ref: Reference) -> None:

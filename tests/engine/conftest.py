@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from embcache.store.mooncake_master import MooncakeMaster
 from tests.engine.checks import POOL_AB, POOL_D, Reference
 from tests.engine.engines import (
     ROOT,
@@ -24,7 +25,6 @@ from tests.engine.engines import (
     mooncake_env,
     start_all,
 )
-from embcache.store.mooncake_master import MooncakeMaster
 
 D_ENGINE_ARGS = {"max_num_batched_tokens": 256}  # vLLM's own encoder cache: about 6 images
 Builder = Callable[..., World]

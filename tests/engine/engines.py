@@ -43,8 +43,12 @@ class EngineCallFailed(AssertionError):
     """The engine answered that the call raised."""
 
 
-def embcache_ec(role: str = "ec_both", module: str = "embcache.integrations.vllm",
-                connector: str = "EmbcacheECConnector", **extra: Any) -> dict[str, Any]:
+def embcache_ec(
+    role: str = "ec_both",
+    module: str = "embcache.integrations.vllm",
+    connector: str = "EmbcacheECConnector",
+    **extra: Any,
+) -> dict[str, Any]:
     """An ``ec_transfer_config`` naming ``connector`` with ``extra`` options."""
     return {
         "ec_connector": connector,
@@ -178,10 +182,8 @@ class EngineProcess:
         if self.alive():
             with contextlib.suppress(AssertionError):
                 self.call("quit", timeout=STOP_TIMEOUT_S)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pass
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -9,12 +9,14 @@ with it in place of ``EmbcacheECConnector``.
 
 from __future__ import annotations
 
-import contextlib
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from embcache.integrations.vllm import EmbcacheECConnector
 
 __all__ = ["LyingECConnector"]
+log = logging.getLogger(__name__)
 
 
 class LyingECConnector(EmbcacheECConnector):
@@ -24,10 +26,20 @@ class LyingECConnector(EmbcacheECConnector):
         super().ensure_cache_available(request, num_computed_tokens)
         return True
 
-    def has_cache_item(self, identifier: str) -> bool:
-        if super().has_cache_item(identifier):
-            return True
+    # A property, so that it wins over an instance attribute the connector may bind to the
+    # same name (a data descriptor comes before the instance's __dict__).
+    @property
+    def has_cache_item(self) -> Callable[[str], bool]:  # type: ignore[override]
+        truthful = self.__dict__.get("has_cache_item") or super().has_cache_item
         side = self._scheduler_side("has_cache_item")
-        with contextlib.suppress(Exception):
-            return bool(side._store.exists([identifier])[0])
-        return False
+
+        def lying(identifier: str) -> bool:
+            if truthful(identifier):
+                return True
+            try:
+                return bool(side._store.exists([identifier])[0])
+            except Exception:
+                log.exception("the lying connector could not ask the store about %s", identifier)
+                return False
+
+        return lying

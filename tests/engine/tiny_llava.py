@@ -21,8 +21,7 @@ from typing import Any
 SEED = 1234
 IMAGE_SIZE = 84  # pixels a side; 14-pixel patches: 36 image tokens per image
 PATCH = 14
-TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2
-WIDTH = 128  # the language model's hidden size (head_dim 64: vLLM's CPU attention wants one it has kernels for)
+WIDTH = 128  # the language model's hidden size; head_dim 64 (vLLM's CPU attention has no 16)
 WORDS = [f"w{i}" for i in range(200)]
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
 VERSION = "5"  # written into the folder; bump when anything above changes
