@@ -86,6 +86,7 @@ def test_the_engine_tier_is_the_engine_tests_and_only_there() -> None:
     full, _ = collected()
     assert not set(engine) & set(full)
 
+
 def test_the_quick_tier_is_every_test_but_tlc_mooncake_stress_crosshair_and_engine() -> None:
     quick, _ = collected("--quick")
     assert quick and max(quick.values()) == 1
