@@ -248,8 +248,12 @@ class FrequencySketch:
     def estimate(self, key: str) -> int:
         """Recent lookups of ``key`` (saturating, halved with the sketch). O(1)."""
         h, mask = hash(key), self.mask
-        a, b = h & mask, ((h >> 32) & mask) | 1
-        return min(row[(a + r * b) & mask] for r, row in enumerate(self.rows))
+        i0 = h & mask
+        b = ((h >> 32) & mask) | 1
+        i1 = (i0 + b) & mask
+        i2 = (i1 + b) & mask
+        r0, r1, r2, r3 = self.rows
+        return min(r0[i0], r1[i1], r2[i2], r3[(i2 + b) & mask])
 
     def add(self, key: str) -> int:
         """Count one lookup of ``key``: raise those of its counters that hold its estimate (the
