@@ -20,24 +20,24 @@ Policies (``make_policy(name, **knobs)``):
   proving wrong less often, from LRU (share 1) to ``tinylfu`` (share 0).
 
 Design notes on ``tinylfu`` (chosen by measurement, ``benchmarks/bench_policy.py`` and
-``benchmarks/bench_policy_grid.py``). Counts are a count-min sketch (``FrequencySketch``: 4
-rows of one-byte counters, conservative update, ``hash(key)`` once and the rows' indexes by
-double hashing), saturating at 15 as TinyLFU's 4-bit counters do, and halved every
-``sample_factor`` x (resident entries) lookups, TinyLFU's sample of ten times the cache. Its
-width is the next power of two >= 4 x a sample's lookups, grown (never shrunk) when a sample
-starts, so its memory is a fixed function of the entries the pool holds, never of the keys
-seen (DESIGN.md, "Memory bounds"). Issue 28 replaced exact counts in a dict keyed by every key
-of the sample window: the dict was faster (0.2 us a record against 0.6 us, best of 9 on the
-2-core machine) but kept a key and a count per key seen. Measured on the grid against the
-exact counts: with 4 counters per lookup no cell lost more than 0.11 point (none with two of
-three hash seeds); with 1 or 2 per lookup cells lost up to 1.3 and 0.35 points, and with 2 rows
-of 8 per lookup (0.25 us a record) up to 0.5. Counters take a byte, not a nibble: packing two a
-byte cost 60% more per record for half the bytes. The aging alone follows a slow drift but not
-a sudden one: after the popularity is reshuffled, the stale favourites keep high counts for
-several halvings and the filter refuses the new favourites (on the drifting mix it saved 33.2%
-of encoder tokens where LRU saved 44.2%). Halving faster, or a feedback on refusals that later
-proved wrong (ARC-like), traded the steady mix's gain away for drift.
-So the policy detects the shift itself: it averages the counts of the keys looked up, per
+``benchmarks/bench_policy_grid.py``). Counts are a count-min sketch (``FrequencySketch``: 4 rows
+of one-byte counters, conservative update, ``hash(key)`` once and the rows' indexes by double
+hashing), saturating at 15 as TinyLFU's 4-bit counters do, and halved every ``sample_factor`` x
+(resident entries) lookups, TinyLFU's sample of ten times the cache. Its width is the next power
+of two >= 4 x a sample's lookups, grown (never shrunk) when a sample starts, so its memory is a
+fixed function of the entries the pool holds, never of the keys seen (DESIGN.md, "Memory
+bounds"). Issue 28 replaced exact counts in a dict keyed by every key of the sample window: the
+dict was faster (a record 0.2 us against 0.6 us, best of 9 on the 2-core machine; 3,450 against
+8,540 instructions under callgrind) but kept a key and a count per key seen. Measured on the
+grid against the exact counts: with 4 counters per lookup no cell lost more than 0.11 point
+(none with two of three hash seeds); with 1 or 2 per lookup cells lost up to 1.3 and 0.35
+points, and with 2 rows of 8 per lookup (0.25 us a record) up to 0.5. Counters take a byte, not
+a nibble: packing two a byte cost 60% more per record for half the bytes. The aging alone
+follows a slow drift but not a sudden one: after the popularity is reshuffled, the stale
+favourites keep high counts for several halvings and the filter refuses the new favourites (on
+the drifting mix it saved 33.2% of encoder tokens where LRU saved 44.2%). Halving faster, or a
+feedback on refusals that later proved wrong (ARC-like), traded the steady mix's gain away for
+drift. So the policy detects the shift itself: it averages the counts of the keys looked up, per
 block of ``shift_block`` lookups; a block whose mean falls below ``shift_drop`` x the running
 mean of earlier blocks means the traffic moved to keys the counts do not know, and every count
 is cleared (the filter then admits like LRU until the new counts build up). A steady mix never
