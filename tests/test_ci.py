@@ -35,6 +35,7 @@ def test_the_readme_shows_the_set_up_and_the_test_command_ci_runs() -> None:
     assert tests == "bash .ci/test"
     run = (ROOT / ".ci" / "run").read_text().splitlines()
     assert tests in run, ".ci/run runs exactly the README's test command"
+    assert "bash .ci/test --engine || status=1" in run, ".ci/run runs the engine tier"
     assert "bash .ci/fresh_clone || status=1" in run
 
 

@@ -92,7 +92,7 @@ def build_world(engine_python: str, model_dir: Path, log_dir: Path) -> Iterator[
 
     yield build
     for world in built:
-        world.stop()
+        world.stop()  # the self-test's worlds are stopped already; stopping again is a no-op
 
 
 @pytest.fixture(scope="session")

@@ -116,8 +116,11 @@ class EngineProcess:
         self._answers.put(None)
 
     def wait_ready(self) -> dict[str, Any]:
-        """The engine's first answer (its pid and counters) once it serves."""
+        """The engine's first answer (its pid and counters) once it serves; it must run the
+        embcache of this checkout (the environment's editable install may name another)."""
         self.ready = self.receive(READY_TIMEOUT_S)
+        where = Path(self.ready["embcache"]).resolve()
+        assert where.is_relative_to(ROOT), f"engine {self.name} runs embcache from {where}"
         return self.ready
 
     def alive(self) -> bool:
@@ -204,9 +207,17 @@ class World:
         return self.engines[name]
 
     def stop(self) -> None:
-        for engine in self.engines.values():
-            engine.stop()
+        stop_all(list(self.engines.values()))
         self.master.stop()
+
+
+def stop_all(engines: Sequence[EngineProcess]) -> None:
+    """Stop ``engines`` together (each may take ``2 * STOP_TIMEOUT_S`` when it hangs)."""
+    threads = [threading.Thread(target=engine.stop) for engine in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def start_all(engines: Sequence[EngineProcess]) -> None:
@@ -217,8 +228,7 @@ def start_all(engines: Sequence[EngineProcess]) -> None:
         for engine in engines:
             engine.wait_ready()
     except BaseException:
-        for engine in engines:
-            engine.stop()
+        stop_all(engines)
         raise
 
 

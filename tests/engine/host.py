@@ -108,7 +108,13 @@ class Engine:
         }
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"pid": os.getpid(), "vision_images_total": self.vision_images}
+        import embcache
+
+        out: dict[str, Any] = {
+            "pid": os.getpid(),
+            "embcache": embcache.__file__,
+            "vision_images_total": self.vision_images,
+        }
         if self.connector is not None and hasattr(self.connector, "stats"):
             out["connector"] = asdict(self.connector.stats())
             cache = self.connector._scheduler.cache
