@@ -28,7 +28,7 @@ def main(count: int) -> None:
 
     from embcache.integrations.vllm import EmbcacheECWorkerMetadata
 
-    config = vllm_wheel.vllm_config("ec_both", {"pool_bytes": 8 << 20, "staging_bytes": 1 << 20}, 2)
+    config = vllm_wheel.vllm_config("ec_both", {"pool_bytes": 8 << 20}, 2)
     sched = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
     keys = [f"img-{i}" for i in range(ITEMS)]
     with sched._scheduler.cache.request("seed") as seed:

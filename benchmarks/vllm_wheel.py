@@ -194,7 +194,18 @@ class FakeRequest:
     mm_features: list[SimpleNamespace] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.mm_features = [SimpleNamespace(identifier=k, modality="image") for k in self.keys]
+        self.mm_features = [self._feature(k) for k in self.keys]
+
+    def _feature(self, key: str) -> SimpleNamespace:
+        rows = self.rows[key]
+        position = SimpleNamespace(get_num_embeds=lambda: rows)
+        return SimpleNamespace(identifier=key, modality="image", mm_position=position)
+
+    def add_item(self, key: str, rows: int) -> None:
+        """Media that arrive after the request was first scheduled (a streamed input)."""
+        self.keys.append(key)
+        self.rows[key] = rows
+        self.mm_features.append(self._feature(key))
 
     def get_num_encoder_embeds(self, index: int) -> int:
         return self.rows[self.keys[index]]

@@ -41,6 +41,7 @@ from embcache.errors import (
     RequestError,
 )
 from embcache.fencing import FencePolicy, Fencer
+from embcache.fills import InPlaceFills
 from embcache.item import Item, check_key
 from embcache.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
 from embcache.poison import poison, poison_requested
@@ -53,7 +54,7 @@ from embcache.wakeups import Wakeups, resolve
 __all__ = ["CacheStats", "EmbeddingCache", "FencePolicy", "TraceSink"]
 log = logging.getLogger(__name__)
 
-class EmbeddingCache:
+class EmbeddingCache(InPlaceFills):
     """An embedding cache over one pool, optionally backed by a global store.
 
     ``capacity_bytes`` is the pool size (a multiple of ``alignment``). ``store=None`` (the
@@ -66,8 +67,7 @@ class EmbeddingCache:
     ``Policy``). ``auto_fence`` says when the cache fences by itself (``embcache.fencing``;
     None: only ``fence()`` does). ``poison_freed`` (default: ``EMBCACHE_POISON``) is a debug
     mode that overwrites every freed range (``embcache.poison``). ``pool``, when given, is the
-    pool itself (``embcache.pool.make_pool``: for example shared memory other processes map).
-    """
+    pool itself (``embcache.pool.make_pool``; shared memory: see ``embcache.fills``)."""
 
     _new_event = threading.Event  # how a waiting request's Event is made (tests schedule it)
 

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from embcache.core.entries import RequestState
-from embcache.core.outcomes import ItemStatus, Reason
+from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 from embcache.item import Item
 
@@ -38,6 +38,18 @@ class RequestDriver(Protocol):
         self, rs: RequestState, keys: Sequence[str], tensors: Sequence[torch.Tensor], publish: bool
     ) -> list[bool]: ...
     def _publish(self, rs: RequestState, keys: Sequence[str]) -> list[bool]: ...
+    def _begin_fill(self, rs: RequestState, items: Sequence[Item]) -> list[int | None]: ...
+    def _end_fill(
+        self,
+        rs: RequestState,
+        keys: Sequence[str],
+        outcomes: Sequence[TransferOutcome],
+        publish: bool,
+    ) -> list[bool]: ...
+    def _offsets(self, rs: RequestState) -> list[int | None]: ...
+    def _lookup_offsets(
+        self, rs: RequestState, items: Sequence[Item], prefetch: bool
+    ) -> list[int | None] | None: ...
     def _close_request(self, rs: RequestState) -> None: ...
 
 
@@ -102,6 +114,39 @@ class Request:
         entries are pinned by this request, and published to the global store when asked.
         """
         return self._cache._insert(self._state, keys, tensors, publish)
+
+    def begin_fill(self, items: Sequence[Item]) -> list[int | None]:
+        """Reserve a pool range for each absent item (or take this request's reservation) and
+        return its byte offset in ``cache.pool``, for a writer outside this process to fill in
+        place; None where nothing is to be written (present, or no space). The entry stays
+        LOADING until ``end_fill``; closing the request first ends it UNKNOWN (quarantined
+        until a fence, since the writer may still write). See ``embcache.fills``."""
+        return self._cache._begin_fill(self._state, items)
+
+    def end_fill(
+        self,
+        keys: Sequence[str],
+        outcomes: Sequence[TransferOutcome],
+        *,
+        publish: bool = True,
+    ) -> list[bool]:
+        """End the fills of ``keys`` with their writers' outcomes: OK makes the entry READY
+        (pinned by this request), FAILED frees it, UNKNOWN quarantines it; True where cached.
+        Cached entries are published when asked and a store exists."""
+        return self._cache._end_fill(self._state, keys, outcomes, publish)
+
+    def offsets(self) -> list[int | None]:
+        """``embeddings`` without the views: per looked-up item, the byte offset in
+        ``cache.pool`` of the range this request holds, else None."""
+        return self._cache._offsets(self._state)
+
+    def lookup_offsets(
+        self, items: Sequence[Item], *, prefetch: bool = True
+    ) -> list[int | None] | None:
+        """``lookup(items, prefetch=prefetch)`` then ``offsets()``, in one locked step when
+        no store is asked; None while the request waits on a load (then ``wait`` and
+        ``offsets``)."""
+        return self._cache._lookup_offsets(self._state, items, prefetch)
 
     def publish(self, keys: Sequence[str]) -> list[bool]:
         """(Re)publish entries this request holds to the global store, for example ones the

@@ -10,6 +10,9 @@ record, and returns a small record of what the driver must do next (``embcache.c
   the loads to start; each load ends with ``end_loads``.
 - ``begin_insert(rs, items)``: the ranges to fill, each with its item's index;
   ``finish_insert(fills, outcomes, n)``: which items are cached, and the requests to wake.
+- ``begin_fills(rs, items)`` / ``end_fills(rs, keys, outcomes)``: an insert whose bytes an
+  outside writer (another process) puts into the ranges handed out; a request that ends with
+  a range still handed out ends it UNKNOWN (the writer may still land), never FAILED.
 - ``begin_publishes(rs, keys)`` / ``end_publishes``; ``served`` / ``fallback`` (what a request may
   read, and what it must encode); ``end_request(rs)``: the requests to wake.
 
@@ -144,6 +147,29 @@ class CacheCore(Actions):
         self._counts["inserts"] += sum(results)
         return InsertEnd(results, wake)
 
+    def begin_fills(self, rs: RequestState, items: Sequence[ItemLike]) -> list[Fill]:
+        """``begin_insert`` whose ranges are handed out to a writer outside the driver: each
+        is noted in ``rs.filling`` until ``end_fills`` (or ``end_request``) ends it."""
+        fills = self.begin_insert(rs, items)
+        rs.filling.update(entry.key for _, entry in fills)
+        return fills
+
+    def end_fills(
+        self, rs: RequestState, keys: Sequence[str], outcomes: Sequence[TransferOutcome]
+    ) -> InsertEnd:
+        """EndLoad each range ``rs`` handed out for ``keys`` with the writer's outcome (a key
+        not handed out is left alone: False); which are cached now, and the requests to wake."""
+        results = [False] * len(keys)
+        wake: list[RequestState] = []
+        for i, (key, outcome) in enumerate(zip(keys, outcomes, strict=True)):
+            if key in rs.filling:
+                rs.filling.discard(key)
+                entry = self._entries[key]
+                wake += self.end_load(entry, outcome, Reason.LOAD_FAILED)
+                results[i] = entry.state is READY
+        self._counts["inserts"] += sum(results)
+        return InsertEnd(results, wake)
+
     def begin_insert_batch(self, items: Sequence[ItemLike]) -> tuple[RequestState, list[Fill]]:
         """A request-less insert: ``begin_insert`` for an internal request opened here (id
         ``insert#N``), which ``finish_insert_batch`` ends."""
@@ -196,12 +222,15 @@ class CacheCore(Actions):
             self.end_publish(request_id, entry, outcome)
 
     def end_request(self, rs: RequestState) -> list[RequestState]:
-        """End every reservation of ``rs`` (its waiters fall back), release every wait and pin
-        in lookup order, then CloseRequest. Returns the requests to wake."""
+        """End every reservation of ``rs`` (its waiters fall back; a range still handed out
+        to a writer ends UNKNOWN: quarantined), release every wait and pin in lookup order, then
+        CloseRequest. Returns the requests to wake."""
         rs.lookup_pending = None
         wake: list[RequestState] = []
         for key in sorted(rs.reserved):
-            wake += self.end_load(self._entries[key], TransferOutcome.FAILED, Reason.ABANDONED)
+            outcome = TransferOutcome.UNKNOWN if key in rs.filling else TransferOutcome.FAILED
+            wake += self.end_load(self._entries[key], outcome, Reason.ABANDONED)
+        rs.filling.clear()
         for key in sorted(rs.waits):
             self.release(rs, key)
         if self._events is None:

@@ -67,6 +67,7 @@ class RequestState:
     holds: dict[str, None] = field(default_factory=dict)  # the keys it pins, in pin order
     waits: set[str] = field(default_factory=set)
     reserved: set[str] = field(default_factory=set)
+    filling: set[str] = field(default_factory=set)  # reserved, handed out to an outside writer
     fallbacks: dict[str, Reason] = field(default_factory=dict)
     # A lookup between its two passes: its items, their statuses so far, and ``reserve``.
     lookup_pending: tuple[list[ItemLike], list[ItemStatus], bool] | None = None

@@ -43,7 +43,7 @@ def check_core(
     holders: dict[str, set[Holder]] = {k: set() for k in entries}
     waiters: dict[str, set[str]] = {k: set() for k in entries}
     for r, rs in requests.items():
-        if not rs.reserved <= rs.waits or rs.holds.keys() & rs.waits:
+        if not rs.filling <= rs.reserved <= rs.waits or rs.holds.keys() & rs.waits:
             _fail(f"request {r!r} bookkeeping inconsistent")
         for key in rs.holds:
             holders.setdefault(key, set()).add(r)

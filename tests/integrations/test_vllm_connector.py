@@ -30,7 +30,7 @@ from tests.integrations.vllm_replay import (
 
 __all__ = ["make_scheduler", "vllm_base"]
 pytestmark = pytest.mark.timeout(300)
-SMALL = {"pool_bytes": 48 * 1024, "staging_bytes": 16 * 1024}
+SMALL = {"pool_bytes": 48 * 1024}
 
 
 def shape(fn: Any) -> list[tuple[str, inspect._ParameterKind, str]]:

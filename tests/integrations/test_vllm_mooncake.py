@@ -41,7 +41,6 @@ def test_one_engine_loads_what_the_other_published_and_survives_the_master(
     monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")
     extra = {
         "pool_bytes": 256 * 1024,
-        "staging_bytes": 64 * 1024,
         "mooncake_master": kwargs["master_address"],
         "mooncake_segment": 16 << 20,
         "key_prefix": key_prefix,

@@ -19,7 +19,7 @@ from tests.integrations.vllm_replay import ProcessRank, Replay, requests, settle
 
 __all__ = ["make_scheduler", "vllm_base"]
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(600)]
-EXTRA = {"pool_bytes": 96 * 1024, "staging_bytes": 16 * 1024, "hold_timeout_s": 0.05}
+EXTRA = {"pool_bytes": 96 * 1024, "hold_timeout_s": 0.05}
 
 
 def expire(replay: Replay) -> None:

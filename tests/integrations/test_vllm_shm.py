@@ -21,7 +21,7 @@ from tests.integrations.vllm_replay import pool_owner_main
 
 __all__ = ["make_scheduler", "vllm_base"]
 pytestmark = pytest.mark.timeout(300)
-SMALL = {"pool_bytes": 64 * 1024, "staging_bytes": 4096}
+SMALL = {"pool_bytes": 64 * 1024}
 
 
 def shm_names_with(token: str) -> list[str]:
@@ -44,7 +44,7 @@ def test_the_pool_is_private_unguessable_and_never_in_dev_shm(
     assert re.fullmatch("[0-9a-f]{32}", one.token) and one.token != two.token
     assert os.readlink(one.path).startswith(f"/memfd:embcache-vllm-{one.token}")
     assert stat.S_IMODE(os.stat(one.path).st_mode) == 0o600
-    assert one.size == SMALL["pool_bytes"] + SMALL["staging_bytes"]
+    assert one.size == SMALL["pool_bytes"]  # the pool is all: no staging area
     assert shm_names_with(one.token) == []
     mapped = attach(one)
     mapped[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)

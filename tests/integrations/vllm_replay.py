@@ -6,9 +6,11 @@ connector is made by vLLM's own ``ECConnectorFactory``; each rank's connector by
 ``ECConnectorModelRunnerMixin`` (``ProcessRank``: one spawned process per rank), or called in
 the mixin's order in this process (``LocalRank``). ``Replay`` plays vLLM's scheduler: per step,
 for each request with encoder inputs, ``ensure_cache_available`` (False defers it), then per
-item vLLM's own encoder-cache check, ``has_cache_item``, ``update_state_after_alloc``; then
+item vLLM's own encoder-cache check and ``has_cache_item``, then ``update_state_after_alloc``
+for the items to encode before the ones to load (vLLM's ``_allocate_encoder_inputs``); then
 ``build_connector_meta``, the ranks' step (pickled ``SchedulerOutput`` in, acks out, merged by
-``aggregate``), ``update_connector_output``, and ``request_finished`` for requests that end.
+``aggregate``), ``request_finished`` for requests that end (vLLM's ``_free_request``, in
+``update_from_output``), and only then ``update_connector_output`` with the step's acks.
 
 Every rank checks, as vLLM's ``_gather_mm_embeddings`` would, that each item of each
 scheduled request is in its ``encoder_cache`` with the right bytes, shape and dtype.
@@ -210,6 +212,7 @@ class Replay:
                 continue
             self.waiting.remove(request)
             self.running.append(request)
+            to_encode, to_load = [], []
             for index, key in enumerate(request.keys):
                 rows = request.rows[key]
                 needed[key] = rows
@@ -221,9 +224,12 @@ class Replay:
                 if sched.has_cache_item(key):
                     self.report.declared += 1
                     self.report.loads += 1
+                    to_load.append(index)
                 else:
                     encode[key] = rows
                     self.report.encodes += 1
+                    to_encode.append(index)
+            for index in to_encode + to_load:  # vLLM allocates the encodes first
                 sched.update_state_after_alloc(request, index)
         for request in self.running:
             for key in request.keys:
@@ -250,11 +256,9 @@ class Replay:
                 continue
             if acks is not None:
                 merged = acks if merged is None else merged.aggregate(acks)
-        if merged is not None:
-            sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=merged))
         for request in self.running:
             request.steps_left -= 1
-        for request in finished:
+        for request in finished:  # vLLM's _free_request runs before the step's acks arrive
             self.running.remove(request)
             sched.request_finished(request)
             for key in request.keys:
@@ -263,6 +267,8 @@ class Replay:
                     users.discard(request.request_id)
                     if not users:
                         del self.refs[key]
+        if merged is not None:
+            sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=merged))
         self.report.steps += 1
 
     def deliver(self, acks: Any) -> None:

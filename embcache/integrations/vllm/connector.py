@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["EmbcacheECConnector"]
+MAX_MODALITIES = 64  # widths remembered (vLLM has a handful of modalities)
 
 
 class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
@@ -50,6 +51,7 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
         self._widths: dict[str, int] = dict(getattr(ec_config, "mm_encoder_output_widths", {}))
         self._width = options.embed_width
         self._hidden = vllm_config.model_config.get_hidden_size
+        self._width_by_modality: dict[str, int] = {}  # the widths found so far
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         parallel = vllm_config.parallel_config
@@ -60,26 +62,38 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
                 consumer=self.is_consumer,
                 producer=self.is_producer,
             )
+            # vLLM asks has_cache_item once per scheduled item: answered by the current
+            # request's own dict (a C call), rebound whenever the current request changes.
+            self.__dict__["has_cache_item"] = self._scheduler.has_item
         else:
             self._worker = WorkerSide(parallel.rank, torch.device(vllm_config.device_config.device))
 
     # -- scheduler role ------------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
-        """True only for an item the request being scheduled holds pinned READY."""
+        """True only for an item the request being scheduled holds pinned READY. (In the
+        scheduler role an instance attribute answers instead: ``SchedulerSide.has_item``.)"""
         return self._scheduler_side("has_cache_item").has_item(identifier)
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """Look the request's items up (once); False defers it while a store read runs."""
+        """Look the request's items up (once, and again for items that arrived since); False
+        defers it while a store read runs."""
         side = self._scheduler_side("ensure_cache_available")
-        return side.ensure(request.request_id, self._features(request), self._dtype)
+        ready = side.ensure_known(request.request_id, len(request.mm_features))
+        if ready is None:
+            ready = side.ensure(request.request_id, self._features(request), self._dtype)
+        self.__dict__["has_cache_item"] = side.has_item
+        return ready
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
-        """Item ``index`` of ``request`` is scheduled: a load if held, else maybe a save."""
+        """Item ``index`` of ``request`` is scheduled: a load if held, else maybe a fill."""
         self._scheduler_side("update_state_after_alloc").alloc(request.request_id, index)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         """This step's loads and saves, for every rank."""
-        return self._scheduler_side("build_connector_meta").build()
+        side = self._scheduler_side("build_connector_meta")
+        meta = side.build()
+        self.__dict__["has_cache_item"] = side.has_item
+        return meta
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         """The ranks' merged acks."""
@@ -89,7 +103,9 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Release the request's pins now or when its last ack comes; vLLM frees at once."""
-        self._scheduler_side("request_finished").finish(request.request_id)
+        side = self._scheduler_side("request_finished")
+        side.finish(request.request_id)
+        self.__dict__["has_cache_item"] = side.has_item
         return False, None
 
     def stats(self) -> SchedulerStats:
@@ -109,13 +125,16 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
     ) -> None:
-        """Rank 0: copy a fresh output into the staging range this step reserved for it."""
+        """Rank 0: copy a fresh output into the pool range this step reserved for it."""
         side = self._worker_side("save_caches")
         side.save(self._step_metadata(), encoder_cache, mm_hash)
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
-        """This rank's acks since the last step."""
-        return self._worker_side("build_connector_worker_meta").acks()
+        """This rank's acks since the last step (rank 0: a save of this step it was not
+        asked to write is acked as failed, so its range is freed)."""
+        meta = self._connector_metadata
+        step = meta if isinstance(meta, EmbcacheECMetadata) else None
+        return self._worker_side("build_connector_worker_meta").acks(step)
 
     def shutdown(self) -> None:
         """Scheduler: release everything, close the cache, store and shared pool."""
@@ -124,14 +143,21 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
 
     # -- helpers -------------------------------------------------------------------------
     def _features(self, request: Request) -> list[Feature]:
+        widths = self._width_by_modality
         return [
-            (f.identifier, request.get_num_encoder_embeds(i), self._width_of(f.modality))
+            (
+                f.identifier,
+                request.get_num_encoder_embeds(i),
+                widths.get(f.modality) or self._width_of(f.modality),
+            )
             for i, f in enumerate(request.mm_features)
         ]
 
     def _width_of(self, modality: str) -> int:
-        width = self._width or self._widths.get(modality) or self._hidden()
-        return int(width)
+        width = int(self._width or self._widths.get(modality) or self._hidden())
+        if len(self._width_by_modality) < MAX_MODALITIES:
+            self._width_by_modality[modality] = width
+        return width
 
     def _step_metadata(self) -> EmbcacheECMetadata:
         meta = self._connector_metadata

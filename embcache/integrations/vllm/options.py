@@ -4,7 +4,9 @@
 option             meaning (default)
 =================  =========================================================================
 pool_bytes         the cache's pool in shared memory (1 GiB)
-staging_bytes      where fresh encoder outputs wait for the scheduler's insert (64 MiB)
+staging_bytes      ignored: there is no staging area any more (rank 0 writes fresh outputs
+                   into the pool ranges the scheduler reserves); accepted so that configs
+                   that set it still load
 mooncake_master    "host:port" of a Mooncake master; absent: no global tier (the pool is all)
 mooncake_segment   bytes this engine lends the Mooncake store (0)
 key_prefix         namespace of the keys in the global store ("embcache/vllm/")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import (
@@ -20,9 +21,9 @@ __all__ = ["EmbcacheECMetadata", "EmbcacheECWorkerMetadata", "Transfer"]
 StepKey = tuple[int, str]  # (step, identifier): one load or save
 
 
-@dataclass(frozen=True, slots=True)
-class Transfer:
-    """One embedding in the shared mapping: ``key`` at byte ``offset``, ``shape``, ``dtype``."""
+class Transfer(NamedTuple):
+    """One embedding in the shared mapping: ``key`` at byte ``offset``, ``shape``, ``dtype``
+    (a tuple: the scheduler makes one per load or save on vLLM's critical path)."""
 
     key: str
     offset: int
@@ -38,7 +39,7 @@ class Transfer:
 @dataclass(slots=True)
 class EmbcacheECMetadata(ECConnectorMetadata):  # type: ignore[misc]
     """One engine step: every rank loads ``loads`` into its encoder cache; rank 0 copies the
-    fresh outputs named by ``saves`` into their staging ranges."""
+    fresh outputs named by ``saves`` into their pool ranges (reserved, LOADING)."""
 
     step: int
     pool: PoolHandle
@@ -49,7 +50,8 @@ class EmbcacheECMetadata(ECConnectorMetadata):  # type: ignore[misc]
 @dataclass(slots=True)
 class EmbcacheECWorkerMetadata(ECConnectorWorkerMetadata):  # type: ignore[misc]
     """Acks: ``loaded[rank]`` the (step, key) loads that rank finished; ``saved[(step, key)]``
-    whether rank 0 wrote that save's staging range (False: the tensor did not match)."""
+    whether rank 0 wrote that save's pool range (False: the tensor did not match, or vLLM did
+    not ask it to save that item this step)."""
 
     loaded: dict[int, list[StepKey]] = field(default_factory=dict)
     saved: dict[StepKey, bool] = field(default_factory=dict)

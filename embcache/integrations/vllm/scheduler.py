@@ -2,15 +2,22 @@
 every rank loads and saves (embcache/DESIGN.md, "vLLM: the scheduler/worker split").
 
 Theory of operation. One embcache ``Request`` per vLLM request holds that request's pins.
-``ensure`` looks its items up (store reads start, the request is deferred while one runs);
-``has_item`` is True only for an item the current request holds; ``alloc`` turns a held item
-into a load every rank must ack, or, in a producer role, reserves a staging range that rank 0
-fills; ``build`` hands the step's transfers out; ``absorb`` counts acks, inserts acked saves
-from staging and closes a finished request once nothing of it is outstanding. A request that
-finished with acks missing past ``hold_timeout_s`` is quarantined: its pins and staging ranges
-are held for good (a rank may still read them), and only a late ack ends that hold.
+``ensure`` looks its items up (store reads start, the request is deferred while one runs) and
+looks up again the items that arrived since (streamed media); ``has_item`` is True only for an
+item the current request holds; ``alloc`` turns a held item into a load every rank must ack,
+or, in a producer role, reserves a pool range (``Request.begin_fill``: a LOADING entry of the
+request) that rank 0 writes the fresh output into; ``build`` hands the step's transfers out;
+``absorb`` counts acks, ends each acked save's fill (OK, or FAILED when the tensor did not
+match) and closes a finished request once nothing of it is outstanding. The scheduler copies
+no payload byte: it only changes state.
+
+A request that finished with acks missing past ``hold_timeout_s`` is quarantined: its pins are
+held for good (a rank may still read them), only a late ack ends that hold; its fills end
+UNKNOWN (rank 0 may still write), so the cache quarantines their ranges until a fence.
 
 vLLM calls all of this from its one scheduler thread; nothing here takes a lock of its own.
+Every container is bounded by the requests vLLM has open (plus the finished ones whose acks
+are owed or lost) or by one step (embcache/DESIGN.md, "Memory bounds", "vLLM connector").
 """
 
 from __future__ import annotations
@@ -24,12 +31,13 @@ import torch
 
 from embcache import (
     EmbeddingCache,
+    EntryState,
     GlobalStore,
     InvalidArgumentError,
     InvariantError,
     Item,
-    RangeAllocator,
     Request,
+    TransferOutcome,
 )
 from embcache.integrations.vllm.options import ConnectorOptions
 from embcache.integrations.vllm.protocol import (
@@ -44,6 +52,8 @@ __all__ = ["Feature", "SchedulerSide", "SchedulerStats"]
 log = logging.getLogger(__name__)
 
 Feature = tuple[str, int, int]  # (identifier, rows, width) of one multimodal item
+NOTHING: frozenset[str] = frozenset()
+OK, FAILED, UNKNOWN = TransferOutcome.OK, TransferOutcome.FAILED, TransferOutcome.UNKNOWN
 
 
 @dataclass(eq=False, slots=True)
@@ -52,6 +62,7 @@ class _Held:
 
     request: Request
     items: list[Item]  # by vLLM item index
+    looked: list[str]  # the keys looked up, in lookup order (each once)
     present: dict[str, int] | None = None  # key -> pool offset of what it holds; None: pending
     loads: set[StepKey] = field(default_factory=set)  # awaiting acks of every rank
     saves: set[StepKey] = field(default_factory=set)  # awaiting rank 0's ack
@@ -66,7 +77,7 @@ class SchedulerStats:
     deferred: int
     loads: int
     saves: int
-    saves_skipped: int  # no staging space: the item is encoded, not cached
+    saves_skipped: int  # no pool range could be reserved: the item is encoded, not cached
     inserts: int
     open_requests: int
     outstanding_loads: int
@@ -91,30 +102,34 @@ class SchedulerSide:
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks <= 0:
             raise InvalidArgumentError(f"the engine's world size must be > 0, got {ranks!r}")
         self._ranks = ranks
+        self._all_ranks = (1 << ranks) - 1  # a load's missing acks: one bit per rank
         self._consumer, self._producer = consumer, producer
         self._clock = clock
         self._hold_timeout = options.hold_timeout_s
-        self._capacity = options.pool_bytes
-        self._shared = SharedPool(options.pool_bytes + options.staging_bytes)
+        self._shared = SharedPool(options.pool_bytes)
         self._own_store = store is None
         self._store = _store(options) if store is None else store
         try:
-            pool = self._shared.tensor[: options.pool_bytes]
             self._cache = EmbeddingCache(
-                options.pool_bytes, store=self._store, policy=options.policy, pool=pool
+                options.pool_bytes,
+                store=self._store,
+                policy=options.policy,
+                pool=self._shared.tensor,
             )
         except BaseException:
             self._close_store()
             raise
-        self._base = self._shared.tensor.data_ptr()
-        self._staging = RangeAllocator(options.staging_bytes)
         self._held: dict[str, _Held] = {}
         self._current: _Held | None = None
+        self.has_item: Callable[[str], bool] = NOTHING.__contains__
         self._step = 0
         self._step_loads: dict[str, Transfer] = {}
         self._step_saves: dict[str, Transfer] = {}
-        self._load_acks: dict[StepKey, tuple[str, set[int]]] = {}  # -> (request, ranks missing)
-        self._save_acks: dict[StepKey, tuple[str, Item, int]] = {}  # -> (request, item, offset)
+        self._load_acks: dict[StepKey, tuple[str, int]] = {}  # -> (request, ranks missing)
+        self._save_acks: dict[StepKey, tuple[str, str, int]] = {}  # -> (request, key, offset)
+        self._finishing: dict[
+            str, float
+        ] = {}  # finished, acks owed: when it finished (oldest first)
         self._quarantined: set[str] = set()
         self._counts = dict.fromkeys(("deferred", "loads", "saves", "saves_skipped", "inserts"), 0)
 
@@ -124,62 +139,62 @@ class SchedulerSide:
         return self._cache
 
     # -- vLLM's calls, in its order ------------------------------------------------------
-    def ensure(self, request_id: str, features: Sequence[Feature], dtype: torch.dtype) -> bool:
-        """``ensure_cache_available``: open and look up on first sight; False (defer) while a
-        store read for one of its items runs. O(items)."""
+    def ensure_known(self, request_id: str, count: int) -> bool | None:
+        """``ensure_cache_available`` for a request seen before whose ``count`` items were all
+        looked up: as ``ensure``; None when it must go through ``ensure`` (new, or more
+        items than before). O(1) once its lookup is over."""
         held = self._held.get(request_id)
-        if held is None:
-            items = [Item(key, (rows, width), dtype) for key, rows, width in features]
-            held = _Held(self._cache.request(request_id), items)
-            self._held[request_id] = held
-            unique = list({it.key: it for it in items}.values())
-            held.request.lookup(unique, prefetch=self._consumer)
-        self._current = None
-        if held.present is None:
-            if not held.request.wait(0):
-                self._counts["deferred"] += 1
-                return False
-            views = held.request.embeddings()
-            unique = list({it.key: it for it in held.items}.values())
-            held.present = {
-                it.key: v.data_ptr() - self._base
-                for it, v in zip(unique, views, strict=True)
-                if v is not None
-            }
-        self._current = held
-        return True
+        if held is None or count > len(held.items) or held.finished_at is not None:
+            return None
+        return self._settle(held) if held.present is None else self._make_current(held)
 
-    def has_item(self, key: str) -> bool:
-        """``has_cache_item``: True only for an item the current request holds READY. O(1)."""
-        held = self._current
-        return self._consumer and held is not None and key in (held.present or ())
+    def ensure(self, request_id: str, features: Sequence[Feature], dtype: torch.dtype) -> bool:
+        """``ensure_cache_available``: open and look up on first sight, and look up the items
+        that arrived since the last call; False (defer) while a store read for one of its
+        items runs. O(items)."""
+        held = self._held.get(request_id)
+        if held is None or held.finished_at is not None:
+            if held is not None:  # vLLM reuses the id of a request it finished: a new one
+                self._rename(held)
+            items = [Item(key, (rows, width), dtype) for key, rows, width in features]
+            unique = list({it.key: it for it in items}.values())
+            request, offsets = self._cache.open_lookup(request_id, unique, prefetch=self._consumer)
+            held = _Held(request, items, [it.key for it in unique])
+            self._held[request_id] = held
+            self._note_present(held, offsets)
+        elif len(features) > len(held.items):  # media that arrived after its first lookup
+            start = len(held.items)
+            new = [Item(key, (rows, width), dtype) for key, rows, width in features[start:]]
+            held.items.extend(new)
+            self._look_up(held, new)
+        self._current = None
+        self.has_item = NOTHING.__contains__
+        return self._settle(held) if held.present is None else self._make_current(held)
 
     def alloc(self, request_id: str, index: int) -> None:
         """``update_state_after_alloc``: a held item becomes a load; otherwise a producer
-        reserves a staging range for the fresh output. O(log staging ranges)."""
+        reserves a pool range that rank 0 fills in place. O(1), O(log entries) to reserve."""
         held = self._held.get(request_id)
         if held is None or held.present is None or not 0 <= index < len(held.items):
             return
         item = held.items[index]
-        if self._consumer and item.key in held.present:
-            if item.key not in self._step_loads:
-                step_key = (self._step, item.key)
-                self._step_loads[item.key] = Transfer(
-                    item.key, held.present[item.key], item.shape, item.dtype
-                )
-                self._load_acks[step_key] = (request_id, set(range(self._ranks)))
+        key = item.key
+        offset = held.present.get(key)
+        if offset is not None:
+            if self._consumer and key not in self._step_loads:
+                step_key = (self._step, key)
+                self._step_loads[key] = Transfer(key, offset, item.shape, item.dtype)
+                self._load_acks[step_key] = (request_id, self._all_ranks)
                 held.loads.add(step_key)
                 self._counts["loads"] += 1
-        elif self._producer and item.key not in held.present and item.key not in self._step_saves:
-            offset = self._staging.allocate(item.nbytes)
-            if offset is None:
-                self._counts["saves_skipped"] += 1
+        elif self._producer and key not in self._step_saves:
+            reserved = held.request.begin_fill([item])[0]
+            if reserved is None:
+                self._counts["saves_skipped"] += 1  # present (not for it), a fill owed, no space
                 return
-            step_key = (self._step, item.key)
-            self._step_saves[item.key] = Transfer(
-                item.key, self._capacity + offset, item.shape, item.dtype
-            )
-            self._save_acks[step_key] = (request_id, item, offset)
+            step_key = (self._step, key)
+            self._step_saves[key] = Transfer(key, reserved, item.shape, item.dtype)
+            self._save_acks[step_key] = (request_id, key, reserved)
             held.saves.add(step_key)
             self._counts["saves"] += 1
 
@@ -192,43 +207,64 @@ class SchedulerSide:
             list(self._step_saves.values()),
         )
         self._step += 1
-        self._step_loads, self._step_saves = {}, {}
+        if self._step_loads:
+            self._step_loads = {}
+        if self._step_saves:
+            self._step_saves = {}
         self._current = None
-        self._expire()
+        self.has_item = NOTHING.__contains__
+        if self._finishing:
+            self._expire()
         return meta
 
     def absorb(self, acks: EmbcacheECWorkerMetadata) -> None:
-        """``update_connector_output``: count acks, insert acked saves, close what is done.
+        """``update_connector_output``: count acks, end acked fills, close what is done.
         Unknown or repeated acks are ignored. O(acks)."""
-        touched: set[str] = set()
+        touched: list[str] = []
+        load_acks = self._load_acks
         for rank, done in acks.loaded.items():
+            bit = 1 << rank
             for step_key in done:
-                entry = self._load_acks.get(step_key)
+                entry = load_acks.get(step_key)
                 if entry is None:
                     continue
                 request_id, missing = entry
-                missing.discard(rank)
-                if not missing:
-                    del self._load_acks[step_key]
-                    self._held[request_id].loads.discard(step_key)
-                    touched.add(request_id)
+                missing &= ~bit
+                if missing:
+                    load_acks[step_key] = (request_id, missing)
+                    continue
+                del load_acks[step_key]
+                self._held[request_id].loads.discard(step_key)
+                touched.append(request_id)
+        ended: dict[str, list[tuple[StepKey, str, int, TransferOutcome]]] = {}
         for step_key, ok in acks.saved.items():
             saved = self._save_acks.pop(step_key, None)
             if saved is not None:
-                touched.add(self._end_save(step_key, *saved, ok))
+                request_id, key, offset = saved
+                ended.setdefault(request_id, []).append(
+                    (step_key, key, offset, OK if ok else FAILED)
+                )
+        for request_id, saves in ended.items():
+            self._end_saves(request_id, saves)
+            touched.append(request_id)
         for request_id in touched:
             self._close_if_done(request_id)
-        self._expire()
+        if self._finishing:
+            self._expire()
 
     def finish(self, request_id: str) -> None:
         """``request_finished``: close now, or once every ack came. O(1)."""
         held = self._held.get(request_id)
-        if held is None:
+        if held is None or held.finished_at is not None:
             return
         held.finished_at = self._clock()
         if self._current is held:
             self._current = None
-        self._close_if_done(request_id)
+            self.has_item = NOTHING.__contains__
+        if held.loads or held.saves:
+            self._finishing[request_id] = held.finished_at
+        else:
+            self._close(request_id, held)
 
     # -- the rest ------------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
@@ -237,48 +273,90 @@ class SchedulerSide:
         pinned = {
             it.key: it.nbytes for h in quarantined for it in h.items if it.key in (h.present or ())
         }
-        staged = sum(self._save_acks[k][1].nbytes for h in quarantined for k in h.saves)
         return SchedulerStats(
             steps=self._step,
             open_requests=len(self._held),
             outstanding_loads=len(self._load_acks),
             outstanding_saves=len(self._save_acks),
             quarantined_requests=len(quarantined),
-            quarantined_bytes=sum(pinned.values()) + staged,
+            quarantined_bytes=sum(pinned.values()),
             **self._counts,
         )
 
     def check_invariants(self) -> None:
         """The cache's invariants, then the connector's: every outstanding load or save belongs
-        to an open request that lists it; a request is open only while vLLM runs it or an ack
-        is outstanding; staging holds exactly the outstanding saves. O(n log n)."""
+        to an open request that lists it; an outstanding save's entry is LOADING (its range
+        reserved, unreadable); a request is open only while vLLM runs it or an ack is
+        outstanding; the finishing and quarantined requests are open ones. O(n log n)."""
         self._cache.check_invariants()
-        self._staging.check_invariants()
         for step_key, (request_id, missing) in self._load_acks.items():
             held = self._held.get(request_id)
-            if held is None or step_key not in held.loads or not missing:
+            if held is None or step_key not in held.loads or not 0 < missing <= self._all_ranks:
                 raise InvariantError(f"load {step_key} of {request_id!r}: not held by its request")
-        for step_key, (request_id, _, _) in self._save_acks.items():
+        for step_key, (request_id, key, _) in self._save_acks.items():
             held = self._held.get(request_id)
             if held is None or step_key not in held.saves:
                 raise InvariantError(f"save {step_key} of {request_id!r}: not held by its request")
+            if self._cache.entry_state(key) is not EntryState.LOADING:
+                raise InvariantError(
+                    f"save {step_key}: its entry is {self._cache.entry_state(key)}"
+                )
         for request_id, held in self._held.items():
-            if held.finished_at is not None and not (held.loads or held.saves):
+            owed = held.loads | held.saves
+            if owed - self._load_acks.keys() - self._save_acks.keys():
+                raise InvariantError(f"request {request_id!r} lists acks nobody owes")
+            if held.finished_at is not None and not owed:
                 raise InvariantError(f"request {request_id!r} finished, acked, still open")
-        staged = sorted(offset for _, _, offset in self._save_acks.values())
-        if staged != sorted(offset for offset, _ in self._staging.allocations()):
-            raise InvariantError(f"staging holds {self._staging.allocations()}, saves {staged}")
-        if not self._quarantined <= self._held.keys():
-            raise InvariantError(f"quarantined {self._quarantined - self._held.keys()} not held")
+            waiting = request_id in self._finishing or request_id in self._quarantined
+            if (held.finished_at is not None) != waiting:
+                raise InvariantError(f"request {request_id!r}: finished_at and its hold disagree")
+        if self._finishing.keys() & self._quarantined:
+            raise InvariantError(
+                f"{self._finishing.keys() & self._quarantined} finishing and quarantined"
+            )
 
     def close(self) -> None:
         """Release everything (the ranks are gone), close the cache and the shared pool."""
         for held in self._held.values():
             held.request.close()
         self._held.clear()
+        self._finishing.clear()
         self._quarantined.clear()
+        self._load_acks.clear()
+        self._save_acks.clear()
         self._cache.close()
         self._close_store()
+
+    def _look_up(self, held: _Held, items: list[Item]) -> None:
+        """Look up ``items`` not looked up before (media that arrived since)."""
+        seen = set(held.looked)
+        unique = [it for it in {it.key: it for it in items}.values() if it.key not in seen]
+        held.looked += [it.key for it in unique]
+        self._note_present(held, held.request.lookup_offsets(unique, prefetch=self._consumer))
+
+    def _settle(self, held: _Held) -> bool:
+        """A request whose lookup waits on a load: False (defer) while it does, else note what
+        it holds and make it current."""
+        if not held.request.wait(0):
+            self._counts["deferred"] += 1
+            return False
+        self._note_present(held, held.request.offsets())
+        return self._make_current(held)
+
+    def _note_present(self, held: _Held, offsets: list[int | None] | None) -> None:
+        """What ``held`` holds, from the offsets of its looked-up items (None: pending)."""
+        if offsets is None:
+            held.present = None
+        else:
+            pairs = zip(held.looked, offsets, strict=True)
+            held.present = {k: o for k, o in pairs if o is not None}
+
+    def _make_current(self, held: _Held) -> bool:
+        """``held`` is the request vLLM schedules now: ``has_item`` answers for it."""
+        assert held.present is not None
+        self._current = held
+        self.has_item = held.present.__contains__ if self._consumer else NOTHING.__contains__
+        return True
 
     def _close_store(self) -> None:
         try:
@@ -287,51 +365,81 @@ class SchedulerSide:
         finally:
             self._shared.close()
 
-    def _end_save(
-        self, step_key: StepKey, request_id: str, item: Item, offset: int, ok: bool
-    ) -> str:
+    def _end_saves(
+        self, request_id: str, saves: list[tuple[StepKey, str, int, TransferOutcome]]
+    ) -> None:
+        """End the fills of ``saves`` (step key, key, offset, outcome) of one request."""
         held = self._held[request_id]
-        held.saves.discard(step_key)
-        if ok:
-            start = self._capacity + offset
-            staged = self._shared.tensor[start : start + item.nbytes].view(item.dtype)
-            if held.request.insert([item.key], [staged.view(item.shape)])[0]:
+        for step_key, *_ in saves:
+            held.saves.discard(step_key)
+        cached = held.request.end_fill([s[1] for s in saves], [s[3] for s in saves])
+        for (_, key, offset, _), ok in zip(saves, cached, strict=True):
+            if ok:
                 self._counts["inserts"] += 1
-        self._staging.free(offset)
-        return request_id
+                if held.present is not None:  # it pins the fresh entry: a resumed request loads it
+                    held.present[key] = offset
 
     def _close_if_done(self, request_id: str) -> None:
-        held = self._held[request_id]
-        if held.finished_at is not None and not (held.loads or held.saves):
-            held.request.close()
-            del self._held[request_id]
-            self._quarantined.discard(request_id)
+        held = self._held.get(request_id)
+        if held is not None and held.finished_at is not None and not (held.loads or held.saves):
+            self._close(request_id, held)
+
+    def _close(self, request_id: str, held: _Held) -> None:
+        held.request.close()
+        del self._held[request_id]
+        self._finishing.pop(request_id, None)
+        self._quarantined.discard(request_id)
+
+    def _rename(self, held: _Held) -> None:
+        """vLLM reuses the id of a finished request whose acks are still owed: the old one
+        keeps its hold under a name of its own."""
+        old = held.request.request_id
+        alias = f"{old}#step{self._step}"
+        self._held[alias] = self._held.pop(old)
+        for step_key, (request_id, missing) in self._load_acks.items():
+            if request_id == old:
+                self._load_acks[step_key] = (alias, missing)
+        for step_key, (request_id, key, offset) in self._save_acks.items():
+            if request_id == old:
+                self._save_acks[step_key] = (alias, key, offset)
+        self._finishing = {alias if r == old else r: t for r, t in self._finishing.items()}
+        if old in self._quarantined:
+            self._quarantined.discard(old)
+            self._quarantined.add(alias)
 
     def _expire(self) -> None:
-        """Quarantine finished requests whose acks are overdue."""
+        """Quarantine the finished requests whose acks are overdue (oldest first): their pins
+        stay; their fills end UNKNOWN."""
         now = self._clock()
-        for request_id, held in self._held.items():
-            if (
-                request_id not in self._quarantined
-                and held.finished_at is not None
-                and now - held.finished_at >= self._hold_timeout
-            ):
-                self._quarantined.add(request_id)
-                missing = {r for k in held.loads for r in self._load_acks[k][1]}
-                log.warning(
-                    "request %s: no ack from ranks %s after %g s; its %d bytes stay held",
-                    request_id,
-                    sorted(missing),
-                    self._hold_timeout,
-                    self._held_bytes(held),
-                )
+        for request_id, finished_at in list(self._finishing.items()):
+            if now - finished_at < self._hold_timeout:
+                break
+            del self._finishing[request_id]
+            held = self._held[request_id]
+            unknown = []
+            for step_key in sorted(held.saves):
+                _, key, offset = self._save_acks.pop(step_key)
+                unknown.append((step_key, key, offset, UNKNOWN))
+            if unknown:
+                self._end_saves(request_id, unknown)
+            if not held.loads:
+                self._close(request_id, held)
+                continue
+            self._quarantined.add(request_id)
+            missing = sorted(
+                r for k in held.loads for r in range(self._ranks) if self._load_acks[k][1] >> r & 1
+            )
+            log.warning(
+                "request %s: no ack from ranks %s after %g s; its %d bytes stay held",
+                request_id,
+                sorted(set(missing)),
+                self._hold_timeout,
+                self._held_bytes(held),
+            )
 
     def _held_bytes(self, held: _Held) -> int:
         present = held.present or {}
-        pinned = sum(
-            it.nbytes for it in {i.key: i for i in held.items}.values() if it.key in present
-        )
-        return pinned + sum(self._save_acks[k][1].nbytes for k in held.saves)
+        return sum(it.nbytes for it in {i.key: i for i in held.items}.values() if it.key in present)
 
 
 def _store(options: ConnectorOptions) -> GlobalStore | None:

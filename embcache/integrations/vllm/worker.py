@@ -1,6 +1,7 @@
 """The worker role (one per rank): copies the step's loads from the shared pool into vLLM's
-``encoder_cache`` on this rank's device, copies fresh outputs into staging (rank 0), and
-returns its acks (embcache/DESIGN.md, "vLLM: the scheduler/worker split")."""
+``encoder_cache`` on this rank's device, copies fresh outputs into the pool ranges the
+scheduler reserved for them (rank 0), and returns its acks (embcache/DESIGN.md, "vLLM: the
+scheduler/worker split")."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class WorkerSide:
     def save(
         self, meta: EmbcacheECMetadata, encoder_cache: dict[str, torch.Tensor], key: str
     ) -> None:
-        """``save_caches`` (rank 0): copy ``encoder_cache[key]`` into its staging range if this
+        """``save_caches`` (rank 0): copy ``encoder_cache[key]`` into its pool range if this
         step reserved one; the ack says whether shape and dtype matched. O(bytes)."""
         if self.rank != 0:
             return
@@ -53,8 +54,12 @@ class WorkerSide:
                     self._saved[(meta.step, key)] = False
                 return
 
-    def acks(self) -> EmbcacheECWorkerMetadata | None:
-        """``build_connector_worker_meta``: the acks since the last call, or None. O(acks)."""
+    def acks(self, meta: EmbcacheECMetadata | None = None) -> EmbcacheECWorkerMetadata | None:
+        """``build_connector_worker_meta``: the acks since the last call, or None; on rank 0,
+        a save of ``meta`` (the step's metadata) never written is acked False. O(acks)."""
+        if meta is not None and self.rank == 0:
+            for t in meta.saves:
+                self._saved.setdefault((meta.step, t.key), False)
         if not (self._loaded or self._saved):
             return None
         acks = EmbcacheECWorkerMetadata(

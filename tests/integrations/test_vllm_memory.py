@@ -1,0 +1,134 @@
+"""The vLLM connector's memory (issue 28; embcache/DESIGN.md, "Memory bounds", "vLLM
+connector"): every container of the scheduler role is bounded by the requests vLLM has open
+or by one step, and empties when they close; a connector configured as the README shows holds
+its budget however many distinct images pass; a short soak of both roles stays flat."""
+
+from __future__ import annotations
+
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from benchmarks import soak_vllm_memory
+from benchmarks.vllm_engine import Engine
+from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
+from tests.integrations.vllm_replay import WIDTH, FakeRequest, LocalRank, Replay, requests
+
+__all__ = ["make_scheduler", "vllm_base"]
+pytestmark = pytest.mark.timeout(600)
+CFG = {"pool_bytes": 48 * 1024, "hold_timeout_s": 0.01}
+
+
+def sizes(sched: Any) -> dict[str, int]:
+    """Every container of the scheduler role, by name (the test reads them to bound them)."""
+    side = sched._scheduler
+    return {
+        "held": len(side._held),
+        "finishing": len(side._finishing),
+        "quarantined": len(side._quarantined),
+        "load_acks": len(side._load_acks),
+        "save_acks": len(side._save_acks),
+        "step_loads": len(side._step_loads),
+        "step_saves": len(side._step_saves),
+        "cache_requests": side.cache.stats().open_requests,
+    }
+
+
+def test_every_container_is_bounded_by_open_requests_and_empties_when_they_close(
+    make_scheduler: Callable[..., Any],
+) -> None:
+    """3,000 requests over 2,000 keys (a 48 KiB pool: evictions all along), a rank's acks
+    lost now and then (rank 0's: its fills end UNKNOWN; either's loads: the request is
+    quarantined until they are delivered late): at every step the requests held are ones
+    vLLM has not finished or finished ones with an ack owed, the per-step maps are empty once
+    the step's metadata is built, and at the end, every request closed, every container is
+    empty."""
+    sched = make_scheduler(CFG)
+    ranks = [LocalRank("ec_both", CFG, 2, r) for r in range(2)]
+    replay = Replay(sched, ranks, seed=3)
+    for request in requests(3000, 2000, seed=3):
+        replay.add(request)
+    most = dict.fromkeys(sizes(sched), 0)
+    while replay.waiting or replay.running:
+        step = replay.report.steps
+        lost = {0} if step % 53 == 5 else {1} if step % 37 == 7 else set()
+        replay.step(drop_ack=lost.__contains__)
+        now = sizes(sched)
+        side = sched._scheduler
+        seen = {r.request_id for r in replay.running + replay.waiting}  # not finished
+        assert side._held.keys() <= seen | side._finishing.keys() | side._quarantined
+        assert now["cache_requests"] == now["held"]
+        assert now["step_loads"] == now["step_saves"] == 0  # per step: gone at build
+        for name, size in now.items():
+            most[name] = max(most[name], size)
+        if replay.report.steps % 50 == 0:
+            sched.check_invariants()
+    assert replay.report.errors == [] and replay.report.dropped_acks > 10
+    assert most["quarantined"] > 0 and most["load_acks"] > 0 and most["save_acks"] > 0
+    for acks in replay.report.dropped:  # the late acks end every hold
+        replay.deliver(acks)
+    sched.check_invariants()
+    assert sizes(sched) == dict.fromkeys(most, 0)
+    assert sched._scheduler.cache.stats().pinned_entries == 0
+
+
+def test_a_connector_as_the_readme_shows_holds_its_budget_with_10x_of_it_passing(
+    vllm_base: Any,
+) -> None:
+    """The README's vLLM configuration (its options, with a pool of 1 MiB and no Mooncake
+    master, so no global tier): 10 MiB of distinct images pass through both roles in vLLM's
+    order; the shared memory stays ``pool_bytes``, the cache holds at most that, and Python's
+    heap grows by a small fraction of it (metadata, not payload)."""
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    from benchmarks.vllm_wheel import vllm_config
+
+    pool = 1 << 20
+    extra = {"pool_bytes": pool}
+    make = ECConnectorFactory.create_connector
+    sched = make(vllm_config("ec_both", extra, 2), ECConnectorRole.SCHEDULER)
+    workers = [make(vllm_config("ec_both", extra, 2, r), ECConnectorRole.WORKER) for r in (0, 1)]
+    engine = Engine(sched, workers, WIDTH, admit=1)
+    item = 32 * WIDTH * 2
+    count = 10 * pool // item
+    try:
+        assert sched._scheduler.cache.store is None
+        assert sched.build_connector_meta(object()).pool.size == pool
+        tracemalloc.start()
+        for i in range(count // 4):
+            keys = [f"img-{4 * i + j}" for j in range(4)]
+            engine.add(FakeRequest(f"r{i}", keys, dict.fromkeys(keys, 32), 1))
+            engine.step()
+            if i == 10:
+                warm = tracemalloc.get_traced_memory()[0]
+        grown = tracemalloc.get_traced_memory()[0] - warm
+        tracemalloc.stop()
+        stats = sched._scheduler.cache.stats()
+        assert engine.report.errors == [] and engine.report.images == count
+        assert stats.entries * item <= pool and stats.open_requests == 0
+        assert grown < pool // 8, f"heap grew {grown} bytes with {10 * pool} bytes passing"
+        sched.check_invariants()
+    finally:
+        sched.shutdown()
+        for worker in workers:
+            worker.shutdown()
+
+
+def test_a_short_soak_of_both_roles_leaves_memory_flat(vllm_base: Any) -> None:
+    """``benchmarks/soak_vllm_memory.py`` for 3,000 distinct items and 300 requests."""
+    row = soak_vllm_memory.run(items=3000, requests=300, pool=64 * 1024, warmup=0.2)
+    assert row.containers["errors"] == 0
+    assert {k: v for k, v in row.containers.items() if k not in ("entries", "errors")} == dict(
+        cache_requests=0,
+        held=0,
+        finishing=0,
+        quarantined=0,
+        load_acks=0,
+        save_acks=0,
+        step_transfers=0,
+        engine_refs=0,
+    )
+    assert row.rss_growth_pct < 5 and row.heap_growth_kib < 256, row
