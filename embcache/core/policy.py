@@ -25,14 +25,8 @@ of one-byte counters, conservative update, ``hash(key)`` once and the rows' inde
 hashing), saturating at 15 as TinyLFU's 4-bit counters do, and halved every ``sample_factor`` x
 (resident entries) lookups, TinyLFU's sample of ten times the cache. Its width is the next power
 of two >= 4 x a sample's lookups, grown (never shrunk) when a sample starts, so its memory is a
-fixed function of the entries the pool holds, never of the keys seen (DESIGN.md, "Memory
-bounds"). Issue 28 replaced exact counts in a dict keyed by every key of the sample window: the
-dict was faster (a record 0.2 us against 0.6 us, best of 9 on the 2-core machine; 3,450 against
-8,540 instructions under callgrind) but kept a key and a count per key seen. Measured on the
-grid against the exact counts: with 4 counters per lookup no cell lost more than 0.11 point
-(none with two of three hash seeds); with 1 or 2 per lookup cells lost up to 1.3 and 0.35
-points, and with 2 rows of 8 per lookup (0.25 us a record) up to 0.5. Counters take a byte, not
-a nibble: packing two a byte cost 60% more per record for half the bytes. The aging alone
+fixed function of the entries the pool holds, never of the keys seen (its sizing, measured:
+``embcache.core.sketch``). The aging alone
 follows a slow drift but not a sudden one: after the popularity is reshuffled, the stale
 favourites keep high counts for several halvings and the filter refuses the new favourites (on
 the drifting mix it saved 33.2% of encoder tokens where LRU saved 44.2%). Halving faster, or a
@@ -70,9 +64,9 @@ from __future__ import annotations
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
+from embcache.core.sketch import DEPTH, MAX_COUNTER, Footprint, FrequencySketch, next_power_of_two
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 
 
@@ -187,119 +181,6 @@ def _range_knob(name: str, value: object, top: float) -> float:
     return float(value)
 
 
-DEPTH = 4  # rows of the frequency sketch
-HALF = bytes(count >> 1 for count in range(256))  # bytearray.translate: every counter halved
-MAX_COUNTER = 255  # a counter is one byte
-
-
-@dataclass(frozen=True)
-class Footprint:
-    """What a policy keeps per key: bytes of sketch, resident keys, ghosts (DESIGN.md,
-    "Memory bounds"). ``within(bound)``: no field above ``bound``'s."""
-
-    sketch_bytes: int
-    resident: int
-    ghosts: int = 0
-
-    def within(self, bound: Footprint) -> bool:
-        """Every field at most ``bound``'s."""
-        return (
-            self.sketch_bytes <= bound.sketch_bytes
-            and self.resident <= bound.resident
-            and self.ghosts <= bound.ghosts
-        )
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-class FrequencySketch:
-    """A count-min sketch of recent lookups: ``DEPTH`` rows of ``width`` one-byte counters
-    (``width`` a power of two), saturating at ``max_count``, with conservative update.
-
-    ``hash(key)`` is taken once; row ``r`` counts the key at ``(a + r * b) & (width - 1)``, with
-    ``a`` its low bits and ``b`` (odd) its bits from 32 up (double hashing, Kirsch and
-    Mitzenmacher). An estimate is the smallest of the key's ``DEPTH`` counters: never below the
-    key's true count (saturated, halved), above it only when every row collides. Collisions,
-    hence a few answers at the margin, depend on the interpreter's hash seed (PYTHONHASHSEED).
-    ``grow`` doubles the width by repeating every row, which leaves every estimate unchanged
-    (the new index of a key is its old one or that plus the old width). Memory: ``DEPTH`` x
-    ``width`` bytes, nothing per key.
-    """
-
-    __slots__ = ("mask", "max_count", "rows")
-
-    def __init__(self, width: int, max_count: int) -> None:
-        self.rows = tuple(bytearray(width) for _ in range(DEPTH))
-        self.mask = width - 1
-        self.max_count = max_count
-
-    @property
-    def width(self) -> int:
-        """Counters per row."""
-        return self.mask + 1
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of counters (the sketch's whole per-key memory)."""
-        return DEPTH * self.width
-
-    def estimate(self, key: str) -> int:
-        """Recent lookups of ``key`` (saturating, halved with the sketch). O(1)."""
-        h, mask = hash(key), self.mask
-        i0 = h & mask
-        b = ((h >> 32) & mask) | 1
-        i1 = (i0 + b) & mask
-        i2 = (i1 + b) & mask
-        r0, r1, r2, r3 = self.rows
-        return min(r0[i0], r1[i1], r2[i2], r3[(i2 + b) & mask])
-
-    def add(self, key: str) -> int:
-        """Count one lookup of ``key``: raise those of its counters that hold its estimate (the
-        smallest), unless saturated; the estimate before. O(1), no loop: runs on every lookup."""
-        h, mask = hash(key), self.mask
-        i0 = h & mask
-        b = ((h >> 32) & mask) | 1
-        i1 = (i0 + b) & mask
-        i2 = (i1 + b) & mask
-        i3 = (i2 + b) & mask
-        r0, r1, r2, r3 = self.rows
-        c0, c1, c2, c3 = r0[i0], r1[i1], r2[i2], r3[i3]
-        before = c0 if c0 < c1 else c1
-        if c2 < before:
-            before = c2
-        if c3 < before:
-            before = c3
-        if before < self.max_count:
-            after = before + 1
-            if c0 == before:
-                r0[i0] = after
-            if c1 == before:
-                r1[i1] = after
-            if c2 == before:
-                r2[i2] = after
-            if c3 == before:
-                r3[i3] = after
-        return before
-
-    def halve(self) -> None:
-        """Every counter halved (rounded down), in C. O(width)."""
-        for row in self.rows:
-            row[:] = row.translate(HALF)
-
-    def clear(self) -> None:
-        """Every counter 0. O(width)."""
-        for row in self.rows:
-            row[:] = bytes(len(row))
-
-    def grow(self, width: int) -> None:
-        """At least ``width`` counters a row (a power of two); never shrinks. O(new width)."""
-        while self.mask + 1 < width:
-            for row in self.rows:
-                row.extend(row)
-            self.mask = 2 * self.mask + 1
-
 
 class TinyLfuPolicy:
     """Recency order with a TinyLFU admission filter that follows a drifting mix.
@@ -413,7 +294,7 @@ class TinyLfuPolicy:
         (a pool of ``capacity`` bytes holds at most ``capacity // alignment``): the resident
         keys are entries, and the sketch is as wide as the widest sample asks. O(1)."""
         sample = self._sample_factor * max(entries, self._min_entries)
-        return Footprint(DEPTH * _next_power_of_two(self.COUNTERS_PER_LOOKUP * sample), entries)
+        return Footprint(DEPTH * next_power_of_two(self.COUNTERS_PER_LOOKUP * sample), entries)
 
     def _entries(self) -> int:
         """The resident entries, or ``min_entries`` if more: what samples and bounds scale by."""
@@ -424,7 +305,7 @@ class TinyLfuPolicy:
         ``COUNTERS_PER_LOOKUP`` x as wide as it has lookups."""
         self._samples = 0
         self._sample = self._sample_factor * self._entries()
-        self._sketch.grow(_next_power_of_two(self.COUNTERS_PER_LOOKUP * self._sample))
+        self._sketch.grow(next_power_of_two(self.COUNTERS_PER_LOOKUP * self._sample))
 
     def _halve(self) -> None:
         self._sketch.halve()
