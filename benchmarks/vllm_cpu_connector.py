@@ -150,7 +150,7 @@ def config(cpu_bytes: int, world: int, width: int, rank: int = 0, role: str = "e
     return SimpleNamespace(
         ec_transfer_config=ec,
         use_v2_model_runner=True,
-        instance_id=f"embcache-bench-{id(ec)}",
+        instance_id=f"eccpu-baseline-{id(ec)}",  # its region: /dev/shm/vllm_ec_<this>_dp0.mmap
         model_config=SimpleNamespace(
             dtype=torch.float16,
             get_hidden_size=lambda: width,

@@ -35,10 +35,13 @@
 (*    whose ack has not come.  A request's pins end when it finished and   *)
 (*    nothing of it is owed; LoseAck (the hold timeout) only marks it      *)
 (*    quarantined: its pins stay, for ever or until the late acks come.    *)
-(*  - The producer path: an item r encodes gets a staging slot             *)
-(*    (AllocSave); Rank0 writes the fresh output there in its WorkerLoad   *)
-(*    and acks; the ack inserts the staged bytes into the pool (AckSave)   *)
-(*    and frees the slot.  A save ack never received keeps it reserved.    *)
+(*  - The producer path (when Producer): an item r encodes gets a pool     *)
+(*    slot reserved for it, a LOADING entry that r fills (AllocSave);      *)
+(*    Rank0 writes the fresh output straight into that slot in its         *)
+(*    WorkerLoad and acks; the ack makes the entry READY, pinned by r      *)
+(*    (AckSave).  A save ack overdue (LoseAck) ends the fill UNKNOWN: the  *)
+(*    entry is QUARANTINED, its slot held until a fence frees it once      *)
+(*    Rank0 can no longer write it (FenceFill).                            *)
 (***************************************************************************)
 EXTENDS Naturals, Sequences, FiniteSets
 
@@ -47,18 +50,20 @@ CONSTANTS
     Requests,  \* vLLM requests, each used once
     Ranks,     \* worker ranks (TP x PP): each one needs every declared item
     Slots,     \* pool slots: an entry takes one
-    Staging,   \* staging slots: a fresh output waits in one for its insert
-    Rank0,     \* the rank that writes fresh outputs into staging (save_caches)
+    Producer,  \* TRUE: the producer path runs (fresh outputs are cached)
+    Rank0,     \* the rank that writes fresh outputs into the pool (save_caches)
     Garbage,   \* a model value: the bytes of a freed or half-written slot
     NoSlot     \* a model value: the slot of an ABSENT entry
 
 ASSUME /\ Garbage \notin Keys
        /\ NoSlot \notin Slots
        /\ Rank0 \in Ranks
+       /\ Producer \in BOOLEAN
 
 ABSENT  == "ABSENT"
 LOADING == "LOADING"
 READY   == "READY"
+FENCED  == "QUARANTINED"  \* a fill ended UNKNOWN: the slot is held until a fence
 
 \* vLLM's view of a request, from the connector's side.
 UNSEEN      == "unseen"       \* no Ensure yet
@@ -71,7 +76,7 @@ Live == {UNSEEN, WAITING, ENSURED}
 NoRequest == "none"
 
 VARIABLES
-    entry,     \* entry[k]: [state, slot, holders, waiters]
+    entry,     \* entry[k]: [state, slot, holders, waiters, filler]
     free,      \* the free pool slots
     pool,      \* pool[s]: whose bytes slot s holds (Garbage: none valid)
     request,   \* request[r]: one of the states above
@@ -84,19 +89,17 @@ VARIABLES
     owed,      \* <<w, l>>: the connector waits for rank w's ack of load l
     acks,      \* <<w, l>>: acks on their way to the scheduler
     errors,    \* what ranks found wrong: [rank, req, key, got] (a history)
-    stfree,    \* the free staging slots
-    staged,    \* staged[t]: whose bytes staging slot t holds (Garbage: none valid)
     saving,    \* the saves whose ack from Rank0 the connector waits for
     sacks      \* Rank0's save acks on their way to the scheduler
 
-SaveVars == <<stfree, staged, saving, sacks>>
+SaveVars == <<saving, sacks>>
 vars == <<entry, free, pool, request, items, current, declared, allocated, meta, inbox, owed,
           acks, errors, SaveVars>>
 
-NoEntry == [state |-> ABSENT, slot |-> NoSlot, holders |-> {}, waiters |-> {}]
+NoEntry == [state |-> ABSENT, slot |-> NoSlot, holders |-> {}, waiters |-> {}, filler |-> NoRequest]
 Load(r, k) == [req |-> r, key |-> k, slot |-> entry[k].slot]
 Loads == [req : Requests, key : Keys, slot : Slots]
-Saves == [req : Requests, key : Keys, slot : Staging]
+Saves == [req : Requests, key : Keys, slot : Slots]
 Message == [loads : SUBSET Loads, saves : SUBSET Saves, declared : SUBSET (Requests \X Keys)]
 EmptyMeta == [loads |-> {}, saves |-> {}, declared |-> {}]
 Nothing == "Nothing"  \* no tensor in encoder_cache
@@ -130,6 +133,7 @@ BeginLoad(k) ==
 EndLoad(k, ok) ==
     LET e == entry[k] IN
     /\ e.state = LOADING
+    /\ e.filler = NoRequest  \* a fill ends only with Rank0's ack (AckSave) or LoseAck
     /\ IF ok
          THEN /\ entry' = [entry EXCEPT ![k] = [e EXCEPT !.state = READY,
                                                 !.holders = e.waiters, !.waiters = {}]]
@@ -249,70 +253,89 @@ Ack(w, l) ==
 \* evicted or reused (a rank may still read them); only late acks end them.
 LoseAck(r) ==
     /\ request[r] = FINISHED
-    /\ request' = [request EXCEPT ![r] = QUARANTINED]
-    /\ UNCHANGED <<entry, free, pool, items, current, declared, allocated, meta, inbox, owed,
-                   acks, errors, SaveVars>>
+    /\ LET lost == {sv \in saving : sv.req = r}
+           K == {sv.key : sv \in {o \in lost : entry[o.key].filler = r}}
+           closes == OwedBy(r) = {}
+       IN  /\ saving' = saving \ lost
+           /\ entry' = [k \in Keys |-> IF k \in K
+                            THEN [entry[k] EXCEPT !.state = FENCED, !.filler = NoRequest,
+                                                  !.waiters = {}]
+                            ELSE IF closes THEN [entry[k] EXCEPT !.holders = @ \ {r}]
+                            ELSE entry[k]]
+           /\ request' = [request EXCEPT ![r] = IF closes THEN CLOSED ELSE QUARANTINED]
+    /\ UNCHANGED <<free, pool, items, current, declared, allocated, meta, inbox, owed,
+                   acks, errors, sacks>>
 
 -----------------------------------------------------------------------------
-(* The producer path: fresh encoder outputs, through staging, into the cache. *)
+(* The producer path: fresh encoder outputs, written by Rank0 into the pool. *)
 
 \* update_state_after_alloc(r, i) for an item r does not have (vLLM encodes
-\* it): a staging slot is reserved and a save joins the step's metadata
-\* (none free: no save; one per key and step).  Rank0 writes the fresh
-\* output there and acks.
+\* it), in a producer role: a free pool slot is reserved, a LOADING entry
+\* that r fills (Request.begin_fill), and a save joins the step's metadata
+\* (no free slot: no save; one per key and step).  Rank0 writes the fresh
+\* output into the slot and acks.
 AllocSave(r, k) ==
+    /\ Producer
     /\ request[r] = ENSURED
     /\ k \in items[r]
     /\ <<r, k>> \notin declared \cup allocated
-    /\ r \notin entry[k].holders
+    /\ entry[k].state = ABSENT
     /\ ~\E sv \in meta.saves : sv.key = k
-    /\ \E t \in stfree :
-         /\ meta' = [meta EXCEPT !.saves = @ \cup {[req |-> r, key |-> k, slot |-> t]}]
-         /\ saving' = saving \cup {[req |-> r, key |-> k, slot |-> t]}
-         /\ stfree' = stfree \ {t}
-         /\ staged' = [staged EXCEPT ![t] = Garbage]
+    /\ \E s \in free :
+         /\ entry' = [entry EXCEPT ![k] = [NoEntry EXCEPT !.state = LOADING, !.slot = s,
+                                                         !.filler = r]]
+         /\ free' = free \ {s}
+         /\ pool' = [pool EXCEPT ![s] = Garbage]
+         /\ meta' = [meta EXCEPT !.saves = @ \cup {[req |-> r, key |-> k, slot |-> s]}]
+         /\ saving' = saving \cup {[req |-> r, key |-> k, slot |-> s]}
     /\ allocated' = allocated \cup {<<r, k>>}
-    /\ UNCHANGED <<entry, free, pool, request, items, current, declared, inbox, owed, acks,
-                   errors, sacks>>
+    /\ UNCHANGED <<request, items, current, declared, inbox, owed, acks, errors, sacks>>
 
-\* update_connector_output with Rank0's ack of save sv: the staged bytes are
-\* inserted (when k is absent and a pool slot is free) and the staging slot
-\* is freed; a finished request with nothing else owed closes.  An ack of a
-\* save the connector no longer waits for is ignored.
-InsertSlots(sv) == IF entry[sv.key].state = ABSENT /\ free # {} THEN free ELSE {NoSlot}
-Inserted(sv, p) == IF p = NoSlot THEN entry[sv.key]
-                   ELSE [NoEntry EXCEPT !.state = READY, !.slot = p]
+\* update_connector_output with Rank0's ack of save sv: the fill ends OK,
+\* the entry is READY and pinned by r (Request.end_fill); a finished
+\* request with nothing else owed closes.  An ack of a save the connector
+\* no longer waits for (its fill ended UNKNOWN at LoseAck) is ignored.
 AckSave(sv) ==
     /\ sv \in sacks
     /\ sacks' = sacks \ {sv}
-    /\ IF sv \in saving
-         THEN \E p \in InsertSlots(sv) :
-              LET r == sv.req
-                  ins == [e |-> Inserted(sv, p), slot |-> p]
+    /\ IF sv \in saving /\ entry[sv.key].filler = sv.req /\ entry[sv.key].slot = sv.slot
+         THEN LET r == sv.req
                   closes == /\ request[r] \in {FINISHED, QUARANTINED}
                             /\ OwedBy(r) = {}
                             /\ ~\E o \in saving \ {sv} : o.req = r
-                  e1 == [entry EXCEPT ![sv.key] = ins.e]
+                  e == entry[sv.key]
+                  e1 == [entry EXCEPT ![sv.key] = [e EXCEPT !.state = READY, !.filler = NoRequest,
+                                                   !.holders = e.holders \cup e.waiters \cup {r},
+                                                   !.waiters = {}]]
               IN  /\ saving' = saving \ {sv}
-                  /\ stfree' = stfree \cup {sv.slot}
-                  /\ staged' = [staged EXCEPT ![sv.slot] = Garbage]
-                  /\ free' = free \ {ins.slot}
-                  /\ pool' = IF ins.slot = NoSlot THEN pool
-                              ELSE [pool EXCEPT ![ins.slot] = staged[sv.slot]]
                   /\ entry' = IF closes
                                THEN [k \in Keys |-> [e1[k] EXCEPT !.holders = @ \ {r},
                                                                  !.waiters = @ \ {r}]]
                                ELSE e1
                   /\ request' = IF closes THEN [request EXCEPT ![r] = CLOSED] ELSE request
-         ELSE UNCHANGED <<entry, free, pool, request, stfree, staged, saving>>
-    /\ UNCHANGED <<items, current, declared, allocated, meta, inbox, owed, acks, errors>>
+         ELSE /\ saving' = saving \ {sv}
+              /\ UNCHANGED <<entry, request>>
+    /\ UNCHANGED <<free, pool, items, current, declared, allocated, meta, inbox, owed, acks,
+                   errors>>
 
-\* A save ack that never arrives: the staging slot stays reserved.
+\* A save ack that never arrives: the fill stays LOADING until LoseAck.
 DropSaveAck(sv) ==
     /\ sv \in sacks
     /\ sacks' = sacks \ {sv}
     /\ UNCHANGED <<entry, free, pool, request, items, current, declared, allocated, meta, inbox,
-                   owed, acks, errors, stfree, staged, saving>>
+                   owed, acks, errors, saving>>
+
+\* The fence of a QUARANTINED fill: its slot is freed once no write of it by
+\* Rank0 can land any more: no step being built or that Rank0 has still to
+\* run saves into it (the fence's contract, as for any unknown outcome).
+FenceFill(k) ==
+    /\ entry[k].state = FENCED
+    /\ ~\E m \in {meta} \cup {inbox[Rank0][i] : i \in 1..Len(inbox[Rank0])} :
+           \E sv \in m.saves : sv.slot = entry[k].slot
+    /\ entry' = [entry EXCEPT ![k] = NoEntry]
+    /\ free' = free \cup {entry[k].slot}
+    /\ UNCHANGED <<pool, request, items, current, declared, allocated, meta, inbox, owed, acks,
+                   errors, SaveVars>>
 
 -----------------------------------------------------------------------------
 (* The worker connectors: one per rank, in the GPU worker processes. *)
@@ -332,15 +355,15 @@ WorkerLoad(w) ==
                                                                  got(d[2]) # d[2]}}
            /\ acks' = acks \cup ({w} \X m.loads)
            /\ IF w = Rank0
-                THEN /\ staged' = [t \in Staging |->
-                                      IF \E sv \in m.saves : sv.slot = t
-                                        THEN (CHOOSE sv \in m.saves : sv.slot = t).key
-                                        ELSE staged[t]]
+                THEN /\ pool' = [s \in Slots |->
+                                    IF \E sv \in m.saves : sv.slot = s
+                                      THEN (CHOOSE sv \in m.saves : sv.slot = s).key
+                                      ELSE pool[s]]
                      /\ sacks' = sacks \cup m.saves
-                ELSE UNCHANGED <<staged, sacks>>
+                ELSE UNCHANGED <<pool, sacks>>
     /\ inbox' = [inbox EXCEPT ![w] = Tail(@)]
-    /\ UNCHANGED <<entry, free, pool, request, items, current, declared, allocated, meta, owed,
-                   stfree, saving>>
+    /\ UNCHANGED <<entry, free, request, items, current, declared, allocated, meta, owed,
+                   saving>>
 
 \* An ack that never arrives: a killed worker, a lost message.
 DropAck(w, l) ==
@@ -373,13 +396,12 @@ Init ==
     /\ owed = {}
     /\ acks = {}
     /\ errors = {}
-    /\ stfree = Staging
-    /\ staged = [t \in Staging |-> Garbage]
     /\ saving = {}
     /\ sacks = {}
 
 Next ==
     \/ \E k \in Keys : BeginLoad(k) \/ EndLoad(k, TRUE) \/ EndLoad(k, FALSE) \/ Evict(k)
+                     \/ FenceFill(k)
     \/ \E r \in Requests : Ensure(r) \/ Finish(r) \/ LoseAck(r)
     \/ \E r \in Requests, k \in Keys : HasItem(r, k) \/ Alloc(r, k) \/ AllocSave(r, k)
     \/ \E sv \in Saves : AckSave(sv) \/ DropSaveAck(sv)
@@ -393,8 +415,9 @@ Spec == Init /\ [][Next]_vars
 -----------------------------------------------------------------------------
 (* Invariants. *)
 
-Entry == [state : {ABSENT, LOADING, READY}, slot : Slots \cup {NoSlot},
-          holders : SUBSET Requests, waiters : SUBSET Requests]
+Entry == [state : {ABSENT, LOADING, READY, FENCED}, slot : Slots \cup {NoSlot},
+          holders : SUBSET Requests, waiters : SUBSET Requests,
+          filler : Requests \cup {NoRequest}]
 
 TypeOK ==
     /\ entry \in [Keys -> Entry]
@@ -412,8 +435,6 @@ TypeOK ==
     /\ acks \subseteq Ranks \X Loads
     /\ errors \subseteq [rank : Ranks, req : Requests, key : Keys,
                          got : Keys \cup {Garbage, Nothing}]
-    /\ stfree \subseteq Staging
-    /\ staged \in [Staging -> Keys \cup {Garbage}]
     /\ saving \subseteq Saves
     /\ sacks \subseteq Saves
 
@@ -425,7 +446,7 @@ NoEncoderCacheMiss == \A e \in errors : e.got # Nothing
 RightBytes == \A e \in errors : e.got = Nothing
 
 \* What a later load would deliver: a READY entry's slot holds its bytes
-\* (an insert from a staging slot reused too early breaks it).
+\* (a fill's slot freed and reused while Rank0 may still write it breaks it).
 CachedBytesRight == \A k \in Keys : entry[k].state = READY => pool[entry[k].slot] = k
 
 \* The slots: an entry's slot is not free and no other entry's; a READY
@@ -449,10 +470,13 @@ DeclaredIsPinned ==
            \E l \in m.loads : /\ l.key = d[2]
                               /\ Pinned(l.req, l.key) /\ entry[l.key].slot = l.slot
 
-\* A save the connector waits for keeps its staging slot, its own.
-StagingHeld ==
-    /\ \A sv \in saving : sv.slot \notin stfree
-    /\ \A s1, s2 \in saving : s1 # s2 => s1.slot # s2.slot
+\* A save the connector waits for is its request's fill: a LOADING entry of
+\* its key, in its slot, not free; a fill is a save the connector waits for.
+FillHeld ==
+    /\ \A sv \in saving : /\ entry[sv.key].state = LOADING /\ entry[sv.key].filler = sv.req
+                          /\ entry[sv.key].slot = sv.slot /\ sv.slot \notin free
+    /\ \A k \in Keys : entry[k].filler # NoRequest =>
+           \E sv \in saving : sv.key = k /\ sv.req = entry[k].filler
 
 \* No pin outlives its request: a finished or quarantined request pins only
 \* while an ack of it is owed, a closed one nothing; only a deferred request

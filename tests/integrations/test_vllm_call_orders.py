@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from benchmarks import bench_vllm
 from benchmarks.vllm_wheel import SchedulerOutput
@@ -250,3 +251,55 @@ def test_regression_encode_allocations_before_loads_with_the_pool_full(
         assert report.missing == 0 and report.loaded == 1 and report.errors == []
     else:
         assert report.missing == 1 and report.loaded == 0
+
+
+def test_the_scheduler_copies_no_payload_byte(
+    make_scheduler: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through 200 requests (loads, fills, evictions), no tensor copy and no pool copy-in
+    runs inside a scheduler-role call: the ranks move every byte."""
+    from embcache.pool import PoolViews
+    from tests.integrations.vllm_replay import Replay, requests
+
+    sched = make_scheduler(CFG)
+    inside = [False]
+    copies: list[str] = []
+    tensor_copy, copy_in = torch.Tensor.copy_, PoolViews.copy_in
+
+    def counted_copy(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if inside[0]:
+            copies.append(f"Tensor.copy_ of {self.nbytes} bytes")
+        return tensor_copy(self, *args, **kwargs)
+
+    def counted_copy_in(self: Any, filling: Any) -> Any:
+        if inside[0]:
+            copies.append(f"PoolViews.copy_in of {len(filling)} items")
+        return copy_in(self, filling)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counted_copy)
+    monkeypatch.setattr(PoolViews, "copy_in", counted_copy_in)
+
+    def scheduler_call(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            inside[0] = True
+            try:
+                return method(*args)
+            finally:
+                inside[0] = False
+
+        return call
+
+    names = ("ensure_cache_available", "update_state_after_alloc", "build_connector_meta")
+    for name in (*names, "update_connector_output", "request_finished"):
+        monkeypatch.setattr(sched, name, scheduler_call(getattr(sched, name)))
+    replay = Replay(sched, [LocalRank("ec_both", CFG, 2, r) for r in range(2)], seed=5)
+    for request in requests(200, 60, seed=5):
+        replay.add(request)
+    while replay.waiting or replay.running:
+        replay.step()
+        inside[0] = True
+        sched.check_invariants()
+        inside[0] = False
+    stats = sched.stats()
+    assert replay.report.errors == [] and stats.inserts > 20 and stats.loads > 20
+    assert copies == []

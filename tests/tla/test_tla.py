@@ -59,7 +59,7 @@ def test_models_pass_and_mutants_are_rejected() -> None:
 def test_vllm_mutants_break_a_design_rule_first(tmp_path: Path) -> None:
     """On VllmSaves (every invariant) a design rule rejects each vLLM mutant before any rank
     or the cache goes wrong (check.py shows that on VllmEngine): DeclaredIsPinned, or for the
-    staging mutant StagingHeld."""
+    fill mutant FillHeld."""
     java, jar = check.find_java(), check.find_jar()
     jobs = [check.parse_mutant(path) for path in sorted((TLA / "mutants").glob("*.mutant"))]
     vllm = [job for job in jobs if job.spec == VLLM_SPEC]
@@ -70,7 +70,7 @@ def test_vllm_mutants_break_a_design_rule_first(tmp_path: Path) -> None:
         workdir.mkdir()
         check.prepare(job, workdir)
         outcome = check.check_one(java, jar, job, workdir)
-        rule = "StagingHeld" if "staging" in job.name else "DeclaredIsPinned"
+        rule = "FillHeld" if "fill" in job.name else "DeclaredIsPinned"
         assert outcome.result == rule, (job.name, outcome.output[-3000:])
 
 
