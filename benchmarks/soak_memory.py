@@ -16,9 +16,11 @@ The vLLM connector's soak is ``benchmarks/soak_vllm_memory.py`` (scheduler and w
 What it reports, per front end. Resident memory (``VmRSS``) and Python's traced heap
 (``tracemalloc``, on for the whole run) after the warm-up (the first ``--warmup`` fraction of
 requests: the pool full and evicting) and at the end, after a ``gc.collect()``; the growth in
-per cent (RSS) and KiB (heap); the containers the design bounds (entries, open requests,
-holds) at the end. ``--json`` prints one object with a row per front end. Exit status 1 when a
-row's RSS grows by 5% or more, or its heap by more than ``--heap-slack-kib``.
+per cent (RSS) and KiB (heap); the heap at every further tenth of the run (dicts that reach
+their steady size late show as a step, a leak as a slope); the containers the design bounds
+(entries, open requests, holds) at the end. ``--json`` prints one object with a row per front
+end. Exit status 1 when a row's RSS grows by 5% or more, or its heap by more than
+``--heap-slack-kib``.
 
 Run: ``python -m benchmarks.soak_memory`` (1,000,000 items, 100,000 requests, every front end
 that can run here; minutes each), ``--quick`` (20,000 items, 2,000 requests, a 0.25 MiB pool).
@@ -47,6 +49,10 @@ WIDTH = 16
 ROWS = 16  # item i has 1 + i % ROWS rows
 PAGE = os.sysconf("SC_PAGE_SIZE")
 FRONT_ENDS = ("cache", "pipeline", "sglang")
+# What the SGLang front end's worker lends the Mooncake store: small enough that the warm-up
+# fills it (its pages are touched as objects land in it, which RSS counts: a 64 MiB segment
+# filling after the warm-up showed as +39 MiB), large enough to hold several pools' worth.
+SEGMENT_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class Row:
     heap_warm_kib: float
     heap_end_kib: float
     heap_growth_kib: float
+    heap_by_tenth_kib: list[float]  # the traced heap at every further tenth of the run
     containers: dict[str, int]
 
 
@@ -90,7 +97,9 @@ def soak(
     """Run ``step(i)`` for every request, measuring after the warm-up and at the end."""
     tracemalloc.start()
     warm_at = max(1, int(requests * warmup))
+    tenths = {max(1, requests * k // 10) for k in range(1, 10)}
     rss_warm = heap_warm = 0
+    trend: list[float] = []
     started = time.perf_counter()
     try:
         for i in tqdm(range(requests), desc=name, unit="req", mininterval=2, file=sys.stderr):
@@ -98,6 +107,9 @@ def soak(
             if i + 1 == warm_at:
                 gc.collect()
                 rss_warm, heap_warm = rss_bytes(), tracemalloc.get_traced_memory()[0]
+            if i + 1 in tenths and i + 1 > warm_at:
+                gc.collect()
+                trend.append(round(tracemalloc.get_traced_memory()[0] / 1024, 1))
         gc.collect()
         rss_end, heap_end = rss_bytes(), tracemalloc.get_traced_memory()[0]
     finally:
@@ -107,7 +119,8 @@ def soak(
         round(rss_warm / (1 << 20), 1), round(rss_end / (1 << 20), 1),
         round(100 * (rss_end - rss_warm) / rss_warm, 2),
         round(heap_warm / 1024, 1), round(heap_end / 1024, 1),
-        round((heap_end - heap_warm) / 1024, 1), containers(),
+        round((heap_end - heap_warm) / 1024, 1), [*trend, round(heap_end / 1024, 1)],
+        containers(),
     )  # fmt: skip
 
 
@@ -189,7 +202,7 @@ def sglang_front_end(pool: int, per_request: int) -> Iterator[tuple[Callable[[in
         for name, value in MooncakeMaster.CLIENT_ENVIRONMENT.items():
             os.environ.setdefault(name, value)
         store = stack.enter_context(
-            MooncakeStore(**master.store_kwargs(), global_segment_size=64 << 20)
+            MooncakeStore(**master.store_kwargs(), global_segment_size=SEGMENT_BYTES)
         )
         store.connect()
         controller = EmbeddingCacheController(
