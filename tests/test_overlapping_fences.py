@@ -117,14 +117,8 @@ def test_a_failed_store_fence_frees_nothing_and_leaves_no_fence_in_flight() -> N
             super().fence()
 
     store = FailingFence()
-    store.put_object("q", torch.arange(64, dtype=torch.float32).numpy().tobytes())
-    store.inject("q", Fault.UNKNOWN)
-    cache = EmbeddingCache(16 * 256, store=store, pin_memory=False, auto_fence=None)
+    cache, _ = _quarantined_cache(store=store)
     try:
-        with cache.request("r") as r:
-            r.lookup([Item("q", (64,), torch.float32)])
-            assert r.wait(timeout=10)
-        assert cache.entry_state("q") is QUARANTINED
         with pytest.raises(StoreUnavailableError):
             cache.fence()
         assert cache._core.fences_in_flight == 0
@@ -139,9 +133,12 @@ def test_a_failed_store_fence_frees_nothing_and_leaves_no_fence_in_flight() -> N
         cache.close()
 
 
-def _quarantined_cache(trace: object = None) -> tuple[EmbeddingCache, FaultInjectingStore]:
-    """A cache (no automatic fence) holding one QUARANTINED entry, "q"."""
-    store = FaultInjectingStore()
+def _quarantined_cache(
+    trace: object = None, store: FaultInjectingStore | None = None
+) -> tuple[EmbeddingCache, FaultInjectingStore]:
+    """A cache (no automatic fence) on ``store`` (default: a new one) holding one QUARANTINED
+    entry, "q"."""
+    store = FaultInjectingStore() if store is None else store
     store.put_object("q", torch.arange(64, dtype=torch.float32).numpy().tobytes())
     store.inject("q", Fault.UNKNOWN)
     cache = EmbeddingCache(

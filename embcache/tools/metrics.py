@@ -150,6 +150,8 @@ class CacheMetrics:
     def _pair(self, cache: str, modality: str) -> tuple[str, str]:
         """The checked label pair; a new one only while fewer than MAX_LABEL_PAIRS exist."""
         pair = (_check_name("cache", cache), _check_name("modality", modality))
+        if pair in self._pairs:  # the common case: a known pair, no lock (pairs are only added)
+            return pair
         with self._lock:
             if pair not in self._pairs:
                 if len(self._pairs) >= self.MAX_LABEL_PAIRS:
