@@ -339,7 +339,7 @@ Fence(f) ==
 BeginFenceStep(f) == Quarantine # {} /\ BeginFence(f)
 
 \* The code's events that change nothing.  They are stuttering steps, so Next
-\* leaves them out; the trace spec (issue 5) checks that each was legal.  (A
+\* leaves them out; the trace spec checks that each was legal.  (A
 \* Lookup that misses on a shape or dtype mismatch, which the spec does not
 \* model, is a no-op in any state.)
 LookupIsNoOp(r, k) ==

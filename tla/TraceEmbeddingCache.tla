@@ -1,6 +1,6 @@
 ------------------------ MODULE TraceEmbeddingCache -------------------------
 (***************************************************************************)
-(* Trace validation (issue 5): a run of the real cache, recorded by its    *)
+(* Trace validation: a run of the real cache, recorded by its              *)
 (* trace= hook, is accepted iff it is a behaviour of EmbeddingCache.       *)
 (*                                                                         *)
 (* Traces is a sequence of traces; TLC picks one (t) in the initial state  *)

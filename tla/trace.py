@@ -137,7 +137,7 @@ def convert(events: list[dict[str, Any]], name: str = "trace") -> Converted:
         if action in ("BeginFence", "Fence") and "fence" not in ev:
             raise TraceError(
                 f"{name}: seq {ev['seq']}: a {action} event without its fence id (a trace "
-                "recorded before fences had two steps, issue 25): record it again"
+                "recorded before fences had two steps): record it again"
             )
         if action == "BeginFence":
             busy = set(fence_slot_of.values())
