@@ -3,16 +3,22 @@
 Theory of operation. The core holds every entry, pin, wait and range, takes the DESIGN.md
 actions and composes them into a request's steps; this driver owns the rest: the lock around
 the core, the pool and its views, the payload copies of inserts, the I/O threads that run store
-reads and publishes, wake-ups, trace delivery and the poison debug mode. A request call takes
-the lock once per core step; everything slow happens between steps, no lock held: store calls
-run on the I/O pool and report back through ``end_loads``/``end_publishes``; payload copies run
-in the caller's thread while the entry is LOADING (an insert) or pinned (a read or publish), so
-the range cannot be freed or reused under them.
+reads and publishes, wake-ups, trace delivery and the poison debug mode.
 
-Lock hierarchy: the cache lock is level 1; requests take no lock of their own. Waiting requests
-are woken in ``_signal`` (``embcache.wakeups``); trace events reach the sink after the lock is
-released (``embcache.trace.TraceOutbox``); freed ranges are poisoned before it is released.
-``Request`` talks to this driver through the private methods of "the seam Request uses".
+One funnel per step: every core step goes through ``_run``, the one place that takes the lock
+around the core. ``_locked`` takes the lock, calls the step (which checks that the cache and
+the request are open, raising ``ClosedError``), poisons the ranges it freed (debug mode, before
+the lock goes, so no allocation can take them first) and arms, drops or fires wake-ups
+(``embcache.wakeups``, which lives under the lock); ``_carry_out``, with no lock held, hands the
+trace events to the sink (``embcache.trace.TraceOutbox``), resolves asyncio waiters, and starts
+the step's store reads and writes on the I/O pool. Everything slow happens between steps: store
+calls report back through the ``end_loads``/``end_publishes`` steps; payload copies run in the
+caller's thread while the entry is LOADING (an insert) or pinned (a read or publish), so the
+range cannot be freed or reused under them. Read-only queries (``stats``, ``entry_state``) take
+the lock around a core query, and ``_wait_async`` around the wake-ups alone.
+
+Lock hierarchy: the cache lock is level 1; requests take no lock of their own. ``Request`` talks
+to this driver through the private methods of "the seam Request uses".
 """
 
 from __future__ import annotations
@@ -22,24 +28,19 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
 from embcache.core.cache_core import CacheCore
+from embcache.core.effects import Effects
 from embcache.core.entries import Entry, RequestState
 from embcache.core.lifecycle import EntryState
 from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
 from embcache.core.policy import Policy, as_policy
 from embcache.core.stats import CacheStats
-from embcache.errors import (
-    ClosedError,
-    InvalidArgumentError,
-    InvalidTypeError,
-    LockOrderError,
-    RequestError,
-)
+from embcache.errors import InvalidArgumentError, InvalidTypeError, LockOrderError
 from embcache.fencing import FencePolicy, Fencer
 from embcache.fills import InPlaceFills
 from embcache.item import Item, check_key
@@ -49,10 +50,12 @@ from embcache.pool import PoolViews, make_pool, payload_nbytes
 from embcache.request import Request
 from embcache.store.base import GlobalStore, get_outcome, put_outcome
 from embcache.trace import TraceOutbox, TraceSink
-from embcache.wakeups import Wakeups, resolve
+from embcache.wakeups import Future, Wakeups, resolve
 
 __all__ = ["CacheStats", "EmbeddingCache", "FencePolicy", "TraceSink"]
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+T = TypeVar("T")
 
 class EmbeddingCache(InPlaceFills):
     """An embedding cache over one pool, optionally backed by a global store.
@@ -111,10 +114,7 @@ class EmbeddingCache(InPlaceFills):
             record_freed=poison_requested() if poison_freed is None else poison_freed,
         )
         self._outbox = None if trace is None else TraceOutbox(trace)
-        self._poison = poison_requested() if poison_freed is None else poison_freed
-        self._effects = self._outbox is not None or self._poison  # anything to take per step
         self._wakeups = Wakeups()
-        self._closed = False
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._pool = make_pool(capacity_bytes, pin, pool)
         self._store = store
@@ -128,8 +128,7 @@ class EmbeddingCache(InPlaceFills):
         self._fencer = (
             None if auto_fence is None else Fencer(auto_fence, self._fence_due, self.fence)
         )
-        if self._outbox is not None:
-            self._deliver(self._core.take_events())  # Init
+        self._run(self._core.start)  # Init
 
     # ------------------------------------------------------------------ public API
     @property
@@ -153,14 +152,7 @@ class EmbeddingCache(InPlaceFills):
             raise InvalidTypeError(f"request_id must be a str, got {request_id!r}")
         if not request_id:
             raise InvalidArgumentError("request_id must be a non-empty str")
-        with self._lock:
-            self._check_open()
-            if self._core.has_request(request_id):
-                raise RequestError(f"request {request_id!r} is already open: ids must be unique")
-            state = self._core.open_request(request_id)
-            events = self._settle() if self._effects else None
-        self._deliver(events)
-        return Request(self, state)
+        return Request(self, self._run(self._core.open_request, request_id))
 
     def insert(
         self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, publish: bool = True
@@ -173,73 +165,42 @@ class EmbeddingCache(InPlaceFills):
             raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
         items = [Item.of(check_key(k), t) for k, t in zip(keys, tensors, strict=True)]
         core = self._core
-        with self._lock:
-            self._check_open()
-            rs, fills = core.begin_insert_batch(items)
-            events = self._settle()
-        self._deliver(events)
+        rs, fills = self._run(core.begin_insert_batch, items)
         outcomes, error = self._copy_in([(e, tensors[i]) for i, e in fills])
-        with self._lock:
-            (results, wake), writes = core.finish_insert_batch(
-                rs, fills, outcomes, len(items), publish=publish and self._store is not None
-            )
-            events = self._settle()
-        self._deliver(events)
-        if wake:
-            self._signal(wake)
-        if writes:
-            self._io.submit(self._run_publishes, rs.request_id, writes)
+        publish = publish and self._store is not None
+        results = self._run(core.finish_insert_batch, rs, fills, outcomes, len(items), publish)
         if error is not None:
             raise error
         return results
 
     def remove(self, key: str) -> bool:
         """Remove ``key``: freed now if idle, else doomed and freed once idle. False if absent."""
-        check_key(key)
-        with self._lock:
-            self._check_open()
-            removed = self._core.remove(key)
-            events = self._settle()
-        self._deliver(events)
-        return removed
+        return self._run(self._core.remove, check_key(key))
 
     def clear(self) -> int:
         """Remove every entry (busy ones are doomed); returns how many were removed or doomed."""
-        with self._lock:
-            self._check_open()
-            removed = sum(self._core.remove(key) for key in list(self._core.entries))
-            events = self._settle()
-        self._deliver(events)
-        return removed
+        return self._run(self._core.clear)
 
     def fence(self) -> int:
         """Fence the store, then free the very entries quarantined before it; returns how many.
         Refused by the lock-order check: begins nothing; raising later: abandoned, re-raised."""
         assert_unlocked("store fence")
-        with self._lock:
-            self._check_open()
-            snap = self._core.begin_fence()
-            events = self._settle()
+        core = self._core
+        begun, futures = self._locked(core.begin_fence)
+        snap = begun.result
         try:
-            self._deliver(events)
+            self._carry_out(begun, futures)
             if self._store is not None:
                 self._store.fence()
         except BaseException:
-            with self._lock:
-                self._core.abandon_fence(snap)
+            self._run(core.abandon_fence, snap)
             raise
-        with self._lock:
-            freed = self._core.fence(snap)
-            events = self._settle()
-        self._deliver(events)
-        return freed
+        return self._run(core.fence, snap)
 
     def close(self) -> None:
         """Stop taking requests, finish transfers in flight; the store is left to its owner."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if not self._run(self._core.close):
+            return
         assert_unlocked("waiting for I/O workers")
         if self._fencer is not None:
             self._fencer.stop()
@@ -274,16 +235,8 @@ class EmbeddingCache(InPlaceFills):
         """``Request.lookup``: one pass under the lock; misses ask the store (no lock held),
         then a second pass starts loads and reservations."""
         core = self._core
-        with self._lock:
-            self._check_request(rs)
-            statuses, ask = core.begin_lookup(
-                rs, items, ask_store=prefetch and self._store is not None, reserve=reserve
-            )
-            if not ask:
-                self._wakeups.note(rs, self._new_event)
-            events = self._settle() if self._effects else None
-        if events:
-            self._deliver(events)
+        ask_store = prefetch and self._store is not None
+        statuses, ask = self._run(core.begin_lookup, rs, items, ask_store, reserve)
         if not ask:
             return statuses
         assert_unlocked("store exists")
@@ -292,16 +245,7 @@ class EmbeddingCache(InPlaceFills):
             found: dict[str, bool] | None = dict(zip(ask, self._store.exists(ask), strict=True))
         except Exception:
             found = None  # the store failed: the misses fall back with STORE_ERROR
-        with self._lock:
-            self._check_request(rs)
-            statuses, loads = core.finish_lookup(rs, found)
-            self._wakeups.note(rs, self._new_event)
-            events = self._settle() if self._effects else None
-        if events:
-            self._deliver(events)
-        if loads:
-            self._io.submit(self._run_loads, loads)
-        return statuses
+        return self._run(core.finish_lookup, rs, found)
 
     def _insert(
         self, rs: RequestState, keys: Sequence[str], tensors: Sequence[torch.Tensor], publish: bool
@@ -311,31 +255,17 @@ class EmbeddingCache(InPlaceFills):
             raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
         items = [Item.of(check_key(k), t) for k, t in zip(keys, tensors, strict=True)]
         core = self._core
-        with self._lock:
-            self._check_request(rs)
-            fills = core.begin_insert(rs, items)
-            events = self._settle() if self._effects else None
-        if events:
-            self._deliver(events)
+        fills = self._run(core.begin_insert, rs, items)
         outcomes, error = self._copy_in([(e, tensors[i]) for i, e in fills])
-        with self._lock:
-            results, wake = core.finish_insert(fills, outcomes, len(items))
-            events = self._settle() if self._effects else None
-        if events:
-            self._deliver(events)
-        if wake:
-            self._signal(wake)
+        publish = publish and error is None and self._store is not None
+        results = self._run(core.finish_insert, rs, fills, outcomes, len(items), publish)
         if error is not None:
             raise error
-        if publish and self._store is not None:
-            self._start_publishes(rs, [items[i].key for i, _ in fills if results[i]])
         return results
 
     def _embeddings(self, rs: RequestState) -> list[torch.Tensor | None]:
         """``Request.embeddings``: a new zero-copy view per item ``rs`` holds, else None."""
-        with self._lock:
-            self._check_request(rs)
-            ranges = self._core.served(rs)
+        ranges = self._run(self._core.served, rs)
         return [None if r is None else self._view(*r) for r in ranges]
 
     def _publish(self, rs: RequestState, keys: Sequence[str]) -> list[bool]:
@@ -343,17 +273,11 @@ class EmbeddingCache(InPlaceFills):
         if isinstance(keys, str):
             raise InvalidTypeError("publish takes a list of keys, got a str")
         keys = [check_key(k) for k in keys]
-        with self._lock:
-            self._check_request(rs)
-        if self._store is None:
-            return [False] * len(keys)
-        return self._start_publishes(rs, keys)
+        return self._run(self._core.publish, rs, keys, self._store is not None)
 
     def _fallback(self, rs: RequestState) -> tuple[list[int], list[Reason | None]]:
         """``Request.fallback_mask`` and ``fallback_reasons``."""
-        with self._lock:
-            self._check_request(rs)
-            return self._core.fallback(rs)
+        return self._run(self._core.fallback, rs)
 
     def _wait(self, rs: RequestState, timeout: float | None) -> bool:
         """``Request.wait``: block (no lock held) until nothing is pending; False on timeout."""
@@ -379,18 +303,7 @@ class EmbeddingCache(InPlaceFills):
 
     def _close_request(self, rs: RequestState) -> None:
         """``Request.close``: end reservations, release every pin and wait. Idempotent."""
-        core = self._core
-        with self._lock:
-            if not core.is_open(rs):
-                return
-            wake = core.end_request(rs)
-            own = self._wakeups.close(rs)  # someone may wait on rs itself
-            events = self._settle() if self._effects else None
-        if events:
-            self._deliver(events)
-        resolve(own)
-        if wake:
-            self._signal(wake)
+        self._run(self._core.end_request, rs)
 
     # ------------------------------------------------------------------ I/O (no lock held)
     def _copy_in(
@@ -399,16 +312,6 @@ class EmbeddingCache(InPlaceFills):
         """Copy fresh outputs into their LOADING ranges (``PoolViews.copy_in``), no lock held."""
         assert_unlocked("payload copy")
         return self._views.copy_in(filling)
-
-    def _start_publishes(self, rs: RequestState, keys: list[str]) -> list[bool]:
-        with self._lock:
-            entries = self._core.begin_publishes(rs, keys)
-            events = self._settle()
-        self._deliver(events)
-        started = [e for e in entries if e is not None]
-        if started:
-            self._io.submit(self._run_publishes, rs.request_id, started)
-        return [e is not None for e in entries]
 
     def _run_loads(self, entries: list[Entry]) -> None:
         """Worker: read every entry from the store, then end each load and wake its waiters,
@@ -428,15 +331,7 @@ class EmbeddingCache(InPlaceFills):
         except Exception:
             pass  # the store failed: the reads may still land, so UNKNOWN
         finally:
-            wake: list[RequestState] = []
-            events = None
-            try:
-                with self._lock:
-                    wake = self._core.end_loads(entries, outcomes)
-                    events = self._settle()
-                self._deliver(events)
-            finally:
-                self._signal(wake)
+            self._run(self._core.end_loads, entries, outcomes)
 
     def _run_publishes(self, request_id: str, entries: list[Entry]) -> None:
         """Worker: write every entry to the store, then end each publish, come what may."""
@@ -458,23 +353,7 @@ class EmbeddingCache(InPlaceFills):
         except Exception:
             pass  # the store failed: the writes may still read the ranges, so UNKNOWN
         finally:
-            with self._lock:
-                self._core.end_publishes(request_id, entries, outcomes)
-                events = self._settle()
-            self._deliver(events)
-
-    def _signal(self, requests: list[RequestState]) -> None:
-        """Wake requests with nothing pending. Called with no lock held."""
-        assert_unlocked("waking requests")
-        with self._lock:
-            futures = self._wakeups.wake(requests)
-        resolve(futures)
-
-    def _deliver(self, events: list[dict[str, Any]] | None) -> None:
-        """Hand trace events (if any) to the sink, in order. Called with no lock held."""
-        if events:
-            assert self._outbox is not None
-            self._outbox.deliver(events)
+            self._run(self._core.end_publishes, request_id, entries, outcomes)
 
     def _fence_due(self, now: float) -> bool:
         """Whether the automatic fence should run now (the fencer's question)."""
@@ -483,23 +362,48 @@ class EmbeddingCache(InPlaceFills):
         with self._lock:
             return self._core.fence_due(now, int(policy.max_fraction * capacity), policy.max_age_s)
 
-    # ------------------------------------------------------------------ helpers (lock held)
-    def _settle(self) -> list[dict[str, Any]]:
-        """End of a locked step: poison the ranges it freed (debug mode; before the lock goes,
-        so no allocation can take them first) and take its trace events to deliver."""
-        core = self._core
-        if self._poison:
-            poison(self._pool, core.take_freed())
-        return core.take_events()
+    # ------------------------------------------------------------------ the funnel
+    def _run(self, step: Callable[P, Effects[T]], *args: P.args, **kwargs: P.kwargs) -> T:
+        """One core step, its effects carried out: ``_locked``, then ``_carry_out``."""
+        fx, futures = self._locked(step, *args, **kwargs)
+        self._carry_out(fx, futures)
+        return fx.result
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("the cache is closed: create a new EmbeddingCache")
+    def _locked(
+        self, step: Callable[P, Effects[T]], *args: P.args, **kwargs: P.kwargs
+    ) -> tuple[Effects[T], list[Future]]:
+        """The one place that takes the cache lock around a core step: call it, then, still
+        under the lock, poison the ranges it freed (debug mode: no allocation can take them
+        first) and arm, drop or fire the wake-ups it names. Returns its record and the
+        asyncio futures to resolve once the lock is released."""
+        with self._lock:
+            fx = step(*args, **kwargs)
+            if fx.freed:
+                poison(self._pool, fx.freed)
+            if fx.waiting is None and not fx.wake and fx.closed is None:
+                return fx, []
+            wakeups = self._wakeups
+            if fx.waiting is not None:
+                wakeups.note(fx.waiting, self._new_event)
+            futures = wakeups.wake(fx.wake) if fx.wake else []
+            if fx.closed is not None:
+                futures += wakeups.close(fx.closed)  # someone may wait on the request itself
+            return fx, futures
 
-    def _check_request(self, rs: RequestState) -> None:
-        if self._closed or not self._core.is_open(rs):
-            self._check_open()
-            raise ClosedError(f"request {rs.request_id!r} is closed")
+    def _carry_out(self, fx: Effects[Any], futures: list[Future]) -> None:
+        """The rest of a step's effects, no lock held: deliver its trace events (in ``seq``
+        order across threads), resolve asyncio waiters, start its store reads and writes."""
+        if fx.events:
+            assert self._outbox is not None
+            self._outbox.deliver(list(fx.events))
+        if fx.wake:
+            assert_unlocked("waking requests")  # a caller's lock must not span a hand-off
+        if futures:
+            resolve(futures)
+        if fx.loads:
+            self._io.submit(self._run_loads, list(fx.loads))
+        if fx.writes is not None:
+            self._io.submit(self._run_publishes, *fx.writes)
 
     def __repr__(self) -> str:
         return f"EmbeddingCache(capacity={self.capacity}, entries={len(self._core.entries)})"

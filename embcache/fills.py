@@ -8,68 +8,58 @@ writes. ``end_fill`` is the second half: ``EndLoad`` with the writer's outcome, 
 pinned by the request), FAILED (nothing was written: freed) or UNKNOWN (the writer may still be
 writing: QUARANTINED until a fence). A request closed with a range still handed out ends it
 UNKNOWN, never FAILED: a writer that died mid-write is an unknown outcome like any transfer's.
-The caller copies nothing: the driver only changes state (two locked core steps).
+The caller copies nothing: the driver only changes state (two core steps through the driver's
+funnel, ``EmbeddingCache._run``; ``end_fill``'s step also starts the publishes).
 
 ``offsets`` is ``embeddings`` without the views: the pool offset of each item the request
 holds, for a caller that hands ranges to other processes rather than reading them;
-``open_lookup`` and ``Request.lookup_offsets`` fuse a lookup with it, one locked core step
-when no store is asked (a single-threaded caller on its critical path: vLLM's scheduler).
+``open_lookup`` and ``Request.lookup_offsets`` fuse a lookup with it, one core step when no
+store is asked (a single-threaded caller on its critical path: vLLM's scheduler).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from embcache.core.outcomes import TransferOutcome
-from embcache.errors import InvalidArgumentError, InvalidTypeError, RequestError
+from embcache.errors import InvalidArgumentError, InvalidTypeError
 from embcache.item import Item, check_key
 from embcache.request import Request
 
 if TYPE_CHECKING:
     from embcache.core.cache_core import CacheCore
+    from embcache.core.effects import Effects
     from embcache.core.entries import RequestState
-    from embcache.locks import HierarchyLock
     from embcache.store.base import GlobalStore
-    from embcache.wakeups import Wakeups
 
 __all__ = ["InPlaceFills"]
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class InPlaceFills:
     """The in-place fill methods of ``EmbeddingCache`` (the seam ``Request`` uses)."""
 
     if TYPE_CHECKING:  # what they use of the driver (``embcache.cache``)
-        _lock: HierarchyLock
         _core: CacheCore
-        _effects: bool
         _store: GlobalStore | None
-        _wakeups: Wakeups
 
         def request(self, request_id: str) -> Request: ...
-        def _new_event(self) -> Any: ...
-        def _check_open(self) -> None: ...
         def _lookup_items(
             self, rs: RequestState, items: Sequence[Item], prefetch: bool, reserve: bool
         ) -> list[Any]: ...
 
-        def _check_request(self, rs: RequestState) -> None: ...
-        def _settle(self) -> list[dict[str, Any]]: ...
-        def _deliver(self, events: list[dict[str, Any]] | None) -> None: ...
-        def _signal(self, requests: list[RequestState]) -> None: ...
-        def _start_publishes(self, rs: RequestState, keys: list[str]) -> list[bool]: ...
+        def _run(
+            self, step: Callable[P, Effects[T]], *args: P.args, **kwargs: P.kwargs
+        ) -> T: ...
 
     def _begin_fill(self, rs: RequestState, items: Sequence[Item]) -> list[int | None]:
         """``Request.begin_fill``: BeginLoad each absent key (or take its reservation) and
         return its range's pool offset; None where nothing is to be written. O(items)."""
         if isinstance(items, Item) or not all(isinstance(it, Item) for it in items):
             raise InvalidTypeError("begin_fill takes a sequence of Item")
-        with self._lock:
-            self._check_request(rs)
-            fills = self._core.begin_fills(rs, items)
-            events = self._settle() if self._effects else None
-        if events:
-            self._deliver(events)
+        fills = self._run(self._core.begin_fills, rs, items)
         offsets: list[int | None] = [None] * len(items)
         for i, entry in fills:
             offsets[i] = entry.offset
@@ -89,26 +79,13 @@ class InPlaceFills:
         if not all(isinstance(o, TransferOutcome) for o in outcomes):
             raise InvalidTypeError(f"end_fill outcomes must be TransferOutcome, got {outcomes!r}")
         keys = [check_key(k) for k in keys]
-        with self._lock:
-            self._check_request(rs)
-            results, wake = self._core.end_fills(rs, keys, outcomes)
-            events = self._settle() if self._effects else None
-        if events:
-            self._deliver(events)
-        if wake:
-            self._signal(wake)
-        if publish and self._store is not None:
-            cached = [k for k, ok in zip(keys, results, strict=True) if ok]
-            if cached:
-                self._start_publishes(rs, cached)
-        return results
+        publish = publish and self._store is not None
+        return self._run(self._core.end_fills, rs, keys, outcomes, publish)
 
     def _offsets(self, rs: RequestState) -> list[int | None]:
         """``Request.offsets``: per looked-up item, the pool offset of the range it holds
         (READY, pinned for it), else None. O(items)."""
-        with self._lock:
-            self._check_request(rs)
-            ranges = self._core.served(rs)
+        ranges = self._run(self._core.served, rs)
         return [None if r is None else r[0] for r in ranges]
 
     def open_lookup(
@@ -122,16 +99,7 @@ class InPlaceFills:
         if self._store is not None and prefetch:
             request = self.request(request_id)
             return request, self._lookup_offsets(request._state, items, prefetch)
-        checked = _items(items)
-        with self._lock:
-            self._check_open()
-            if self._core.has_request(request_id):
-                raise RequestError(f"request {request_id!r} is already open: ids must be unique")
-            rs = self._core.open_request(request_id)
-            offsets = self._lookup_locked(rs, checked)
-            events = self._settle() if self._effects else None
-        if events:
-            self._deliver(events)
+        rs, offsets = self._run(self._core.open_lookup, request_id, _items(items))
         return Request(self, rs), offsets  # type: ignore[arg-type]
 
     def _lookup_offsets(
@@ -141,24 +109,8 @@ class InPlaceFills:
         checked = _items(items)
         if self._store is not None and prefetch:  # misses ask the store: two passes
             self._lookup_items(rs, checked, prefetch, False)
-            with self._lock:
-                pending = rs.pending()
-            return None if pending else self._offsets(rs)
-        with self._lock:
-            self._check_request(rs)
-            offsets = self._lookup_locked(rs, checked)
-            events = self._settle() if self._effects else None
-        if events:
-            self._deliver(events)
-        return offsets
-
-    def _lookup_locked(self, rs: RequestState, items: list[Item]) -> list[int | None] | None:
-        """Lookup with no store asked and no reservation, then the offsets (lock held)."""
-        self._core.begin_lookup(rs, items, ask_store=False, reserve=False)
-        if rs.pending():
-            self._wakeups.note(rs, self._new_event)
-            return None
-        return [None if r is None else r[0] for r in self._core.served(rs)]
+            return self._run(self._core.offsets_when_ready, rs)
+        return self._run(self._core.lookup_offsets, rs, checked)
 
 
 def _items(items: Sequence[Item]) -> list[Item]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from embcache.core.actions import Actions
 from embcache.core.cache_core import CacheCore
 from embcache.core.entries import RequestState
 from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
@@ -144,9 +145,9 @@ def test_no_module_is_much_longer_than_500_lines() -> None:
 
 # ------------------------------------------------------------------ the core, step by step
 class Taken:
-    """The trace a core buffered, taken as a driver would (``take_events``) when read."""
+    """The trace the actions buffered, taken as the core would (``take_events``) when read."""
 
-    def __init__(self, core: CacheCore) -> None:
+    def __init__(self, core: Actions) -> None:
         self._core = core
         self._log = TraceLog()
 
@@ -159,14 +160,15 @@ class Taken:
 
 def make_core(
     units: int = 4, *, max_batch: int = 4, record_freed: bool = False
-) -> tuple[CacheCore, Taken]:
-    core = CacheCore(
+) -> tuple[Actions, Taken]:
+    """The DESIGN actions alone (``CacheCore`` holds them privately), traced."""
+    core = Actions(
         units * ALIGN, ALIGN, max_batch, True, trace=True, record_freed=record_freed
     )
     return core, Taken(core)
 
 
-def state_of(core: CacheCore) -> dict[str, tuple[str, int, list[str], list[str], bool]]:
+def state_of(core: Actions) -> dict[str, tuple[str, int, list[str], list[str], bool]]:
     return {
         k: (e.state.name, e.offset, sorted(map(str, e.holders)), sorted(e.waiters), e.doomed)
         for k, e in core.entries.items()
@@ -280,19 +282,19 @@ def test_a_publish_pin_and_an_unknown_publish_quarantine_then_fence_frees() -> N
 
 
 def test_request_steps_plan_an_insert_and_reject_a_mismatched_reservation() -> None:
-    core, _ = make_core()
-    r1 = core.open_request("r1")
-    statuses, ask = core.begin_lookup(r1, [Thing("a", ALIGN)], ask_store=False, reserve=True)
+    core = CacheCore(4 * ALIGN, ALIGN, 4, True, trace=True)
+    r1 = core.open_request("r1").result
+    statuses, ask = core.begin_lookup(r1, [Thing("a", ALIGN)], ask_store=False, reserve=True).result
     assert ask == [] and statuses[0].status is Status.RESERVED
     assert core.entries["a"].state is LOADING
     with pytest.raises(InvalidArgumentError, match="reserved as"):
         core.begin_insert(r1, [Thing("a", ALIGN, shape=(2,))])
     assert core.entries["a"].state is LOADING and r1.reserved == {"a"}
-    fills = core.begin_insert(r1, [Thing("a", ALIGN), Thing("a", ALIGN)])
+    fills = core.begin_insert(r1, [Thing("a", ALIGN), Thing("a", ALIGN)]).result
     assert [(i, e.key) for i, e in fills] == [(0, "a")]  # a duplicate key is filled once
-    results, _ = core.finish_insert(fills, [OK], 2)
+    results = core.finish_insert(r1, fills, [OK], 2, publish=False).result
     assert results == [True, False] and core.entries["a"].state is READY
-    assert core.end_request(r1) == []
+    assert core.end_request(r1).wake == []
     assert core.requests == {} and core.eviction_order() == ["a"]
     core.check_invariants()
 
@@ -308,7 +310,7 @@ def test_request_state_pending_counts_only_loads_filled_by_others() -> None:
 
 def test_fence_is_due_past_the_byte_bound_or_at_the_age_bound() -> None:
     now = [10.0]
-    core = CacheCore(4 * ALIGN, ALIGN, 4, True, clock=lambda: now[0])
+    core = Actions(4 * ALIGN, ALIGN, 4, True, clock=lambda: now[0])
     r1 = core.open_request("r1")
     assert core.fence_due(10.0, 0, 0.0) is False  # nothing quarantined
     entry, _ = core.begin_load(r1, Thing("q", ALIGN), from_store=True)

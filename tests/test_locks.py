@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache, Item, RangeAllocator
+from embcache.core.effects import Effects
+from embcache.core.entries import RequestState
 from embcache.core.lifecycle import QUARANTINED, READY
 from embcache.errors import LockOrderError
 from embcache.locks import assert_unlocked, enable_lock_checking, lock_checking_enabled
@@ -226,8 +228,9 @@ def test_wait_under_the_cache_lock_is_refused(checking: None, cache: EmbeddingCa
 
 
 def test_wake_up_under_the_cache_lock_is_refused(checking: None, cache: EmbeddingCache) -> None:
+    woke = Effects(None, wake=[RequestState("w")])  # a step's record that wakes a request
     with cache._lock, pytest.raises(LockOrderError, match="waking requests while holding cache"):
-        cache._signal([])
+        cache._carry_out(woke, [])
     assert_usable(cache)
 
 
@@ -329,7 +332,7 @@ def test_with_checking_off_violations_raise_nothing(
         assert_unlocked("anything")
         store.exists(["k"])
         store.get_into([], [], [])
-        cache._copy_in([])  # (not _signal: it takes the cache lock itself and would deadlock)
+        cache._copy_in([])  # (not _run: it takes the cache lock itself and would deadlock)
     with cache.request("waiter") as request, cache._lock:
         assert request.wait(0.0)
     assert_usable(cache)

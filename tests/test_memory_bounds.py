@@ -2,7 +2,7 @@
 requests or time stays at its stated bound when a test drives far past it.
 
 Private names read here (each the container a bound is about, with no public count):
-``cache._core._shapes`` (the interned shapes), ``cache._wakeups`` (wake-ups of open
+``cache._core.shapes`` (how many shapes are interned), ``cache._wakeups`` (wake-ups of open
 requests), ``cache._outbox._waiting`` (trace batches not yet delivered).
 """
 
@@ -95,7 +95,7 @@ def test_interned_shapes_stay_at_their_bound(monkeypatch: pytest.MonkeyPatch) ->
             with cache.request(f"r{i}") as request:
                 request.lookup([Item(key, (1, 1 + i), torch.uint8)])
                 request.insert([key], [torch.zeros((1, 1 + i), dtype=torch.uint8)])
-            most = max(most, len(cache._core._shapes))
+            most = max(most, cache._core.shapes)
         cache.check_invariants()
     assert most == 64
 

@@ -38,6 +38,7 @@ from embcache.errors import (
 )
 from embcache.locks import HierarchyLock, lock_checking_enabled
 from embcache.testing import Fault, FaultInjectingStore
+from embcache.trace import TraceLog
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -954,3 +955,54 @@ def test_a_store_answering_too_few_reads_ends_the_load_unknown() -> None:
         cache.check_invariants()
     finally:
         cache.close()
+
+
+# ------------------------------------------------------------------ one body per action (issue 31)
+# The hot actions (``Actions.lookup_all``, ``Actions.release_all``) have one body, traced or
+# not; each test runs both ways, so a bug planted in that body fails both. Checked by planting
+# (then reverting): a release that drops a pin as the last while another holder remains
+# (``len(holders) > 2``), and a lookup that skips the ``doomed`` branch (a doomed entry hit).
+def one_body_cache(traced: bool) -> EmbeddingCache:
+    return EmbeddingCache(ALIGN, pin_memory=False, trace=TraceLog() if traced else None)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["untraced", "traced"])
+def test_pins_are_counted_exactly_traced_or_not(traced: bool) -> None:
+    cache = one_body_cache(traced)
+    a = Item("a", (ALIGN // 4,), torch.float32)
+    with cache.request("setup") as setup:
+        assert setup.insert(["a"], [torch.ones(ALIGN // 4)], publish=False) == [True]
+    r1, r2 = cache.request("r1"), cache.request("r2")
+    assert [s.status for s in r1.lookup([a, a], prefetch=False)] == [Status.HIT, Status.HIT]
+    assert [s.status for s in r2.lookup([a], prefetch=False)] == [Status.HIT]
+    core = cache._core
+    assert core.entries["a"].pins == 2 and core.eviction_order() == []
+    r1.close()  # r2 still pins "a": not evictable, not replaced by an insert
+    assert core.entries["a"].pins == 1 and core.eviction_order() == []
+    assert cache.insert(["b"], [torch.zeros(ALIGN // 4)], publish=False) == [False]
+    assert cache.entry_state("a") is READY and core.evictable_bytes == 0
+    cache.check_invariants()
+    r2.close()
+    assert core.entries["a"].pins == 0 and core.eviction_order() == ["a"]
+    assert core.pinned_since == {} and core.evictable_bytes == ALIGN
+    cache.check_invariants()
+    cache.close()
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["untraced", "traced"])
+def test_a_doomed_entry_takes_no_pin_traced_or_not(traced: bool) -> None:
+    cache = one_body_cache(traced)
+    a = Item("a", (ALIGN // 4,), torch.float32)
+    holder = cache.request("holder")
+    assert holder.insert(["a"], [torch.ones(ALIGN // 4)], publish=False) == [True]
+    assert cache.remove("a") is True  # pinned by its inserter: doomed
+    with cache.request("late") as late:
+        [status] = late.lookup([a], prefetch=False)
+        assert (status.status, status.reason) == (Status.MISS, Reason.BUSY)
+        assert late.embeddings() == [None]
+        assert cache._core.entries["a"].pins == 1  # the holder's only
+        cache.check_invariants()
+    holder.close()  # the last pin of a doomed entry frees it
+    assert cache.entry_state("a") is ABSENT and cache._core.allocator.allocated_bytes == 0
+    cache.check_invariants()
+    cache.close()

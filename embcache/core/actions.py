@@ -17,7 +17,7 @@ pin starts comes from the ``clock`` the driver passes in.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from embcache.core.allocator import BestFitAllocator, Block
@@ -28,11 +28,16 @@ from embcache.core.entries import (
     Holder,
     ItemLike,
     RequestState,
-    matches,
 )
 from embcache.core.eviction import choose_victims
-from embcache.core.invariants import check_core
-from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY, Step, transition
+from embcache.core.lifecycle import (
+    ABSENT,
+    LOADING,
+    QUARANTINED,
+    READY,
+    Step,
+    transition,
+)
 from embcache.core.outcomes import (
     HIT,
     LOADING_STATUS,
@@ -43,13 +48,16 @@ from embcache.core.outcomes import (
     TransferOutcome,
 )
 from embcache.core.policy import LruPolicy, Policy
-from embcache.core.stats import CacheStats, snapshot
+from embcache.core.queries import StateQueries
 from embcache.errors import InvariantError
 
+NOT_FOUND_MISS = MISSES[Reason.NOT_FOUND]
+MISMATCH_MISS = MISSES[Reason.MISMATCH]
+BUSY_MISS = MISSES[Reason.BUSY]
 MAX_SHAPES = 4096  # distinct item shapes interned at once (entries share one tuple per shape)
 
 
-class Actions:
+class Actions(StateQueries):
     """All cache state and the DESIGN actions over it. Not thread-safe: the driver locks."""
 
     def __init__(
@@ -96,34 +104,6 @@ class Actions:
             enable_eviction=enable_eviction,
         )
 
-    @property
-    def capacity(self) -> int:
-        """Pool size in bytes."""
-        return self._allocator.capacity
-
-    def check_invariants(self) -> None:
-        """Raise ``InvariantError`` naming the first broken DESIGN.md invariant. O(n log n)."""
-        check_core(
-            self._allocator,
-            self._entries,
-            self._pinned_since,
-            self._requests,
-            self._order,
-            self._evictable_bytes,
-            self._quarantine,
-            self._fencing.values(),
-        )
-
-    def stats(self, now: float) -> CacheStats:
-        """A snapshot of the state and counters at ``now`` (of this core's clock)."""
-        return snapshot(
-            self._allocator,
-            self._entries.values(),
-            len(self._requests),
-            self._counts,
-            now - min(self._pinned_since.values(), default=now),
-        )
-
     # ------------------------------------------------------------------ the DESIGN actions
     def open_request(self, request_id: str) -> RequestState:
         """OpenRequest(r)."""
@@ -141,32 +121,53 @@ class Actions:
             self._emit("CloseRequest", rs.request_id)
 
     def lookup(self, rs: RequestState, item: ItemLike) -> ItemStatus:
-        """Lookup(r, k): pin a READY entry, join a LOADING one, else a miss."""
-        r, entry = rs.request_id, self._entries.get(item.key)
-        if entry is None:
-            status = MISSES[Reason.NOT_FOUND]
-        elif not matches(entry, item):
-            status = MISSES[Reason.MISMATCH]
-        elif entry.doomed or entry.state not in (READY, LOADING):
-            status = MISSES[Reason.BUSY]
-        elif entry.state is READY:
-            transition(entry.state, Step.LOOKUP_HIT)
-            if r not in entry.holders:
-                self._add_holder(entry, r)
-                rs.holds[item.key] = None
-            self._counts["hits"] += 1
-            status = HIT
-        else:
-            transition(entry.state, Step.LOOKUP_JOIN)
-            if r not in entry.waiters:
-                entry.waiters |= {r}
-                rs.waits.add(item.key)
-                self._counts["joins"] += 1
-            status = RESERVED_STATUS if entry.filler == r else LOADING_STATUS
-        if self._events is not None:  # (the per-item actions skip building the event's fields)
-            reason = None if status.reason is None else status.reason.value
-            self._emit("Lookup", r, item.key, entry, outcome=status.status.name, reason=reason)
-        return status
+        """Lookup(r, k) of one item (``lookup_all`` of one)."""
+        return self.lookup_all(rs, (item,))[0][0]
+
+    def lookup_all(
+        self, rs: RequestState, items: Sequence[ItemLike]
+    ) -> tuple[list[ItemStatus], bool]:
+        """Lookup(r, k) of each item in order: pin a READY entry (a hit), join a LOADING one,
+        else a miss. Returns the statuses and whether any item was not a hit. O(len(items)).
+
+        The one body of ``Lookup``, traced or not: the event is its tail. The hit needs no
+        table lookup (the table maps (READY, LOOKUP_HIT) to READY); a join checks the table."""
+        entries, holds, r, events = self._entries, rs.holds, rs.request_id, self._events
+        statuses: list[ItemStatus] = []
+        hits = 0
+        missed = False
+        for item in items:
+            key = item.key
+            entry = entries.get(key)
+            if entry is None:
+                status = NOT_FOUND_MISS
+            elif entry.shape != item.shape or entry.dtype != item.dtype:  # ``matches``
+                status = MISMATCH_MISS
+            elif entry.doomed:
+                status = BUSY_MISS
+            elif entry.state is READY:
+                if r not in entry.holders:
+                    self._add_holder(entry, r)
+                    holds[key] = None
+                hits += 1
+                status = HIT
+            elif entry.state is LOADING:
+                transition(LOADING, Step.LOOKUP_JOIN)
+                if r not in entry.waiters:
+                    entry.waiters |= {r}
+                    rs.waits.add(key)
+                    self._counts["joins"] += 1
+                status = RESERVED_STATUS if entry.filler == r else LOADING_STATUS
+            else:
+                status = BUSY_MISS
+            statuses.append(status)
+            missed = missed or status is not HIT
+            if events is not None:
+                reason = None if status.reason is None else status.reason.value
+                self._emit("Lookup", r, key, entry, outcome=status.status.name, reason=reason)
+        if hits:
+            self._counts["hits"] += hits
+        return statuses, missed
 
     def begin_load(
         self, rs: RequestState, item: ItemLike, *, from_store: bool
@@ -254,17 +255,42 @@ class Actions:
         return waiters
 
     def release(self, rs: RequestState, key: str) -> None:
-        """Release(r, k): drop r's wait or pin; the last pin frees, quarantines or idles it."""
-        entry = self._entries[key]
-        if key in rs.waits:
-            transition(entry.state, Step.RELEASE_WAIT)
-            entry.waiters = (entry.waiters - {rs.request_id}) or NOBODY
-            rs.waits.discard(key)
-        else:
-            del rs.holds[key]
-            self._drop_pin(entry, rs.request_id, Step.RELEASE_PIN)
-        if self._events is not None:
-            self._emit("Release", rs.request_id, key, entry)
+        """Release(r, k) of one key (``release_all`` of one)."""
+        self.release_all(rs, (key,))
+
+    def release_all(self, rs: RequestState, keys: Iterable[str]) -> None:
+        """Release(r, k) of each key in order: drop r's wait or pin; the last pin quarantines
+        (a publish ended UNKNOWN), frees (doomed) or idles the entry. O(len(keys)).
+
+        The one body of ``Release``, traced or not: the event is its tail. Holders are
+        READY entries only, so a plain pin needs no table lookup unless the state is not
+        READY (then ``transition`` raises, as the table says)."""
+        entries, r, events = self._entries, rs.request_id, self._events
+        waits, holds = rs.waits, rs.holds
+        for key in keys:
+            entry = entries[key]
+            if key in waits:
+                transition(entry.state, Step.RELEASE_WAIT)
+                entry.waiters = (entry.waiters - {r}) or NOBODY
+                waits.discard(key)
+            else:
+                if entry.state is not READY:
+                    transition(entry.state, Step.RELEASE_PIN)  # raises: holders are READY
+                del holds[key]
+                holders = entry.holders
+                if len(holders) > 1:
+                    entry.holders = holders - {r}
+                elif entry.tainted or entry.doomed or r not in holders:
+                    self._drop_pin(entry, r, Step.RELEASE_PIN)
+                else:  # the last pin of a plain entry: it joins the eviction order
+                    entry.holders = NOBODY
+                    del self._pinned_since[key]
+                    self._order.add(key)
+                    self._evictable_bytes += entry.size
+            if events is not None:
+                self._emit("Release", r, key, entry)
+        if not self._pinned_since:  # a dict keeps the table of its largest burst: start afresh
+            self._pinned_since = {}
 
     def evict(self, entry: Entry) -> None:
         """Evict(k): free an idle READY entry chosen by the eviction rule."""
@@ -341,23 +367,10 @@ class Actions:
         self._emit("Fence", None, None, None, fence=snap.fence, keys=freed)
         return len(freed)
 
-    @property
-    def fences_in_flight(self) -> int:
-        """How many fences began and have neither ended nor been abandoned. O(1)."""
-        return len(self._fencing)
-
     def abandon_fence(self, snap: FenceSnapshot) -> None:
         """The store's fence ``snap.fence`` failed: the fence ends without freeing anything
         (its entries stay QUARANTINED for the next one). O(1)."""
         self._fencing.pop(snap.fence, None)
-
-    def fence_due(self, now: float, max_bytes: int, max_age: float) -> bool:
-        """Whether the automatic fence should run: more than ``max_bytes`` quarantined, or a
-        range quarantined for ``max_age`` or longer (``now`` on the core's clock). O(q)."""
-        if not self._quarantine:
-            return False
-        quarantined = sum(self._entries[key].size for key in self._quarantine)
-        return quarantined > max_bytes or now - min(self._quarantine.values()) >= max_age
 
     # ------------------------------------------------------------------ helpers of the actions
     def _alloc_failed(

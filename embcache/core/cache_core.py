@@ -1,38 +1,38 @@
-"""``CacheCore``: the DESIGN actions (``embcache.core.actions``) and the request protocol over them.
+"""``CacheCore``: the request protocol over the DESIGN actions (``embcache.core.actions``).
 
-Theory of operation (after h11, at the level of a request). A driver opens a request
-(``open_request``) and then makes one call per step; each runs DESIGN actions underneath (so the
-trace and the spec correspondence are the actions'), updates counters, fallbacks and the policy's
-record, and returns a small record of what the driver must do next (``embcache.core.effects``):
+Theory of operation (after h11's ``Connection``, which holds its state machine and exposes only
+what a caller may do). ``CacheCore`` holds the ``Actions`` privately and offers a driver only
+*request steps* and *read-only queries* (``CoreQueries``: ``entries``, ``stats``...). A step
+runs DESIGN actions underneath (so the trace and the spec correspondence are the actions') and
+returns ONE ``Effects`` record (``embcache.core.effects``): its result, the loads and writes to
+start, the requests to wake, the ranges freed, the trace events. The driver takes its lock,
+calls one step, carries out the record, and does no I/O until the lock is released
+(``EmbeddingCache._run``). A step checks first and raises changing nothing: ``ClosedError`` for
+a closed request, or a closed cache (steps that start something; the ends of transfers in
+flight always run). The steps: ``start`` (Init); ``open_request``, ``open_lookup``;
+``begin_lookup`` then, when it names keys to ask the store about, ``finish_lookup`` (the loads
+to start; each ends with ``end_loads``); ``lookup_offsets``, ``offsets_when_ready``;
+``begin_insert`` / ``finish_insert`` and their request-less ``begin_insert_batch`` /
+``finish_insert_batch``; ``begin_fills`` / ``end_fills`` (an outside writer fills the ranges;
+a request that ends with one still handed out ends it UNKNOWN, never FAILED); ``publish`` /
+``end_publishes``; ``served``, ``fallback``; ``end_request``; ``remove``, ``clear``;
+``begin_fence`` / ``fence`` / ``abandon_fence``; ``close``.
 
-- ``begin_lookup(rs, items)``: statuses, and the keys to ask the store about (none: done);
-  ``finish_lookup(rs, found | None)`` after the store answered (None: it failed): statuses and
-  the loads to start; each load ends with ``end_loads``.
-- ``begin_insert(rs, items)``: the ranges to fill, each with its item's index;
-  ``finish_insert(fills, outcomes, n)``: which items are cached, and the requests to wake.
-- ``begin_fills(rs, items)`` / ``end_fills(rs, keys, outcomes)``: an insert whose bytes an
-  outside writer (another process) puts into the ranges handed out; a request that ends with
-  a range still handed out ends it UNKNOWN (the writer may still land), never FAILED.
-- ``begin_publishes(rs, keys)`` / ``end_publishes``; ``served`` / ``fallback`` (what a request may
-  read, and what it must encode); ``end_request(rs)``: the requests to wake.
-
-The driver takes the trace events (``take_events``) and freed ranges (``take_freed``) the calls
-buffered. Outside code reads the state through read-only views and queries, never edits it.
+Every hit and every release runs the one body of its action (``Actions.lookup_all``,
+``Actions.release_all``), traced or not: the path production runs is the path the model, the
+stateful tests and trace validation check.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 from embcache.core.actions import Actions
-from embcache.core.allocator import BestFitAllocator
-from embcache.core.effects import Fill, InsertEnd, LookupEnd, LookupStart
-from embcache.core.entries import NOBODY, Entry, ItemLike, RequestState, matches
-from embcache.core.lifecycle import ABSENT, READY, EntryState, Step
+from embcache.core.effects import Effects, Fill, LookupStart, Writes
+from embcache.core.entries import Entry, FenceSnapshot, ItemLike, RequestState, matches
+from embcache.core.lifecycle import READY
 from embcache.core.outcomes import (
-    HIT,
     LOADING_STATUS,
     MISSES,
     RESERVED_STATUS,
@@ -40,39 +40,302 @@ from embcache.core.outcomes import (
     Reason,
     TransferOutcome,
 )
-from embcache.errors import InvalidArgumentError, InvariantError
+from embcache.core.policy import Policy
+from embcache.core.queries import CoreQueries
+from embcache.errors import ClosedError, InvalidArgumentError, InvariantError, RequestError
 
 NOT_FOUND = Reason.NOT_FOUND
+T = TypeVar("T")
+Ranges = list[tuple[int, ItemLike] | None]
 
 
-class CacheCore(Actions):
-    """The cache's state machine: DESIGN actions and request steps. Not thread-safe."""
+class CacheCore(CoreQueries):
+    """The cache's state machine: request steps and read-only queries. Not thread-safe."""
+
+    def __init__(
+        self,
+        capacity: int,
+        alignment: int,
+        max_eviction_batch: int,
+        enable_eviction: bool,
+        *,
+        trace: bool = False,
+        clock: Callable[[], float] = float,
+        policy: Policy | None = None,
+        record_freed: bool = False,
+    ) -> None:
+        self._actions: Actions = Actions(
+            capacity, alignment, max_eviction_batch, enable_eviction,
+            trace=trace, clock=clock, policy=policy, record_freed=record_freed,
+        )  # fmt: skip
+        actions = self._actions  # the state the steps read: the actions' own objects, not rebound
+        self._entries = actions._entries
+        self._requests = actions._requests
+        self._counts = actions._counts
+        self._record = actions._record
+        self._buffered = trace or record_freed  # whether a step has events or ranges to hand
+        self._batches = 0  # request-less inserts so far (their internal requests' ids)
+        self._closed = False
 
     # ------------------------------------------------------------------ request steps
-    def begin_lookup(
-        self, rs: RequestState, items: Sequence[ItemLike], *, ask_store: bool, reserve: bool
-    ) -> LookupStart:
-        """Lookup every item (a miss larger than the pool is TOO_LARGE). When misses remain
-        and the store is to be asked, returns their keys: call ``finish_lookup`` next; else
-        the lookup is over (misses reserved when ``reserve``). O(len(items)).
+    def start(self) -> Effects[None]:
+        """The first step: hands the driver the Init event (when tracing)."""
+        return self._done(Effects(None))
 
-        Hits are pinned in one fused loop (``Lookup``'s hit branch, inlined) when no trace is
-        taken; every other item goes through the ``lookup`` action."""
+    def open_request(self, request_id: str) -> Effects[RequestState]:
+        """OpenRequest(r). Raises ``ClosedError`` (cache closed) or ``RequestError`` (the id is
+        taken), changing nothing."""
+        self._check_new(request_id)
+        return self._done(Effects(self._actions.open_request(request_id)))
+
+    def open_lookup(
+        self, request_id: str, items: Sequence[ItemLike]
+    ) -> Effects[tuple[RequestState, list[int | None] | None]]:
+        """``open_request``, a lookup with no store asked and nothing reserved, then the offsets
+        of the ranges it holds (None while it waits on a load), in one step."""
+        self._check_new(request_id)
+        rs = self._actions.open_request(request_id)
+        return self._done(Effects((rs, self._lookup_ended(rs, items)), waiting=rs))
+
+    def begin_lookup(
+        self, rs: RequestState, items: Sequence[ItemLike], ask_store: bool, reserve: bool
+    ) -> Effects[LookupStart]:
+        """Lookup every item (a miss larger than the pool is TOO_LARGE). When misses remain
+        and the store is to be asked, the result names their keys: call ``finish_lookup``
+        next; else the lookup is over (misses reserved when ``reserve``). O(len(items))."""
+        self._check(rs)
+        statuses, ask = self._first_pass(rs, items, ask_store, reserve)
+        return self._done(Effects(LookupStart(statuses, ask), waiting=None if ask else rs))
+
+    def finish_lookup(
+        self, rs: RequestState, found: Mapping[str, bool] | None
+    ) -> Effects[list[ItemStatus]]:
+        """The second pass of a lookup after the store said which asked keys it holds
+        (``found``; None: the store failed): join what others started meanwhile, else start
+        a store read or a reservation. The final statuses; the loads to start."""
+        self._check(rs)
+        pending = rs.lookup_pending
+        if pending is None:
+            raise InvariantError(f"finish_lookup for {rs.request_id!r} without begin_lookup")
+        rs.lookup_pending = None
+        items, statuses, reserve = pending
+        loads: list[Entry] = []
+        statuses = self._start_misses(
+            rs, items, statuses, found or {}, reserve, found is None, loads
+        )
+        return self._done(Effects(statuses, loads, waiting=rs))
+
+    def offsets_when_ready(self, rs: RequestState) -> Effects[list[int | None] | None]:
+        """The offsets of the ranges ``rs`` holds (``served``), None while it waits on a load."""
+        self._check(rs)
+        return self._done(Effects(None if rs.pending() else self._offsets(rs)))
+
+    def lookup_offsets(
+        self, rs: RequestState, items: Sequence[ItemLike]
+    ) -> Effects[list[int | None] | None]:
+        """A lookup with no store asked and nothing reserved, then ``offsets_when_ready``."""
+        self._check(rs)
+        return self._done(Effects(self._lookup_ended(rs, items), waiting=rs))
+
+    def begin_insert(self, rs: RequestState, items: Sequence[ItemLike]) -> Effects[list[Fill]]:
+        """The LOADING entries ``rs`` must now fill, each with its item's index: its
+        reservations, and a BeginLoad for each absent key (a duplicate key once). Raises
+        (changing nothing) when a reserved key's shape or dtype differs from the reservation."""
+        self._check(rs)
+        return self._done(Effects(self._plan_fills(rs, items)))
+
+    def finish_insert(
+        self,
+        rs: RequestState,
+        fills: Sequence[Fill],
+        outcomes: Sequence[TransferOutcome],
+        count: int,
+        publish: bool,
+    ) -> Effects[list[bool]]:
+        """EndLoad each filled entry with its copy's outcome (whatever became of the cache or
+        the request meanwhile: a load in flight must end); which of ``count`` items are cached
+        now, the requests to wake, and (when ``publish``) the writes of the cached ones."""
+        results, wake = self._end_fills(fills, outcomes, count)
+        cached = [entry.key for i, entry in fills if results[i]]
+        writes = _writes(rs, self._publish(rs, cached) if publish else [])
+        return self._done(Effects(results, writes=writes, wake=wake))
+
+    def begin_fills(self, rs: RequestState, items: Sequence[ItemLike]) -> Effects[list[Fill]]:
+        """``begin_insert`` whose ranges are handed out to a writer outside the driver: each
+        is noted in ``rs.filling`` until ``end_fills`` (or ``end_request``) ends it."""
+        self._check(rs)
+        fills = self._plan_fills(rs, items)
+        rs.filling.update(entry.key for _, entry in fills)
+        return self._done(Effects(fills))
+
+    def end_fills(
+        self,
+        rs: RequestState,
+        keys: Sequence[str],
+        outcomes: Sequence[TransferOutcome],
+        publish: bool,
+    ) -> Effects[list[bool]]:
+        """EndLoad each range ``rs`` handed out for ``keys`` with the writer's outcome (a key
+        not handed out is left alone: False); which are cached now, the requests to wake, and
+        (when ``publish``) the writes of the cached ones."""
+        self._check(rs)
+        results = [False] * len(keys)
+        wake: list[RequestState] = []
+        end_load = self._actions.end_load
+        for i, (key, outcome) in enumerate(zip(keys, outcomes, strict=True)):
+            if key in rs.filling:
+                rs.filling.discard(key)
+                entry = self._entries[key]
+                wake += end_load(entry, outcome, Reason.LOAD_FAILED)
+                results[i] = entry.state is READY
+        self._counts["inserts"] += sum(results)
+        cached = [k for k, ok in zip(keys, results, strict=True) if ok]
+        writes = _writes(rs, self._publish(rs, cached) if publish else [])
+        return self._done(Effects(results, writes=writes, wake=wake))
+
+    def begin_insert_batch(
+        self, items: Sequence[ItemLike]
+    ) -> Effects[tuple[RequestState, list[Fill]]]:
+        """A request-less insert: ``begin_insert`` for an internal request opened here (id
+        ``insert#N``), which ``finish_insert_batch`` ends."""
+        self._check_open()
+        self._batches += 1
+        request_id = f"insert#{self._batches}"
+        while request_id in self._requests:  # a caller's own request took the name
+            self._batches += 1
+            request_id = f"insert#{self._batches}"
+        rs = self._actions.open_request(request_id)
+        return self._done(Effects((rs, self._plan_fills(rs, items))))
+
+    def finish_insert_batch(
+        self,
+        rs: RequestState,
+        fills: Sequence[Fill],
+        outcomes: Sequence[TransferOutcome],
+        count: int,
+        publish: bool,
+    ) -> Effects[list[bool]]:
+        """``finish_insert``, then ``end_request``: the inserted entries end idle (a publish
+        holds its own pin). The results, the requests to wake, the writes to start."""
+        results, wake = self._end_fills(fills, outcomes, count)
+        cached = [entry.key for i, entry in fills if results[i]]
+        writes = _writes(rs, self._publish(rs, cached) if publish else [])
+        wake += self._end(rs)
+        return self._done(Effects(results, writes=writes, wake=wake))
+
+    def end_loads(
+        self, entries: Sequence[Entry], outcomes: Sequence[TransferOutcome]
+    ) -> Effects[None]:
+        """EndLoad each store read with its outcome; the requests to wake."""
+        wake: list[RequestState] = []
+        end_load = self._actions.end_load
+        for entry, outcome in zip(entries, outcomes, strict=True):
+            wake += end_load(entry, outcome, None)
+        return self._done(Effects(None, wake=wake))
+
+    def publish(self, rs: RequestState, keys: Sequence[str], store: bool) -> Effects[list[bool]]:
+        """Publish each key ``rs`` holds READY (with a ``store`` only); per key whether a write
+        started; the writes to start."""
+        self._check(rs)
+        started = self._publish(rs, keys) if store else [None] * len(keys)
+        return self._done(Effects([e is not None for e in started], writes=_writes(rs, started)))
+
+    def end_publishes(
+        self, request_id: str, entries: Sequence[Entry], outcomes: Sequence[TransferOutcome]
+    ) -> Effects[None]:
+        """EndPublish each write with its outcome."""
+        end_publish = self._actions.end_publish
+        for entry, outcome in zip(entries, outcomes, strict=True):
+            end_publish(request_id, entry, outcome)
+        return self._done(Effects(None))
+
+    def end_request(self, rs: RequestState) -> Effects[None]:
+        """End every reservation of ``rs`` (its waiters fall back; a range still handed out
+        to a writer ends UNKNOWN: quarantined), release every wait and pin in lookup order, then
+        CloseRequest; the requests to wake. A request already closed: nothing. Idempotent."""
+        if self._requests.get(rs.request_id) is not rs:
+            return self._done(Effects(None))
+        return self._done(Effects(None, wake=self._end(rs), closed=rs))
+
+    def served(self, rs: RequestState) -> Effects[Ranges]:
+        """Per looked-up item, the range it may read (offset and item) or None."""
+        self._check(rs)
+        return self._done(Effects(self._served(rs)))
+
+    def fallback(self, rs: RequestState) -> Effects[tuple[list[int], list[Reason | None]]]:
+        """Per looked-up item: 1 where the caller must encode it, and why."""
+        self._check(rs)
+        served = [r is not None for r in self._served(rs)]
+        pairs = zip(rs.items, served, strict=True)
+        reasons = [None if ok else _fallback_reason(rs, it) for it, ok in pairs]
+        return self._done(Effects(([0 if ok else 1 for ok in served], reasons)))
+
+    def remove(self, key: str) -> Effects[bool]:
+        """Remove(k): freed now if idle, doomed if busy; False when absent (or already so)."""
+        self._check_open()
+        return self._done(Effects(self._actions.remove(key)))
+
+    def clear(self) -> Effects[int]:
+        """Remove every entry; how many were removed or doomed."""
+        self._check_open()
+        remove = self._actions.remove
+        return self._done(Effects(sum(remove(key) for key in list(self._entries))))
+
+    def begin_fence(self) -> Effects[FenceSnapshot]:
+        """BeginFence(f): the snapshot to end with ``fence`` (or ``abandon_fence``)."""
+        self._check_open()
+        return self._done(Effects(self._actions.begin_fence()))
+
+    def fence(self, snap: FenceSnapshot) -> Effects[int]:
+        """Fence(f) after the store's fence returned; how many entries it freed."""
+        return self._done(Effects(self._actions.fence(snap)))
+
+    def abandon_fence(self, snap: FenceSnapshot) -> Effects[None]:
+        """The store's fence failed: the fence ends, freeing nothing."""
+        self._actions.abandon_fence(snap)
+        return self._done(Effects(None))
+
+    def close(self) -> Effects[bool]:
+        """Take no new requests or inserts any more (transfers in flight still end); whether
+        it was open."""
+        was_open, self._closed = not self._closed, True
+        return self._done(Effects(was_open))
+
+    # ------------------------------------------------------------------ helpers
+    def _done(self, fx: Effects[T]) -> Effects[T]:
+        """The step's record, with the events and freed ranges its actions buffered."""
+        if not self._buffered:
+            return fx
+        actions = self._actions
+        return fx._replace(events=actions.take_events(), freed=actions.take_freed())
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the cache is closed: create a new EmbeddingCache")
+
+    def _check(self, rs: RequestState) -> None:
+        """Raise ``ClosedError`` unless the cache and ``rs`` are open."""
+        if self._closed or self._requests.get(rs.request_id) is not rs:
+            self._check_open()
+            raise ClosedError(f"request {rs.request_id!r} is closed")
+
+    def _check_new(self, request_id: str) -> None:
+        self._check_open()
+        if request_id in self._requests:
+            raise RequestError(f"request {request_id!r} is already open: ids must be unique")
+
+    def _first_pass(
+        self, rs: RequestState, items: Sequence[ItemLike], ask_store: bool, reserve: bool
+    ) -> tuple[list[ItemStatus], list[str]]:
+        """``begin_lookup``'s work: the statuses, and the keys to ask the store about."""
         record = self._record
         if record is not None:
             for item in items:
                 record(item.key)
-        if self._events is None:
-            statuses, missed = self._pin_hits(rs, items)
-        else:
-            statuses, missed = [], False
-            for item in items:
-                status = self.lookup(rs, item)
-                statuses.append(status)
-                missed = missed or status is not HIT
+        statuses, missed = self._actions.lookup_all(rs, items)
         if not missed:  # all hits: nothing to note for fallback
             rs.items.extend(items)
-            return LookupStart(statuses, [])
+            return statuses, []
         capacity = self.capacity
         not_found = False
         for i, item in enumerate(items):
@@ -83,32 +346,30 @@ class CacheCore(Actions):
                     not_found = True
         if not (not_found and (ask_store or reserve)):
             self._end_lookup(rs, items, statuses)
-            return LookupStart(statuses, [])
+            return statuses, []
         if not ask_store:
-            return LookupStart(self._start_misses(rs, items, statuses, {}, reserve, False), [])
+            return self._start_misses(rs, items, statuses, {}, reserve, False), []
         rs.lookup_pending = (list(items), statuses, reserve)
         pairs = zip(items, statuses, strict=True)
-        return LookupStart(statuses, sorted({it.key for it, s in pairs if s.reason is NOT_FOUND}))
+        return statuses, sorted({it.key for it, s in pairs if s.reason is NOT_FOUND})
 
-    def finish_lookup(self, rs: RequestState, found: Mapping[str, bool] | None) -> LookupEnd:
-        """The second pass of a lookup after the store said which asked keys it holds
-        (``found``; None: the store failed): join what others started meanwhile, else start
-        a store read or a reservation. Returns the final statuses and the loads to run."""
-        pending = rs.lookup_pending
-        if pending is None:
-            raise InvariantError(f"finish_lookup for {rs.request_id!r} without begin_lookup")
-        rs.lookup_pending = None
-        items, statuses, reserve = pending
-        loads: list[Entry] = []
-        statuses = self._start_misses(
-            rs, items, statuses, found or {}, reserve, found is None, loads
-        )
-        return LookupEnd(statuses, loads)
+    def _lookup_ended(self, rs: RequestState, items: Sequence[ItemLike]) -> list[int | None] | None:
+        """A lookup asking no store, reserving nothing; the offsets (None while it waits)."""
+        self._first_pass(rs, items, False, False)
+        return None if rs.pending() else self._offsets(rs)
 
-    def begin_insert(self, rs: RequestState, items: Sequence[ItemLike]) -> list[Fill]:
-        """The LOADING entries ``rs`` must now fill, each with its item's index: its
-        reservations, and a BeginLoad for each absent key (a duplicate key once). Raises
-        (changing nothing) when a reserved key's shape or dtype differs from the reservation."""
+    def _offsets(self, rs: RequestState) -> list[int | None]:
+        return [None if r is None else r[0] for r in self._served(rs)]
+
+    def _served(self, rs: RequestState) -> Ranges:
+        holds, entries = rs.holds, self._entries
+        out: Ranges = []
+        for item in rs.items:
+            entry = entries[item.key] if item.key in holds else None
+            out.append(None if entry is None or not matches(entry, item) else (entry.offset, item))
+        return out
+
+    def _plan_fills(self, rs: RequestState, items: Sequence[ItemLike]) -> list[Fill]:
         entries = self._entries
         for item in items:
             if item.key in rs.reserved:
@@ -120,6 +381,7 @@ class CacheCore(Actions):
                     )
         fills: list[Fill] = []
         planned: set[str] = set()
+        begin_load = self._actions.begin_load
         for i, item in enumerate(items):
             key = item.key
             if key in planned:
@@ -128,273 +390,45 @@ class CacheCore(Actions):
                 fills.append(Fill(i, entries[key]))
                 planned.add(key)
             elif key not in entries:
-                entry, _ = self.begin_load(rs, item, from_store=False)
+                entry, _ = begin_load(rs, item, from_store=False)
                 if entry is not None:
                     fills.append(Fill(i, entry))
                     planned.add(key)
         return fills
 
-    def finish_insert(
+    def _end_fills(
         self, fills: Sequence[Fill], outcomes: Sequence[TransferOutcome], count: int
-    ) -> InsertEnd:
-        """EndLoad each filled entry with its copy's outcome; which of ``count`` items are
+    ) -> tuple[list[bool], list[RequestState]]:
+        """EndLoad each filled entry with its copy's outcome: which of ``count`` items are
         cached now, and the requests to wake."""
         results = [False] * count
         wake: list[RequestState] = []
+        end_load = self._actions.end_load
         for (i, entry), outcome in zip(fills, outcomes, strict=True):
-            wake += self.end_load(entry, outcome, Reason.LOAD_FAILED)
+            wake += end_load(entry, outcome, Reason.LOAD_FAILED)
             results[i] = entry.state is READY
         self._counts["inserts"] += sum(results)
-        return InsertEnd(results, wake)
+        return results, wake
 
-    def begin_fills(self, rs: RequestState, items: Sequence[ItemLike]) -> list[Fill]:
-        """``begin_insert`` whose ranges are handed out to a writer outside the driver: each
-        is noted in ``rs.filling`` until ``end_fills`` (or ``end_request``) ends it."""
-        fills = self.begin_insert(rs, items)
-        rs.filling.update(entry.key for _, entry in fills)
-        return fills
+    def _publish(self, rs: RequestState, keys: Sequence[str]) -> list[Entry | None]:
+        """Publish(r, k) of each key: per key the entry to write, or None."""
+        publish = self._actions.publish
+        return [publish(rs, key) for key in keys]
 
-    def end_fills(
-        self, rs: RequestState, keys: Sequence[str], outcomes: Sequence[TransferOutcome]
-    ) -> InsertEnd:
-        """EndLoad each range ``rs`` handed out for ``keys`` with the writer's outcome (a key
-        not handed out is left alone: False); which are cached now, and the requests to wake."""
-        results = [False] * len(keys)
-        wake: list[RequestState] = []
-        for i, (key, outcome) in enumerate(zip(keys, outcomes, strict=True)):
-            if key in rs.filling:
-                rs.filling.discard(key)
-                entry = self._entries[key]
-                wake += self.end_load(entry, outcome, Reason.LOAD_FAILED)
-                results[i] = entry.state is READY
-        self._counts["inserts"] += sum(results)
-        return InsertEnd(results, wake)
-
-    def begin_insert_batch(self, items: Sequence[ItemLike]) -> tuple[RequestState, list[Fill]]:
-        """A request-less insert: ``begin_insert`` for an internal request opened here (id
-        ``insert#N``), which ``finish_insert_batch`` ends."""
-        self._batches += 1
-        request_id = f"insert#{self._batches}"
-        while request_id in self._requests:  # a caller's own request took the name
-            self._batches += 1
-            request_id = f"insert#{self._batches}"
-        rs = self.open_request(request_id)
-        return rs, self.begin_insert(rs, items)
-
-    def finish_insert_batch(
-        self,
-        rs: RequestState,
-        fills: Sequence[Fill],
-        outcomes: Sequence[TransferOutcome],
-        count: int,
-        *,
-        publish: bool,
-    ) -> tuple[InsertEnd, list[Entry]]:
-        """``finish_insert``, then (when ``publish``) a publish of each cached item, then
-        ``end_request``: the inserted entries end idle. Returns the insert's end and the
-        entries to write to the store (then report through ``end_publishes``)."""
-        results, wake = self.finish_insert(fills, outcomes, count)
-        writes: list[Entry] = []
-        if publish:
-            for i, entry in fills:
-                if results[i] and (started := self.publish(rs, entry.key)) is not None:
-                    writes.append(started)
-        return InsertEnd(results, wake + self.end_request(rs)), writes
-
-    def end_loads(
-        self, entries: Sequence[Entry], outcomes: Sequence[TransferOutcome]
-    ) -> list[RequestState]:
-        """EndLoad each store read with its outcome; returns the requests to wake."""
-        wake: list[RequestState] = []
-        for entry, outcome in zip(entries, outcomes, strict=True):
-            wake += self.end_load(entry, outcome, None)
-        return wake
-
-    def begin_publishes(self, rs: RequestState, keys: Sequence[str]) -> list[Entry | None]:
-        """Publish each key ``rs`` holds READY; per key the entry to write, or None."""
-        return [self.publish(rs, key) for key in keys]
-
-    def end_publishes(
-        self, request_id: str, entries: Sequence[Entry], outcomes: Sequence[TransferOutcome]
-    ) -> None:
-        """EndPublish each write with its outcome."""
-        for entry, outcome in zip(entries, outcomes, strict=True):
-            self.end_publish(request_id, entry, outcome)
-
-    def end_request(self, rs: RequestState) -> list[RequestState]:
-        """End every reservation of ``rs`` (its waiters fall back; a range still handed out
-        to a writer ends UNKNOWN: quarantined), release every wait and pin in lookup order, then
-        CloseRequest. Returns the requests to wake."""
+    def _end(self, rs: RequestState) -> list[RequestState]:
+        """``end_request``'s work; the requests to wake."""
+        actions = self._actions
         rs.lookup_pending = None
         wake: list[RequestState] = []
         for key in sorted(rs.reserved):
             outcome = TransferOutcome.UNKNOWN if key in rs.filling else TransferOutcome.FAILED
-            wake += self.end_load(self._entries[key], outcome, Reason.ABANDONED)
+            wake += actions.end_load(self._entries[key], outcome, Reason.ABANDONED)
         rs.filling.clear()
-        for key in sorted(rs.waits):
-            self.release(rs, key)
-        if self._events is None:
-            self._unpin_all(rs)
-        else:
-            for key in _release_order(rs):
-                self.release(rs, key)
-        self.close_request(rs)
+        if rs.waits:
+            actions.release_all(rs, sorted(rs.waits))
+        actions.release_all(rs, _release_order(rs))
+        actions.close_request(rs)
         return wake
-
-    def served(self, rs: RequestState) -> list[tuple[int, ItemLike] | None]:
-        """Per looked-up item, the range it may read (offset and item) or None."""
-        holds, entries = rs.holds, self._entries
-        out: list[tuple[int, ItemLike] | None] = []
-        for item in rs.items:
-            entry = entries[item.key] if item.key in holds else None
-            out.append(None if entry is None or not matches(entry, item) else (entry.offset, item))
-        return out
-
-    def fallback(self, rs: RequestState) -> tuple[list[int], list[Reason | None]]:
-        """Per looked-up item: 1 where the caller must encode it, and why."""
-        served = [r is not None for r in self.served(rs)]
-        pairs = zip(rs.items, served, strict=True)
-        reasons = [None if ok else _fallback_reason(rs, it) for it, ok in pairs]
-        return [0 if ok else 1 for ok in served], reasons
-
-    @staticmethod
-    def pending(rs: RequestState) -> bool:
-        """Whether ``rs`` waits on a load that someone else fills."""
-        return rs.pending()
-
-    # ------------------------------------------------------------------ effects to take
-    def take_events(self) -> list[dict[str, Any]]:
-        """The trace events buffered since the last call, in order (none when not tracing)."""
-        events = self._events
-        if not events:
-            return []
-        self._events = []
-        return events
-
-    def take_freed(self) -> list[tuple[int, int]]:
-        """The ``(offset, size)`` ranges freed since the last call (with ``record_freed``)."""
-        freed = self._freed
-        if not freed:
-            return []
-        self._freed = []
-        return freed
-
-    # ------------------------------------------------------------------ read-only views
-    @property
-    def entries(self) -> Mapping[str, Entry]:
-        """Every entry by key (a read-only view; the entries are the core's: do not edit)."""
-        return MappingProxyType(self._entries)
-
-    @property
-    def requests(self) -> Mapping[str, RequestState]:
-        """Every open request by id (a read-only view)."""
-        return MappingProxyType(self._requests)
-
-    @property
-    def counts(self) -> Mapping[str, int]:
-        """The counters (a read-only view)."""
-        return MappingProxyType(self._counts)
-
-    @property
-    def quarantine(self) -> Mapping[str, float]:
-        """QUARANTINED keys and when each was quarantined (a read-only view)."""
-        return MappingProxyType(self._quarantine)
-
-    @property
-    def pinned_since(self) -> Mapping[str, float]:
-        """Pinned keys and when their first pin came (a read-only view)."""
-        return MappingProxyType(self._pinned_since)
-
-    @property
-    def allocator(self) -> BestFitAllocator:
-        """The allocator, for its queries (``allocated_bytes``, ``free_blocks()``...) only."""
-        return self._allocator
-
-    @property
-    def evictable_bytes(self) -> int:
-        """Bytes of the entries in the eviction order."""
-        return self._evictable_bytes
-
-    def eviction_order(self) -> list[str]:
-        """The evictable keys, first victim first. O(n)."""
-        return list(self._order)
-
-    def entry_state(self, key: str) -> EntryState:
-        """The state of ``key``'s entry (ABSENT when there is none)."""
-        entry = self._entries.get(key)
-        return ABSENT if entry is None else entry.state
-
-
-    # ------------------------------------------------------------------ helpers
-    def _pin_hits(
-        self, rs: RequestState, items: Sequence[ItemLike]
-    ) -> tuple[list[ItemStatus], bool]:
-        """``Lookup`` of every item, the hits inlined (a READY, not doomed, matching entry:
-        the table allows LOOKUP_HIT from READY, so no check is needed); whether any missed."""
-        entries, holds, r = self._entries, rs.holds, rs.request_id
-        statuses: list[ItemStatus] = []
-        hits = 0
-        missed = False
-        for item in items:
-            key = item.key
-            entry = entries.get(key)
-            if (
-                entry is not None
-                and entry.state is READY
-                and not entry.doomed
-                and entry.shape == item.shape
-                and entry.dtype == item.dtype
-            ):
-                holders = entry.holders
-                if r not in holders:
-                    if holders:
-                        entry.holders = holders | {r}
-                    else:
-                        entry.holders = frozenset((r,))
-                        self._pinned_since[key] = self._clock()
-                        if self._order.discard(key):
-                            self._evictable_bytes -= entry.size
-                    holds[key] = None
-                hits += 1
-                statuses.append(HIT)
-            else:
-                statuses.append(self.lookup(rs, item))
-                missed = True
-        self._counts["hits"] += hits
-        return statuses, missed
-
-    def _unpin_all(self, rs: RequestState) -> None:
-        """``Release`` of every pin of ``rs`` in ``_release_order``, inlined for the common
-        cases (another pin remains; the last pin of a plain entry, which joins the eviction
-        order); a tainted or doomed entry's last pin goes through the action's own path."""
-        entries, r, pinned_since = self._entries, rs.request_id, self._pinned_since
-        order = self._order
-        for key in _release_order(rs):
-            entry = entries[key]
-            holders = entry.holders
-            if len(holders) > 1:
-                entry.holders = holders - {r}
-            elif entry.tainted or entry.doomed:
-                del rs.holds[key]
-                self._drop_pin(entry, r, Step.RELEASE_PIN)
-                pinned_since = self._pinned_since
-                continue
-            else:
-                entry.holders = NOBODY
-                del pinned_since[key]
-                order.add(key)
-                self._evictable_bytes += entry.size
-            del rs.holds[key]
-        if not pinned_since:  # a dict keeps the table of its largest burst: start afresh
-            self._pinned_since = {}
-
-    def is_open(self, rs: RequestState) -> bool:
-        """Whether ``rs`` is an open request of this core."""
-        return self._requests.get(rs.request_id) is rs
-
-    def has_request(self, request_id: str) -> bool:
-        """Whether a request called ``request_id`` is open."""
-        return request_id in self._requests
 
     def _start_misses(
         self,
@@ -408,15 +442,15 @@ class CacheCore(Actions):
     ) -> list[ItemStatus]:
         """Second pass over the NOT_FOUND items: join what others started meanwhile, else
         BeginLoad a store read (appended to ``loads``) or a reservation; then end the lookup."""
-        entries = self._entries
+        entries, actions = self._entries, self._actions
         for i, item in enumerate(items):
             if statuses[i].reason is not NOT_FOUND:
                 continue
             in_store = found.get(item.key, False)
             if item.key in entries:
-                statuses[i] = self.lookup(rs, item)
+                statuses[i] = actions.lookup(rs, item)
             elif in_store or reserve:
-                entry, reason = self.begin_load(rs, item, from_store=in_store)
+                entry, reason = actions.begin_load(rs, item, from_store=in_store)
                 if entry is None:
                     assert reason is not None, "a failed BeginLoad names its reason"
                     statuses[i] = MISSES[reason]
@@ -442,6 +476,12 @@ class CacheCore(Actions):
                 rs.fallbacks[item.key] = reason
                 counts["miss:" + reason.value] += 1
         rs.items.extend(items)
+
+
+def _writes(rs: RequestState, started: Sequence[Entry | None]) -> Writes | None:
+    """The writes to start for ``rs``: the publishes that started, None if none did."""
+    entries = [entry for entry in started if entry is not None]
+    return Writes(rs.request_id, entries) if entries else None
 
 
 def _release_order(rs: RequestState) -> list[str]:

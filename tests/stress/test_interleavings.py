@@ -2,7 +2,7 @@
 
 Every change of shared state happens under the cache lock, so the schedules that matter are
 the orders of whole lock sections and of what runs between them: completion callbacks
-(``_end_load`` then ``_signal``), request bookkeeping, ``wait``/``wait_async`` against the
+(``end_loads`` and its wake-ups), request bookkeeping, ``wait``/``wait_async`` against the
 wake-up, insert against remove, close against a load in flight, publish against remove,
 fence against an UNKNOWN load, two overlapping fences against a re-quarantine (issue 25), and
 the pipeline's lookup/encode/insert. ``GapScheduler`` runs
@@ -22,9 +22,10 @@ at most 150 such schedules run completely in CI.
 
 Why not ``frontrun`` (which installs and runs on Python 3.11): its opcode-level exploration
 did not find the stale wake-up bug fixed in 3dfca44 (``_signal`` set ``done`` after releasing
-the lock), neither DPOR in 1,700 executions nor its random strategy in 200, because the
-window spans whole method calls. ``explore`` finds it in a few dozen schedules (the self-test
-below keeps that true). Nothing to install.
+the lock; the driver now wakes in its locked step, ``_locked``), neither DPOR in 1,700
+executions nor its random strategy in 200, because the window spans whole method calls.
+``explore`` finds it in a few dozen schedules (the self-test below keeps that true).
+Nothing to install.
 
 The I/O thread pool is replaced by ``ManualIO``, whose jobs run on a scheduled ``io`` thread,
 the cache lock by a ``ScheduledLock`` around it (the hierarchy checker still runs), and each
@@ -50,7 +51,7 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache, EncodePipeline, Item, Reason, Status, TransferOutcome
-from embcache.core.entries import RequestState
+from embcache.core.effects import Effects
 from embcache.core.lifecycle import ABSENT, QUARANTINED, READY
 from embcache.locks import assert_unlocked
 from embcache.request import Request
@@ -814,21 +815,30 @@ def test_every_explored_schedule_keeps_the_invariants(
 
 
 # ---------------------------------------------------------------------------- self-test
-def stale_wake_up_signal(self: EmbeddingCache, requests: list[RequestState]) -> None:
-    """``_signal`` before 3dfca44: the Event was set after the lock was released."""
+def stale_wake_up_locked(
+    self: EmbeddingCache, step: Callable[..., Effects[Any]], *args: Any
+) -> tuple[Effects[Any], list[Any]]:
+    """The funnel's locked part with the wake-up of ``_signal`` before 3dfca44: the Event of
+    each woken request is set after the lock was released."""
+    with self._lock:
+        fx = step(*args)
+        if fx.waiting is not None:
+            self._wakeups.note(fx.waiting, self._new_event)
+        futures = [] if fx.closed is None else self._wakeups.close(fx.closed)
     assert_unlocked("waking requests")
-    for rs in requests:
+    for rs in fx.wake:
         with self._lock:
             wakeup = self._wakeups.get(rs)
             if rs.pending() or wakeup is None:
                 continue
             wakeup.futures = []
         wakeup.event.set()
+    return fx, futures
 
 
 def test_the_scheduler_finds_the_stale_wake_up_bug_of_3dfca44() -> None:
     def mutant(w: World) -> None:
-        w.cache._signal = types.MethodType(stale_wake_up_signal, w.cache)  # type: ignore[method-assign]
+        w.cache._locked = types.MethodType(stale_wake_up_locked, w.cache)  # type: ignore[method-assign,assignment]
         wake_up_vs_lookup_of_another_loading_key(w)
 
     result = explore(checked(mutant))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache, Item, TransferOutcome
-from embcache.core.cache_core import CacheCore
+from embcache.core.actions import Actions
 from embcache.core.lifecycle import ABSENT, QUARANTINED
 from embcache.testing import Fault, FaultInjectingStore
 from embcache.trace import TraceLog
@@ -106,22 +106,22 @@ def test_evicting_a_pinned_entry_is_rejected_at_the_evict(
     traced: Callable[..., tuple[EmbeddingCache, TraceLog]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The bug: a new pin leaves the entry in the LRU, and eviction does not check pins.
-    add_holder_as_built = CacheCore._add_holder
+    add_holder_as_built = Actions._add_holder
 
-    def add_holder(self: CacheCore, entry: Any, holder: Any) -> None:
+    def add_holder(self: Actions, entry: Any, holder: Any) -> None:
         evictable = entry.key in self._order
         add_holder_as_built(self, entry, holder)  # its other bookkeeping stays right
         if evictable and entry.key not in self._order:
             self._order.add(entry.key)
             self._evictable_bytes += entry.size
 
-    def evict(self: CacheCore, entry: Any) -> None:
+    def evict(self: Actions, entry: Any) -> None:
         entry.state = ABSENT
         self._free(entry)
         self._emit("Evict", None, entry.key, entry)
 
-    monkeypatch.setattr(CacheCore, "_add_holder", add_holder)
-    monkeypatch.setattr(CacheCore, "evict", evict)
+    monkeypatch.setattr(Actions, "_add_holder", add_holder)
+    monkeypatch.setattr(Actions, "evict", evict)
     cache, log = traced(1)
     a, b = item("a"), item("b")
     with cache.request("r1") as r1:
@@ -141,10 +141,10 @@ def test_freeing_on_an_unknown_load_is_rejected_at_the_end_load(
     traced: Callable[..., tuple[EmbeddingCache, TraceLog]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The bug: EndLoad(UNKNOWN) frees the range as if FAILED (the write may still land).
-    original = CacheCore.end_load
+    original = Actions.end_load
     unknown = TransferOutcome.UNKNOWN
 
-    def end_load(self: CacheCore, entry: Any, outcome: Any, reason: Any) -> Any:
+    def end_load(self: Actions, entry: Any, outcome: Any, reason: Any) -> Any:
         if outcome is not unknown:
             return original(self, entry, outcome, reason)
         emit = self._emit
@@ -158,7 +158,7 @@ def test_freeing_on_an_unknown_load_is_rejected_at_the_end_load(
         finally:
             del self._emit
 
-    monkeypatch.setattr(CacheCore, "end_load", end_load)
+    monkeypatch.setattr(Actions, "end_load", end_load)
     store = FaultInjectingStore(delay_seconds=0.0)
     x = item("x")
     store.put_object("x", bytes(x.nbytes))
@@ -181,7 +181,7 @@ def test_a_fence_freeing_by_key_is_rejected_at_that_fence(monkeypatch: pytest.Mo
     # ends, so an overlapping fence frees a key QUARANTINED again after it began.
     from tests import tracegen
 
-    def fence_by_key(self: CacheCore, snap: Any) -> int:
+    def fence_by_key(self: Actions, snap: Any) -> int:
         freed = []
         for old in snap.entries:
             entry = self.entries.get(old.key)
@@ -192,7 +192,7 @@ def test_a_fence_freeing_by_key_is_rejected_at_that_fence(monkeypatch: pytest.Mo
         self._emit("Fence", None, None, None, fence=snap.fence, keys=freed)
         return len(freed)
 
-    monkeypatch.setattr(CacheCore, "fence", fence_by_key)
+    monkeypatch.setattr(Actions, "fence", fence_by_key)
     for events in tracegen.overlapping_fence_traces():
         [verdict] = trace_mod.validate(traces=[("buggy", events)], workers=1)
         assert not verdict.accepted, "the spec accepted a fence that freed by key"
@@ -208,17 +208,17 @@ def test_skipping_the_waiter_hand_off_is_rejected_at_the_end_load(
 ) -> None:
     # The bug: EndLoad(OK) makes the entry READY but does not pin its waiters (they are
     # dropped), so it is evictable before they read it.
-    original = CacheCore.end_load
+    original = Actions.end_load
     ok = TransferOutcome.OK
 
-    def end_load(self: CacheCore, entry: Any, outcome: Any, reason: Any) -> Any:
+    def end_load(self: Actions, entry: Any, outcome: Any, reason: Any) -> Any:
         if outcome is ok and not entry.doomed:
             for r in entry.waiters:
                 self.requests[r].waits.discard(entry.key)
             entry.waiters = frozenset()
         return original(self, entry, outcome, reason)
 
-    monkeypatch.setattr(CacheCore, "end_load", end_load)
+    monkeypatch.setattr(Actions, "end_load", end_load)
     store = FaultInjectingStore(delay_seconds=0.0)
     x = item("x")
     store.put_object("x", bytes(x.nbytes))
@@ -327,14 +327,14 @@ def test_a_miss_with_the_wrong_reason_is_rejected_at_the_lookup(
     traced: Callable[..., tuple[EmbeddingCache, TraceLog]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The bug: a lookup of a doomed (busy) entry reports it as not found.
-    emit = CacheCore._emit
+    emit = Actions._emit
 
-    def misreport(self: CacheCore, action: str, *args: Any, **fields: Any) -> None:
+    def misreport(self: Actions, action: str, *args: Any, **fields: Any) -> None:
         if action == "Lookup" and fields.get("reason") == "busy":
             fields["reason"] = "not_found"
         emit(self, action, *args, **fields)
 
-    monkeypatch.setattr(CacheCore, "_emit", misreport)
+    monkeypatch.setattr(Actions, "_emit", misreport)
     cache, log = traced(2)
     a = item("a")
     with cache.request("r1") as r1:
