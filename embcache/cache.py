@@ -6,12 +6,12 @@ the core, the pool and its views, the payload copies of inserts, the I/O threads
 reads and publishes, wake-ups, trace delivery and the poison debug mode.
 
 One funnel per step: every core step goes through ``_run``, the one place that takes the lock
-around the core. ``_locked`` takes the lock, calls the step (which checks that the cache and
-the request are open, raising ``ClosedError``), poisons the ranges it freed (debug mode, before
-the lock goes, so no allocation can take them first) and arms, drops or fires wake-ups
-(``embcache.wakeups``, which lives under the lock); ``_carry_out``, with no lock held, hands the
-trace events to the sink (``embcache.trace.TraceOutbox``), resolves asyncio waiters, and starts
-the step's store reads and writes on the I/O pool. Everything slow happens between steps: store
+around the core. Under the lock it calls the step (which checks that the cache and the request
+are open, raising ``ClosedError``), poisons the ranges it freed (debug mode, before the lock
+goes, so no allocation can take them first) and arms, drops or fires wake-ups
+(``embcache.wakeups``, which lives under the lock); then, with no lock held, it hands the trace
+events to the sink (``embcache.trace.TraceOutbox``), resolves asyncio waiters, and starts the
+step's store reads and writes on the I/O pool. Everything slow happens between steps: store
 calls report back through the ``end_loads``/``end_publishes`` steps; payload copies run in the
 caller's thread while the entry is LOADING (an insert) or pinned (a read or publish), so the
 range cannot be freed or reused under them. Read-only queries (``stats``, ``entry_state``) take
@@ -29,13 +29,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from embcache.core.cache_core import CacheCore
 from embcache.core.effects import Effects
-from embcache.core.entries import Entry, RequestState
+from embcache.core.entries import Entry, FenceSnapshot, RequestState
 from embcache.core.lifecycle import EntryState
 from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
 from embcache.core.policy import Policy, as_policy
@@ -54,7 +54,6 @@ from embcache.wakeups import Future, Wakeups, resolve
 
 __all__ = ["CacheStats", "EmbeddingCache", "FencePolicy", "TraceSink"]
 log = logging.getLogger(__name__)
-P = ParamSpec("P")
 T = TypeVar("T")
 
 class EmbeddingCache(InPlaceFills):
@@ -186,16 +185,16 @@ class EmbeddingCache(InPlaceFills):
         Refused by the lock-order check: begins nothing; raising later: abandoned, re-raised."""
         assert_unlocked("store fence")
         core = self._core
-        begun, futures = self._locked(core.begin_fence)
-        snap = begun.result
+        begun: list[FenceSnapshot] = []  # the snapshot, even if delivering its event raises
         try:
-            self._carry_out(begun, futures)
+            self._run(core.begin_fence, begun)
             if self._store is not None:
                 self._store.fence()
         except BaseException:
-            self._run(core.abandon_fence, snap)
+            if begun:
+                self._run(core.abandon_fence, begun[0])
             raise
-        return self._run(core.fence, snap)
+        return self._run(core.fence, begun[0])
 
     def close(self) -> None:
         """Stop taking requests, finish transfers in flight; the store is left to its owner."""
@@ -363,36 +362,25 @@ class EmbeddingCache(InPlaceFills):
             return self._core.fence_due(now, int(policy.max_fraction * capacity), policy.max_age_s)
 
     # ------------------------------------------------------------------ the funnel
-    def _run(self, step: Callable[P, Effects[T]], *args: P.args, **kwargs: P.kwargs) -> T:
-        """One core step, its effects carried out: ``_locked``, then ``_carry_out``."""
-        fx, futures = self._locked(step, *args, **kwargs)
-        self._carry_out(fx, futures)
-        return fx.result
-
-    def _locked(
-        self, step: Callable[P, Effects[T]], *args: P.args, **kwargs: P.kwargs
-    ) -> tuple[Effects[T], list[Future]]:
-        """The one place that takes the cache lock around a core step: call it, then, still
-        under the lock, poison the ranges it freed (debug mode: no allocation can take them
-        first) and arm, drop or fire the wake-ups it names. Returns its record and the
-        asyncio futures to resolve once the lock is released."""
+    def _run(self, step: Callable[..., Effects[T]], *args: Any) -> T:
+        """The one place that takes the cache lock around a core step, and carries out the
+        step's ``Effects``. Under the lock: the step (which raises, changing nothing, if the
+        cache or the request is closed), then the poisoning of the ranges it freed (debug
+        mode: no allocation can take them first) and the wake-ups it names (an Event is set
+        only while the core says nothing is pending). With no lock held: its trace events to
+        the sink (in ``seq`` order across threads), its asyncio waiters resolved, its store
+        reads and writes submitted to the I/O pool. Returns the step's result."""
         with self._lock:
-            fx = step(*args, **kwargs)
+            fx = step(*args)
             if fx.freed:
                 poison(self._pool, fx.freed)
-            if fx.waiting is None and not fx.wake and fx.closed is None:
-                return fx, []
-            wakeups = self._wakeups
+            futures: list[Future] = []
             if fx.waiting is not None:
-                wakeups.note(fx.waiting, self._new_event)
-            futures = wakeups.wake(fx.wake) if fx.wake else []
+                self._wakeups.note(fx.waiting, self._new_event)
+            if fx.wake:
+                futures = self._wakeups.wake(fx.wake)
             if fx.closed is not None:
-                futures += wakeups.close(fx.closed)  # someone may wait on the request itself
-            return fx, futures
-
-    def _carry_out(self, fx: Effects[Any], futures: list[Future]) -> None:
-        """The rest of a step's effects, no lock held: deliver its trace events (in ``seq``
-        order across threads), resolve asyncio waiters, start its store reads and writes."""
+                futures += self._wakeups.close(fx.closed)  # someone may wait on it itself
         if fx.events:
             assert self._outbox is not None
             self._outbox.deliver(list(fx.events))
@@ -404,6 +392,7 @@ class EmbeddingCache(InPlaceFills):
             self._io.submit(self._run_loads, list(fx.loads))
         if fx.writes is not None:
             self._io.submit(self._run_publishes, *fx.writes)
+        return fx.result
 
     def __repr__(self) -> str:
         return f"EmbeddingCache(capacity={self.capacity}, entries={len(self._core.entries)})"

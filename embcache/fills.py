@@ -20,7 +20,7 @@ store is asked (a single-threaded caller on its critical path: vLLM's scheduler)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from embcache.core.outcomes import TransferOutcome
 from embcache.errors import InvalidArgumentError, InvalidTypeError
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from embcache.store.base import GlobalStore
 
 __all__ = ["InPlaceFills"]
-P = ParamSpec("P")
 T = TypeVar("T")
 
 
@@ -50,9 +49,7 @@ class InPlaceFills:
             self, rs: RequestState, items: Sequence[Item], prefetch: bool, reserve: bool
         ) -> list[Any]: ...
 
-        def _run(
-            self, step: Callable[P, Effects[T]], *args: P.args, **kwargs: P.kwargs
-        ) -> T: ...
+        def _run(self, step: Callable[..., Effects[T]], *args: Any) -> T: ...
 
     def _begin_fill(self, rs: RequestState, items: Sequence[Item]) -> list[int | None]:
         """``Request.begin_fill``: BeginLoad each absent key (or take its reservation) and

@@ -23,7 +23,12 @@ from embcache.core.effects import Effects
 from embcache.core.entries import RequestState
 from embcache.core.lifecycle import QUARANTINED, READY
 from embcache.errors import LockOrderError
-from embcache.locks import assert_unlocked, enable_lock_checking, lock_checking_enabled
+from embcache.locks import (
+    HierarchyLock,
+    assert_unlocked,
+    enable_lock_checking,
+    lock_checking_enabled,
+)
 from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import raw, wait_until
 
@@ -229,8 +234,9 @@ def test_wait_under_the_cache_lock_is_refused(checking: None, cache: EmbeddingCa
 
 def test_wake_up_under_the_cache_lock_is_refused(checking: None, cache: EmbeddingCache) -> None:
     woke = Effects(None, wake=[RequestState("w")])  # a step's record that wakes a request
-    with cache._lock, pytest.raises(LockOrderError, match="waking requests while holding cache"):
-        cache._carry_out(woke, [])
+    outer = HierarchyLock(0, "test outer lock")  # (the funnel takes the cache lock itself)
+    with outer, pytest.raises(LockOrderError, match="waking requests while holding test outer"):
+        cache._run(lambda: woke)
     assert_usable(cache)
 
 

@@ -1,9 +1,10 @@
 """The pure core: the cache's state machine, with no lock, thread, clock, torch or store.
 
 It holds the entries, pins, waiters, the allocator, the eviction order, the quarantine and the
-fences, with one method per DESIGN action (``embcache/DESIGN.md``) and the request protocol
-over them (``CacheCore``); each step returns what its driver must do next. It imports nothing
-from ``embcache`` outside this package except ``embcache.errors`` (exceptions only, no
-imports); ``tests/test_core.py`` checks it. The driver (``embcache.cache``) holds the lock
-around it and does the I/O. Each module in one line: the module map, ``docs/architecture.md``.
+fences, with one method per DESIGN action (``Actions``, ``embcache/DESIGN.md``) and the
+request protocol over them (``CacheCore``, which holds the actions privately); each step
+returns one ``Effects`` record: what its driver must do. It imports nothing from ``embcache``
+outside this package except ``embcache.errors`` (exceptions only, no imports);
+``tests/test_core.py`` checks it. The driver (``embcache.cache``) holds the lock around it and
+does the I/O. Each module in one line: the module map, ``docs/architecture.md``.
 """

@@ -146,8 +146,15 @@ class Actions(StateQueries):
             elif entry.doomed:
                 status = BUSY_MISS
             elif entry.state is READY:
-                if r not in entry.holders:
-                    self._add_holder(entry, r)
+                holders = entry.holders
+                if r not in holders:  # (``_add_holder``, inlined: the hot path)
+                    if holders:
+                        entry.holders = holders | {r}
+                    else:
+                        entry.holders = frozenset((r,))
+                        self._pinned_since[key] = self._clock()
+                        if self._order.discard(key):
+                            self._evictable_bytes -= entry.size
                     holds[key] = None
                 hits += 1
                 status = HIT

@@ -86,7 +86,8 @@ class CacheCore(CoreQueries):
         """OpenRequest(r). Raises ``ClosedError`` (cache closed) or ``RequestError`` (the id is
         taken), changing nothing."""
         self._check_new(request_id)
-        return self._done(Effects(self._actions.open_request(request_id)))
+        fx = Effects(self._actions.open_request(request_id))
+        return self._taken(fx) if self._buffered else fx
 
     def open_lookup(
         self, request_id: str, items: Sequence[ItemLike]
@@ -95,7 +96,8 @@ class CacheCore(CoreQueries):
         of the ranges it holds (None while it waits on a load), in one step."""
         self._check_new(request_id)
         rs = self._actions.open_request(request_id)
-        return self._done(Effects((rs, self._lookup_ended(rs, items)), waiting=rs))
+        fx = Effects((rs, self._lookup_ended(rs, items)), waiting=rs)
+        return self._taken(fx) if self._buffered else fx
 
     def begin_lookup(
         self, rs: RequestState, items: Sequence[ItemLike], ask_store: bool, reserve: bool
@@ -103,9 +105,11 @@ class CacheCore(CoreQueries):
         """Lookup every item (a miss larger than the pool is TOO_LARGE). When misses remain
         and the store is to be asked, the result names their keys: call ``finish_lookup``
         next; else the lookup is over (misses reserved when ``reserve``). O(len(items))."""
-        self._check(rs)
+        if self._closed or self._requests.get(rs.request_id) is not rs:
+            self._check(rs)
         statuses, ask = self._first_pass(rs, items, ask_store, reserve)
-        return self._done(Effects(LookupStart(statuses, ask), waiting=None if ask else rs))
+        fx = Effects(LookupStart(statuses, ask), waiting=None if ask else rs)
+        return self._taken(fx) if self._buffered else fx
 
     def finish_lookup(
         self, rs: RequestState, found: Mapping[str, bool] | None
@@ -134,8 +138,10 @@ class CacheCore(CoreQueries):
         self, rs: RequestState, items: Sequence[ItemLike]
     ) -> Effects[list[int | None] | None]:
         """A lookup with no store asked and nothing reserved, then ``offsets_when_ready``."""
-        self._check(rs)
-        return self._done(Effects(self._lookup_ended(rs, items), waiting=rs))
+        if self._closed or self._requests.get(rs.request_id) is not rs:
+            self._check(rs)
+        fx = Effects(self._lookup_ended(rs, items), waiting=rs)
+        return self._taken(fx) if self._buffered else fx
 
     def begin_insert(self, rs: RequestState, items: Sequence[ItemLike]) -> Effects[list[Fill]]:
         """The LOADING entries ``rs`` must now fill, each with its item's index: its
@@ -255,19 +261,22 @@ class CacheCore(CoreQueries):
         CloseRequest; the requests to wake. A request already closed: nothing. Idempotent."""
         if self._requests.get(rs.request_id) is not rs:
             return self._done(Effects(None))
-        return self._done(Effects(None, wake=self._end(rs), closed=rs))
+        fx = Effects(None, wake=self._end(rs), closed=rs)
+        return self._taken(fx) if self._buffered else fx
 
     def served(self, rs: RequestState) -> Effects[Ranges]:
         """Per looked-up item, the range it may read (offset and item) or None."""
-        self._check(rs)
-        return self._done(Effects(self._served(rs)))
+        if self._closed or self._requests.get(rs.request_id) is not rs:
+            self._check(rs)
+        fx = Effects(self._served(rs))
+        return self._taken(fx) if self._buffered else fx
 
     def fallback(self, rs: RequestState) -> Effects[tuple[list[int], list[Reason | None]]]:
         """Per looked-up item: 1 where the caller must encode it, and why."""
         self._check(rs)
         served = [r is not None for r in self._served(rs)]
         pairs = zip(rs.items, served, strict=True)
-        reasons = [None if ok else _fallback_reason(rs, it) for it, ok in pairs]
+        reasons = [None if ok else rs.fallback_reason(it) for it, ok in pairs]
         return self._done(Effects(([0 if ok else 1 for ok in served], reasons)))
 
     def remove(self, key: str) -> Effects[bool]:
@@ -281,10 +290,12 @@ class CacheCore(CoreQueries):
         remove = self._actions.remove
         return self._done(Effects(sum(remove(key) for key in list(self._entries))))
 
-    def begin_fence(self) -> Effects[FenceSnapshot]:
-        """BeginFence(f): the snapshot to end with ``fence`` (or ``abandon_fence``)."""
+    def begin_fence(self, begun: list[FenceSnapshot]) -> Effects[FenceSnapshot]:
+        """BeginFence(f): the snapshot to end with ``fence`` (or ``abandon_fence``), also
+        appended to ``begun`` (the driver keeps it even if carrying out the step raises)."""
         self._check_open()
-        return self._done(Effects(self._actions.begin_fence()))
+        begun.append(self._actions.begin_fence())
+        return self._done(Effects(begun[-1]))
 
     def fence(self, snap: FenceSnapshot) -> Effects[int]:
         """Fence(f) after the store's fence returned; how many entries it freed."""
@@ -303,9 +314,11 @@ class CacheCore(CoreQueries):
 
     # ------------------------------------------------------------------ helpers
     def _done(self, fx: Effects[T]) -> Effects[T]:
-        """The step's record, with the events and freed ranges its actions buffered."""
-        if not self._buffered:
-            return fx
+        """The step's record, with the events and freed ranges its actions buffered (the hot
+        steps test ``_buffered`` themselves: no call when there is nothing to take)."""
+        return self._taken(fx) if self._buffered else fx
+
+    def _taken(self, fx: Effects[T]) -> Effects[T]:
         actions = self._actions
         return fx._replace(events=actions.take_events(), freed=actions.take_freed())
 
@@ -426,7 +439,7 @@ class CacheCore(CoreQueries):
         rs.filling.clear()
         if rs.waits:
             actions.release_all(rs, sorted(rs.waits))
-        actions.release_all(rs, _release_order(rs))
+        actions.release_all(rs, rs.release_order())
         actions.close_request(rs)
         return wake
 
@@ -482,24 +495,3 @@ def _writes(rs: RequestState, started: Sequence[Entry | None]) -> Writes | None:
     """The writes to start for ``rs``: the publishes that started, None if none did."""
     entries = [entry for entry in started if entry is not None]
     return Writes(rs.request_id, entries) if entries else None
-
-
-def _release_order(rs: RequestState) -> list[str]:
-    """The keys ``rs`` pins, in the order it looked them up, then the others (its own inserts)
-    in the order it pinned them: released in this order, the last looked up ends newest."""
-    holds = rs.holds
-    order = [key for key in dict.fromkeys([item.key for item in rs.items]) if key in holds]
-    if len(order) < len(holds):  # it also pins keys it inserted without looking them up
-        looked = set(order)
-        order += [key for key in holds if key not in looked]
-    return order
-
-
-def _fallback_reason(rs: RequestState, item: ItemLike) -> Reason | None:
-    if item.key in rs.holds:
-        return Reason.MISMATCH
-    if item.key in rs.reserved:
-        return Reason.NOT_FOUND  # reserved for this request: a miss it must encode
-    if item.key in rs.waits:
-        return Reason.TIMEOUT
-    return rs.fallbacks.get(item.key)

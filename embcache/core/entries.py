@@ -76,6 +76,26 @@ class RequestState:
         """Whether it waits on a load that someone else fills (a store read or another's insert)."""
         return bool(self.waits) and not self.waits <= self.reserved
 
+    def release_order(self) -> list[str]:
+        """The keys it pins, in the order it looked them up, then the others (its own inserts)
+        in the order it pinned them: released in this order, the last looked up ends newest."""
+        holds = self.holds
+        order = [key for key in dict.fromkeys([item.key for item in self.items]) if key in holds]
+        if len(order) < len(holds):  # it also pins keys it inserted without looking them up
+            looked = set(order)
+            order += [key for key in holds if key not in looked]
+        return order
+
+    def fallback_reason(self, item: ItemLike) -> Reason | None:
+        """Why ``item``, looked up and not served, must be encoded."""
+        if item.key in self.holds:
+            return Reason.MISMATCH
+        if item.key in self.reserved:
+            return Reason.NOT_FOUND  # reserved for this request: a miss it must encode
+        if item.key in self.waits:
+            return Reason.TIMEOUT
+        return self.fallbacks.get(item.key)
+
 
 @dataclass(frozen=True, slots=True)
 class FenceSnapshot:

@@ -22,7 +22,7 @@ at most 150 such schedules run completely in CI.
 
 Why not ``frontrun`` (which installs and runs on Python 3.11): its opcode-level exploration
 did not find the stale wake-up bug fixed in 3dfca44 (``_signal`` set ``done`` after releasing
-the lock; the driver now wakes in its locked step, ``_locked``), neither DPOR in 1,700
+the lock; the driver now wakes under the lock of its funnel, ``_run``), neither DPOR in 1,700
 executions nor its random strategy in 200, because the window spans whole method calls.
 ``explore`` finds it in a few dozen schedules (the self-test below keeps that true).
 Nothing to install.
@@ -56,6 +56,7 @@ from embcache.core.lifecycle import ABSENT, QUARANTINED, READY
 from embcache.locks import assert_unlocked
 from embcache.request import Request
 from embcache.testing import Fault, FaultInjectingStore
+from embcache.wakeups import resolve
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(120)]
 
@@ -815,11 +816,9 @@ def test_every_explored_schedule_keeps_the_invariants(
 
 
 # ---------------------------------------------------------------------------- self-test
-def stale_wake_up_locked(
-    self: EmbeddingCache, step: Callable[..., Effects[Any]], *args: Any
-) -> tuple[Effects[Any], list[Any]]:
-    """The funnel's locked part with the wake-up of ``_signal`` before 3dfca44: the Event of
-    each woken request is set after the lock was released."""
+def stale_wake_up_run(self: EmbeddingCache, step: Callable[..., Effects[Any]], *args: Any) -> Any:
+    """The funnel with the wake-up of ``_signal`` before 3dfca44: the Event of each woken
+    request is set after the lock was released."""
     with self._lock:
         fx = step(*args)
         if fx.waiting is not None:
@@ -833,12 +832,17 @@ def stale_wake_up_locked(
                 continue
             wakeup.futures = []
         wakeup.event.set()
-    return fx, futures
+    resolve(futures)
+    if fx.loads:
+        self._io.submit(self._run_loads, list(fx.loads))
+    if fx.writes is not None:
+        self._io.submit(self._run_publishes, *fx.writes)
+    return fx.result
 
 
 def test_the_scheduler_finds_the_stale_wake_up_bug_of_3dfca44() -> None:
     def mutant(w: World) -> None:
-        w.cache._locked = types.MethodType(stale_wake_up_locked, w.cache)  # type: ignore[method-assign,assignment]
+        w.cache._run = types.MethodType(stale_wake_up_run, w.cache)  # type: ignore[method-assign]
         wake_up_vs_lookup_of_another_loading_key(w)
 
     result = explore(checked(mutant))
