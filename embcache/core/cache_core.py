@@ -85,7 +85,8 @@ class CacheCore(CoreQueries):
     def open_request(self, request_id: str) -> Effects[RequestState]:
         """OpenRequest(r). Raises ``ClosedError`` (cache closed) or ``RequestError`` (the id is
         taken), changing nothing."""
-        self._check_new(request_id)
+        if self._closed or request_id in self._requests:
+            self._check_new(request_id)
         fx = Effects(self._actions.open_request(request_id))
         return self._taken(fx) if self._buffered else fx
 
@@ -147,8 +148,10 @@ class CacheCore(CoreQueries):
         """The LOADING entries ``rs`` must now fill, each with its item's index: its
         reservations, and a BeginLoad for each absent key (a duplicate key once). Raises
         (changing nothing) when a reserved key's shape or dtype differs from the reservation."""
-        self._check(rs)
-        return self._done(Effects(self._plan_fills(rs, items)))
+        if self._closed or self._requests.get(rs.request_id) is not rs:
+            self._check(rs)
+        fx = Effects(self._plan_fills(rs, items))
+        return self._taken(fx) if self._buffered else fx
 
     def finish_insert(
         self,
@@ -162,9 +165,11 @@ class CacheCore(CoreQueries):
         the request meanwhile: a load in flight must end); which of ``count`` items are cached
         now, the requests to wake, and (when ``publish``) the writes of the cached ones."""
         results, wake = self._end_fills(fills, outcomes, count)
-        cached = [entry.key for i, entry in fills if results[i]]
-        writes = _writes(rs, self._publish(rs, cached) if publish else [])
-        return self._done(Effects(results, writes=writes, wake=wake))
+        writes = None
+        if publish:
+            writes = _writes(rs, self._publish(rs, [e.key for i, e in fills if results[i]]))
+        fx = Effects(results, writes=writes, wake=wake)
+        return self._taken(fx) if self._buffered else fx
 
     def begin_fills(self, rs: RequestState, items: Sequence[ItemLike]) -> Effects[list[Fill]]:
         """``begin_insert`` whose ranges are handed out to a writer outside the driver: each
@@ -195,8 +200,10 @@ class CacheCore(CoreQueries):
                 wake += end_load(entry, outcome, Reason.LOAD_FAILED)
                 results[i] = entry.state is READY
         self._counts["inserts"] += sum(results)
-        cached = [k for k, ok in zip(keys, results, strict=True) if ok]
-        writes = _writes(rs, self._publish(rs, cached) if publish else [])
+        writes = None
+        if publish:
+            cached = [k for k, ok in zip(keys, results, strict=True) if ok]
+            writes = _writes(rs, self._publish(rs, cached))
         return self._done(Effects(results, writes=writes, wake=wake))
 
     def begin_insert_batch(
@@ -224,8 +231,9 @@ class CacheCore(CoreQueries):
         """``finish_insert``, then ``end_request``: the inserted entries end idle (a publish
         holds its own pin). The results, the requests to wake, the writes to start."""
         results, wake = self._end_fills(fills, outcomes, count)
-        cached = [entry.key for i, entry in fills if results[i]]
-        writes = _writes(rs, self._publish(rs, cached) if publish else [])
+        writes = None
+        if publish:
+            writes = _writes(rs, self._publish(rs, [e.key for i, e in fills if results[i]]))
         wake += self._end(rs)
         return self._done(Effects(results, writes=writes, wake=wake))
 
