@@ -6,16 +6,21 @@ process, through vLLM 0.33.0's engine-step order (``benchmarks.vllm_engine.Engin
 ``build_connector_meta``, every rank's ``start_load_caches`` / ``save_caches`` /
 ``build_connector_worker_meta``, ``request_finished`` before ``update_connector_output``), one
 request a step: ``--requests`` requests of ``--items / --requests`` new distinct items each
-(1-16 rows x 16 fp16: 32-512 bytes) plus two items of the request before (declared present
-and loaded by every rank while they last), over a pool of ``--pool-mib`` and no global tier
-(the README's configuration, scaled down). Every rank checks the bytes of what it reads.
+(1-16 rows x 16 fp16: 32-512 bytes; one row in the warm-up, which so churns the pool at its
+capacity in entries, as ``benchmarks/soak_memory.py`` explains) plus two items of the request
+before (declared present and loaded by every rank while they last), over a pool of
+``--pool-mib`` and no global tier (the README's configuration, scaled down). Every rank checks
+the bytes of what it reads.
 
 What it prints: one row: front end, items, requests, resident memory (``VmRSS``) after the
 warm-up (``--warmup`` of the requests: the pool full and evicting) and at the end, its growth
-in per cent, and the growth of Python's traced heap (``tracemalloc``, on for the whole run) in
-KiB; then the containers the design bounds, at the end (embcache/DESIGN.md, "Memory bounds",
-"vLLM connector"). Exit status 1 when RSS grows by 5% or more, or the heap by more than
-``--heap-slack-kib``, or the engine saw an error.
+in per cent, and the growth of Python's traced heap (``tracemalloc``, from the interpreter's
+start: ``benchmarks.soak_memory.traced_from_the_start``) in
+KiB, at the end and at its highest (every further tenth and the end); the heap at each tenth;
+then the containers the design bounds, at the end (embcache/DESIGN.md, "Memory bounds", "vLLM
+connector"). Exit status 1 when RSS grows by 5% or more, or the heap rises more than
+``--heap-slack-kib`` above the warm-up's at any further tenth or the end, or the engine saw an
+error.
 
 Run: ``python -m benchmarks.soak_vllm_memory`` (1,000,000 items, 100,000 requests; minutes)
 or ``--items 20000 --requests 2000``.
@@ -32,11 +37,10 @@ from typing import Any
 import torch
 
 from benchmarks import vllm_wheel
-from benchmarks.soak_memory import Row, soak
+from benchmarks.soak_memory import Row, Rows, soak, traced_from_the_start, warm_requests
 from benchmarks.vllm_wheel import FakeRequest
 
 WIDTH = 16
-ROWS = 16  # item i has 1 + i % ROWS rows
 
 
 def keys_of(request: int, per_request: int) -> list[int]:
@@ -66,7 +70,7 @@ def containers(scheduler: Any, engine: Any) -> dict[str, int]:
 
 @contextlib.contextmanager
 def vllm_front_end(
-    pool: int, per_request: int
+    pool: int, per_request: int, rows_of: Rows
 ) -> Iterator[tuple[Callable[[int], None], Callable[[], dict[str, int]]]]:
     """The step of request ``i`` and the containers, over a fresh connector pair."""
     from benchmarks.vllm_engine import Engine
@@ -86,7 +90,7 @@ def vllm_front_end(
         def step(i: int) -> None:
             numbers = keys_of(i, per_request)
             keys = [f"img-{n}" for n in numbers]
-            rows = {k: 1 + n % ROWS for k, n in zip(keys, numbers, strict=True)}
+            rows = {k: rows_of(n) for k, n in zip(keys, numbers, strict=True)}
             engine.add(FakeRequest(f"req-{i}", keys, rows, 1))
             engine.step()
 
@@ -101,7 +105,8 @@ def run(items: int, requests: int, pool: int, warmup: float = 0.1) -> Row:
     """The soak (module docstring); its row."""
     per_request = items // requests
     torch.set_num_threads(1)
-    with vllm_front_end(pool, per_request) as (step, sizes):
+    rows = Rows(warm_requests(requests, warmup) * per_request)
+    with vllm_front_end(pool, per_request, rows) as (step, sizes):
         return soak("vllm", step, sizes, items, requests, warmup)
 
 
@@ -116,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=0.1, help="fraction of requests")
     parser.add_argument("--heap-slack-kib", type=float, default=256.0)
     args = parser.parse_args(argv)
+    traced_from_the_start("benchmarks.soak_vllm_memory", argv)
     if args.requests <= 0 or args.items < args.requests:
         parser.error("need --requests > 0 and --items >= --requests")
     if not 0 < args.warmup < 1:
@@ -123,14 +129,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool = int(args.pool_mib * (1 << 20)) // 256 * 256
     row = run(args.items, args.requests, pool, args.warmup)
     print("| front end | items | requests | RSS after warm-up | RSS end | growth | "
-          "tracemalloc growth |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "tracemalloc growth | tracemalloc's highest rise |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     print(f"| {row.front_end} | {row.items:,} | {row.requests:,} | {row.rss_warm_mib} MiB | "
           f"{row.rss_end_mib} MiB | {row.rss_growth_pct:+.2f}% | "
-          f"{row.heap_growth_kib:+.1f} KiB |")  # fmt: skip
+          f"{row.heap_growth_kib:+.1f} KiB | {row.heap_rise_kib:+.1f} KiB |")  # fmt: skip
+    print(
+        f"heap after the warm-up: {row.heap_warm_kib} KiB; at each further tenth and the end: "
+        f"{row.heap_by_tenth_kib} KiB"
+    )
     print(f"containers at the end: {row.containers}")
-    bad = row.rss_growth_pct >= 5 or row.heap_growth_kib > args.heap_slack_kib
-    return 1 if bad or row.containers["errors"] else 0
+    return 1 if row.failed(args.heap_slack_kib) or row.containers["errors"] else 0
 
 
 if __name__ == "__main__":
