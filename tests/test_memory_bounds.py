@@ -2,8 +2,9 @@
 requests or time stays at its stated bound when a test drives far past it.
 
 Private names read here (each the container a bound is about, with no public count):
-``cache._core.shapes`` (how many shapes are interned), ``cache._wakeups`` (wake-ups of open
-requests), ``cache._outbox._waiting`` (trace batches not yet delivered).
+``cache._core.shapes`` (how many shapes are interned), ``cache._views._typed`` (the pool's
+views, one per dtype), ``cache._wakeups`` (wake-ups of open requests),
+``cache._outbox._waiting`` (trace batches not yet delivered).
 """
 
 from __future__ import annotations
@@ -155,6 +156,25 @@ def test_interned_shapes_stay_at_their_bound(monkeypatch: pytest.MonkeyPatch) ->
             most = max(most, cache._core.shapes)
         cache.check_invariants()
     assert most == 64
+
+
+def test_pool_views_and_strides_stay_at_their_bound() -> None:
+    """10x the strides cache's 1024 distinct shapes, in three dtypes, pass through a cache:
+    one pool view per dtype, and the strides cache (an ``lru_cache``) at its maxsize."""
+    from embcache.pool import _strides
+
+    _strides.cache_clear()
+    dtypes = (torch.uint8, torch.float16, torch.float32)
+    with EmbeddingCache(1 << 16, pin_memory=False) as cache:
+        for i in range(10 * 1024):
+            key, dtype = f"k{i}", dtypes[i % 3]
+            with cache.request(f"r{i}") as request:
+                request.lookup([Item(key, (1, 1 + i % 4096), dtype)])
+                request.insert([key], [torch.zeros((1, 1 + i % 4096), dtype=dtype)])
+                request.embeddings()
+        assert len(cache._views._typed) == 3
+    info = _strides.cache_info()
+    assert info.maxsize == 1024 and info.currsize == 1024 and info.misses > 4 * 1024, info
 
 
 def test_wakeups_fences_and_trace_batches_empty_when_requests_close() -> None:
