@@ -141,6 +141,27 @@ def test_per_entry_tables_reach_their_bound_at_the_most_entries_and_stay_within_
     assert full - half > 2 * slack, (half, full)
 
 
+@pytest.mark.parametrize(("policy", "most"), [("lru", 600), ("tinylfu", 1000), ("adaptive", 1500)])
+def test_metadata_per_entry_the_pool_can_hold(policy: str, most: int) -> None:
+    """The README's "about 0.5 KB of metadata per entry the pool can hold" (lru; DESIGN.md
+    states each policy's): a 1 MiB pool churned at its capacity in entries (4096 one-unit
+    images, 4x that passing, every per-entry table at its bound), keys of 13 characters."""
+    pool = 1 << 20
+    e = pool // 256
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        with EmbeddingCache(pool, pin_memory=False, policy=policy) as cache:
+            push_units(cache, [1] * 4 * e, 0)
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+            assert cache.stats().entries == e
+    finally:
+        tracemalloc.stop()
+    assert held <= most * e, f"{held / e:.0f} bytes an entry"
+
+
 def test_interned_shapes_stay_at_their_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """10x the bound of distinct shapes pass: the interning table never holds more (the bound
     shrunk to 64 for the test, as sortedcontainers' tests shrink their load factor)."""
