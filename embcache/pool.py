@@ -4,6 +4,7 @@ tensor of its shape and dtype)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 
@@ -38,21 +39,75 @@ def make_pool(capacity_bytes: int, pin_memory: bool, pool: object = None) -> tor
 
 
 class PoolViews:
-    """Views of one uint8 pool tensor; the pool viewed as each dtype is made once."""
+    """Views of one uint8 pool tensor, and copies into it.
+
+    Design notes (numbers: ``benchmarks/INSTRUCTIONS.md``, "Where the wall time goes"). Torch's
+    generated method bindings (``as_strided``, ``view``, ``detach``, ``copy_``) release the
+    interpreter lock around the op, and a view's kernel takes it back to link the new tensor to
+    its base: with any other Python thread ready to run (the I/O pool's worker after a publish,
+    asyncio's executor), the caller loses the lock in every such call and waits for it
+    (``pthread_cond_timedwait`` under ``THPVariable_as_strided`` in py-spy: 61% of the view's
+    time in the SGLang adapter's hit). Indexing (``THPVariable_getitem``) keeps the lock. So a
+    view is a slice of a base view made once per (dtype, shape past the first dimension,
+    phase): the pool as rows of that shape, starting ``phase`` elements in, so that the
+    entry's first element begins a row. Bases are few (the phase is below the row's element
+    count and a multiple of the alignment); past ``MAX_BASES`` a view falls back to
+    ``as_strided``.
+
+    A copy in goes by ``memmove`` where ``copy_`` would do no more than copy bytes (a plain CPU
+    tensor, contiguous, of the entry's dtype and shape, no lazy conjugate or negation bit):
+    ``copy_`` of a view costs a ``no_grad`` block (about 1 us), the view and its dispatch
+    (about 1.3 us) for a 256 B item, and at 3.9 MiB it splits the copy over the intra-op
+    threads, which on a loaded machine left it waiting for a descheduled helper thread
+    (median 16 ms against 0.1 ms). Below ``RELEASE_BYTES`` the ``memmove`` keeps the
+    interpreter lock (a few microseconds at most); above, it releases it while it copies."""
+
+    MAX_BASES = 256
+    RELEASE_BYTES = 256 * 1024
 
     def __init__(self, pool: torch.Tensor) -> None:
         self._pool = pool
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._bases: dict[tuple[torch.dtype, tuple[int, ...], int], torch.Tensor] = {}
+        self._base = pool.data_ptr()
 
     def view(self, offset: int, item: ItemLike | Entry) -> torch.Tensor:
-        """``item``'s bytes at ``offset`` as a tensor of its shape and dtype (zero-copy): one
-        ``as_strided`` of the pool viewed as the dtype (slicing and two ``.view`` calls cost
-        5x more)."""
+        """``item``'s bytes at ``offset`` as a tensor of its shape and dtype (zero-copy): a
+        slice of a base view (class docstring). O(1)."""
         dtype: torch.dtype = item.dtype  # type: ignore[assignment]
+        shape: tuple[int, ...] = item.shape
+        start = offset // dtype.itemsize
+        if len(shape) == 1:
+            return self._typed_view(dtype)[start : start + shape[0]]
+        inner = shape[1:]
+        row = math.prod(inner)
+        phase = start % row
+        base = self._bases.get((dtype, inner, phase))
+        if base is None:
+            base = self._new_base(dtype, inner, phase)
+            if base is None:
+                return self._typed_view(dtype).as_strided(shape, _strides(shape), start)
+        first = start // row
+        return base[first : first + shape[0]]
+
+    def _typed_view(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole pool viewed as ``dtype``, made once (a race makes two, both valid)."""
         typed = self._typed.get(dtype)
-        if typed is None:  # one view of the whole pool per dtype; a race makes two, both valid
+        if typed is None:
             typed = self._typed.setdefault(dtype, self._pool.view(dtype))
-        return typed.as_strided(item.shape, _strides(item.shape), offset // dtype.itemsize)
+        return typed
+
+    def _new_base(
+        self, dtype: torch.dtype, inner: tuple[int, ...], phase: int
+    ) -> torch.Tensor | None:
+        """The pool as rows of shape ``inner`` from element ``phase``; None past MAX_BASES."""
+        if len(self._bases) >= self.MAX_BASES:
+            return None
+        typed = self._typed_view(dtype)
+        row = math.prod(inner)
+        shape = ((typed.numel() - phase) // row, *inner)
+        base = typed.as_strided(shape, _strides(shape), phase)
+        return self._bases.setdefault((dtype, inner, phase), base)
 
     def copy_in(
         self, filling: list[tuple[Entry, torch.Tensor]]
@@ -60,14 +115,44 @@ class PoolViews:
         """Copy each tensor into its entry's range: OK per copy; the first copy that raises
         fails itself and every copy after it (FAILED), and its error is returned."""
         outcomes = [TransferOutcome.FAILED] * len(filling)
-        with torch.no_grad():
-            for i, (entry, tensor) in enumerate(filling):
-                try:
-                    self.view(entry.offset, entry).copy_(tensor)
-                except BaseException as exc:
-                    return outcomes, exc
-                outcomes[i] = TransferOutcome.OK
+        for i, (entry, tensor) in enumerate(filling):
+            try:
+                if _bytes_only(tensor, entry):
+                    nbytes = tensor.nbytes
+                    move = _memmove_releasing if nbytes >= self.RELEASE_BYTES else _memmove
+                    move(self._base + entry.offset, tensor.data_ptr(), nbytes)
+                else:
+                    with torch.no_grad():
+                        self.view(entry.offset, entry).copy_(tensor)
+            except BaseException as exc:
+                return outcomes, exc
+            outcomes[i] = TransferOutcome.OK
         return outcomes, None
+
+
+# memmove through ctypes: a PYFUNCTYPE call keeps the interpreter lock, a CFUNCTYPE one
+# (``ctypes.memmove``) releases it while it copies.
+_memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
+    ctypes._memmove_addr  # type: ignore[attr-defined]
+)
+_memmove_releasing = ctypes.memmove
+
+
+def _bytes_only(tensor: torch.Tensor, entry: Entry) -> bool:
+    """Whether ``copy_`` of ``tensor`` into ``entry``'s view would only copy its bytes: a plain
+    CPU tensor, contiguous, of the entry's dtype and shape (no broadcast, no conversion), not
+    quantized, with no lazy conjugate or negation bit to apply."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.is_cpu
+        and tensor.dtype == entry.dtype
+        and tensor.shape == entry.shape
+        and tensor.layout is torch.strided
+        and tensor.is_contiguous()
+        and not tensor.is_quantized
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
 
 
 def payload_nbytes(entry: Entry) -> int:
