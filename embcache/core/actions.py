@@ -135,7 +135,6 @@ class Actions(StateQueries):
         entries, holds, r, events = self._entries, rs.holds, rs.request_id, self._events
         statuses: list[ItemStatus] = []
         hits = 0
-        missed = False
         for item in items:
             key = item.key
             entry = entries.get(key)
@@ -168,13 +167,12 @@ class Actions(StateQueries):
             else:
                 status = BUSY_MISS
             statuses.append(status)
-            missed = missed or status is not HIT
             if events is not None:
                 reason = None if status.reason is None else status.reason.value
                 self._emit("Lookup", r, key, entry, outcome=status.status.name, reason=reason)
         if hits:
             self._counts["hits"] += hits
-        return statuses, missed
+        return statuses, hits != len(statuses)  # (only the hit branch says HIT)
 
     def begin_load(
         self, rs: RequestState, item: ItemLike, *, from_store: bool
@@ -287,7 +285,7 @@ class Actions(StateQueries):
                 holders = entry.holders
                 if len(holders) > 1:
                     entry.holders = holders - {r}
-                elif entry.tainted or entry.doomed or r not in holders:
+                elif entry.tainted or entry.doomed:  # (r holds it: it is in rs.holds)
                     self._drop_pin(entry, r, Step.RELEASE_PIN)
                 else:  # the last pin of a plain entry: it joins the eviction order
                     entry.holders = NOBODY

@@ -9,14 +9,11 @@ start, the requests to wake, the ranges freed, the trace events. The driver take
 calls one step, carries out the record, and does no I/O until the lock is released
 (``EmbeddingCache._run``). A step checks first and raises changing nothing: ``ClosedError`` for
 a closed request, or a closed cache (steps that start something; the ends of transfers in
-flight always run). The steps: ``start`` (Init); ``open_request``, ``open_lookup``;
-``begin_lookup`` then, when it names keys to ask the store about, ``finish_lookup`` (the loads
-to start; each ends with ``end_loads``); ``lookup_offsets``, ``offsets_when_ready``;
-``begin_insert`` / ``finish_insert`` and their request-less ``begin_insert_batch`` /
-``finish_insert_batch``; ``begin_fills`` / ``end_fills`` (an outside writer fills the ranges;
-a request that ends with one still handed out ends it UNKNOWN, never FAILED); ``publish`` /
-``end_publishes``; ``served``, ``fallback``; ``end_request``; ``remove``, ``clear``;
-``begin_fence`` / ``fence`` / ``abandon_fence``; ``close``.
+flight always run). Two-part steps: ``begin_lookup`` then, when it names keys to ask the
+store about, ``finish_lookup`` (loads to start, each ended by ``end_loads``); ``begin_insert`` /
+``finish_insert`` (and request-less ``..._insert_batch``); ``begin_fills`` / ``end_fills`` (an
+outside writer fills the ranges; one still handed out when its request ends ends UNKNOWN);
+``publish`` / ``end_publishes``; ``begin_fence`` / ``fence`` (or ``abandon_fence``).
 
 Every hit and every release runs the one body of its action (``Actions.lookup_all``,
 ``Actions.release_all``), traced or not: the path production runs is the path the model, the
@@ -29,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from embcache.core.actions import Actions
-from embcache.core.effects import Effects, Fill, LookupStart, Writes
+from embcache.core.effects import Effects, Fill, LookupStart, writes_of
 from embcache.core.entries import Entry, FenceSnapshot, ItemLike, RequestState, matches
 from embcache.core.lifecycle import READY
 from embcache.core.outcomes import (
@@ -97,7 +94,8 @@ class CacheCore(CoreQueries):
         of the ranges it holds (None while it waits on a load), in one step."""
         self._check_new(request_id)
         rs = self._actions.open_request(request_id)
-        fx = Effects((rs, self._lookup_ended(rs, items)), waiting=rs)
+        fx = Effects((rs, self._lookup_ended(rs, items)))
+        fx.waiting = rs
         return self._taken(fx) if self._buffered else fx
 
     def begin_lookup(
@@ -109,7 +107,9 @@ class CacheCore(CoreQueries):
         if self._closed or self._requests.get(rs.request_id) is not rs:
             self._check(rs)
         statuses, ask = self._first_pass(rs, items, ask_store, reserve)
-        fx = Effects(LookupStart(statuses, ask), waiting=None if ask else rs)
+        fx = Effects(LookupStart(statuses, ask))
+        if not ask:
+            fx.waiting = rs
         return self._taken(fx) if self._buffered else fx
 
     def finish_lookup(
@@ -141,7 +141,8 @@ class CacheCore(CoreQueries):
         """A lookup with no store asked and nothing reserved, then ``offsets_when_ready``."""
         if self._closed or self._requests.get(rs.request_id) is not rs:
             self._check(rs)
-        fx = Effects(self._lookup_ended(rs, items), waiting=rs)
+        fx = Effects(self._lookup_ended(rs, items))
+        fx.waiting = rs
         return self._taken(fx) if self._buffered else fx
 
     def begin_insert(self, rs: RequestState, items: Sequence[ItemLike]) -> Effects[list[Fill]]:
@@ -167,8 +168,9 @@ class CacheCore(CoreQueries):
         results, wake = self._end_fills(fills, outcomes, count)
         writes = None
         if publish:
-            writes = _writes(rs, self._publish(rs, [e.key for i, e in fills if results[i]]))
-        fx = Effects(results, writes=writes, wake=wake)
+            writes = writes_of(rs, self._publish(rs, [e.key for i, e in fills if results[i]]))
+        fx = Effects(results)
+        fx.writes, fx.wake = writes, wake
         return self._taken(fx) if self._buffered else fx
 
     def begin_fills(self, rs: RequestState, items: Sequence[ItemLike]) -> Effects[list[Fill]]:
@@ -203,7 +205,7 @@ class CacheCore(CoreQueries):
         writes = None
         if publish:
             cached = [k for k, ok in zip(keys, results, strict=True) if ok]
-            writes = _writes(rs, self._publish(rs, cached))
+            writes = writes_of(rs, self._publish(rs, cached))
         return self._done(Effects(results, writes=writes, wake=wake))
 
     def begin_insert_batch(
@@ -233,7 +235,7 @@ class CacheCore(CoreQueries):
         results, wake = self._end_fills(fills, outcomes, count)
         writes = None
         if publish:
-            writes = _writes(rs, self._publish(rs, [e.key for i, e in fills if results[i]]))
+            writes = writes_of(rs, self._publish(rs, [e.key for i, e in fills if results[i]]))
         wake += self._end(rs)
         return self._done(Effects(results, writes=writes, wake=wake))
 
@@ -252,7 +254,7 @@ class CacheCore(CoreQueries):
         started; the writes to start."""
         self._check(rs)
         started = self._publish(rs, keys) if store else [None] * len(keys)
-        return self._done(Effects([e is not None for e in started], writes=_writes(rs, started)))
+        return self._done(Effects([e is not None for e in started], writes=writes_of(rs, started)))
 
     def end_publishes(
         self, request_id: str, entries: Sequence[Entry], outcomes: Sequence[TransferOutcome]
@@ -269,7 +271,8 @@ class CacheCore(CoreQueries):
         CloseRequest; the requests to wake. A request already closed: nothing. Idempotent."""
         if self._requests.get(rs.request_id) is not rs:
             return self._done(Effects(None))
-        fx = Effects(None, wake=self._end(rs), closed=rs)
+        fx = Effects(None)
+        fx.wake, fx.closed = self._end(rs), rs
         return self._taken(fx) if self._buffered else fx
 
     def served(self, rs: RequestState) -> Effects[Ranges]:
@@ -327,8 +330,8 @@ class CacheCore(CoreQueries):
         return self._taken(fx) if self._buffered else fx
 
     def _taken(self, fx: Effects[T]) -> Effects[T]:
-        actions = self._actions
-        return fx._replace(events=actions.take_events(), freed=actions.take_freed())
+        fx.events, fx.freed = self._actions.take_events(), self._actions.take_freed()
+        return fx
 
     def _check_open(self) -> None:
         if self._closed:
@@ -497,9 +500,3 @@ class CacheCore(CoreQueries):
                 rs.fallbacks[item.key] = reason
                 counts["miss:" + reason.value] += 1
         rs.items.extend(items)
-
-
-def _writes(rs: RequestState, started: Sequence[Entry | None]) -> Writes | None:
-    """The writes to start for ``rs``: the publishes that started, None if none did."""
-    entries = [entry for entry in started if entry is not None]
-    return Writes(rs.request_id, entries) if entries else None

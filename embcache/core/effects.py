@@ -7,6 +7,8 @@ wake the ``wake`` requests (under the lock), then, with no lock held, deliver th
 ``events``, start the store reads (``loads``) and writes (``writes``) on the I/O pool. Each
 transfer reports its outcome back through a later step (``end_loads``, ``end_publishes``).
 Fields with nothing to do are shared empty tuples: a step that only answers allocates no list.
+A slotted class, not a named tuple: the driver reads every field of every step, and a slot is
+read in one specialized instruction where a named tuple's field goes through its descriptor.
 """
 
 from __future__ import annotations
@@ -27,17 +29,31 @@ class Writes(NamedTuple):
     entries: list[Entry]
 
 
-class Effects(NamedTuple, Generic[T]):
-    """One step's answer and what the driver must do about it (see the module docstring)."""
+class Effects(Generic[T]):
+    """One step's answer and what the driver must do about it (see the module docstring).
 
-    result: T
-    loads: Sequence[Entry] = ()  # store reads to start (then ``end_loads``)
-    writes: Writes | None = None  # store writes to start (then ``end_publishes``)
-    wake: Sequence[RequestState] = ()  # requests whose wait may have ended
-    waiting: RequestState | None = None  # a request whose lookup ended: arm its wake-up
-    closed: RequestState | None = None  # a request that closed: wake and drop its wake-up
-    freed: Sequence[tuple[int, int]] = ()  # (offset, size) ranges freed (``record_freed``)
-    events: Sequence[dict[str, Any]] = ()  # trace events, in ``seq`` order (when tracing)
+    Made with the result (and, in cold steps, keywords); a hot step sets the other fields
+    after (a keyword costs a dict per call, a slot store next to nothing)."""
+
+    __slots__ = ("closed", "events", "freed", "loads", "result", "waiting", "wake", "writes")
+
+    def __init__(
+        self,
+        result: T,
+        loads: Sequence[Entry] = (),
+        writes: Writes | None = None,
+        wake: Sequence[RequestState] = (),
+        waiting: RequestState | None = None,
+        closed: RequestState | None = None,
+    ) -> None:
+        self.result = result
+        self.loads = loads  # store reads to start (then ``end_loads``)
+        self.writes = writes  # store writes to start (then ``end_publishes``)
+        self.wake = wake  # requests whose wait may have ended
+        self.waiting = waiting  # a request whose lookup ended: arm its wake-up
+        self.closed = closed  # a request that closed: wake and drop its wake-up
+        self.freed: Sequence[tuple[int, int]] = ()  # ranges freed (``record_freed``)
+        self.events: Sequence[dict[str, Any]] = ()  # trace events, in ``seq`` order
 
 
 class LookupStart(NamedTuple):
@@ -53,3 +69,9 @@ class Fill(NamedTuple):
 
     item: int
     entry: Entry
+
+
+def writes_of(rs: RequestState, started: Sequence[Entry | None]) -> Writes | None:
+    """The writes to start for ``rs``: the publishes that started, None if none did."""
+    entries = [entry for entry in started if entry is not None]
+    return Writes(rs.request_id, entries) if entries else None
