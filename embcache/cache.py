@@ -374,13 +374,14 @@ class EmbeddingCache(InPlaceFills):
             fx = step(*args)
             if fx.freed:
                 poison(self._pool, fx.freed)
-            futures: list[Future] = []
+            futures: list[Future] | None = None
             if fx.waiting is not None:
                 self._wakeups.note(fx.waiting, self._new_event)
             if fx.wake:
                 futures = self._wakeups.wake(fx.wake)
-            if fx.closed is not None:
-                futures += self._wakeups.close(fx.closed)  # someone may wait on it itself
+            if fx.closed is not None:  # someone may wait on the closed request itself
+                own = self._wakeups.close(fx.closed)
+                futures = own if futures is None else futures + own
         if fx.events:
             assert self._outbox is not None
             self._outbox.deliver(list(fx.events))
