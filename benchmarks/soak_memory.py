@@ -3,11 +3,13 @@
 What runs. For each front end, ``--requests`` requests of ``--items / --requests`` new distinct
 items each (small: 1-16 rows x 16 fp16/bf16, 32-512 bytes) plus two keys of the request before
 (hits, while they last), single-threaded, through one pool of ``--pool-mib``. The items of the
-warm-up's requests have one row each (32 bytes: one aligned unit), so the warm-up churns the pool
-at its capacity in entries (``capacity / alignment``) and every dict kept per entry reaches its
-largest table (embcache/DESIGN.md, "Memory bounds": a CPython dict's table is sized by its count
+warm-up's second half have one row each (32 bytes: one aligned unit), so the warm-up churns the
+pool at its capacity in entries (``capacity / alignment``) and every dict kept per entry reaches
+its largest table (embcache/DESIGN.md, "Memory bounds": a CPython dict's table is sized by its count
 when it last ran out of room and never shrinks on deletion; the mixed sizes after the warm-up hold
-fewer entries, and with a count near a third of a power of two a table flips between two sizes).
+fewer entries, and with a count near a third of a power of two a table flips between two sizes);
+its first half has the mixed sizes, so the Mooncake segment the SGLang front end lends is full
+by its end (its pages count in RSS as objects land in them).
 - ``cache``: ``EmbeddingCache`` requests as the README's first example (no store: no global
   tier): ``lookup``, ``insert`` of the misses, ``embeddings()``;
 - ``pipeline``: ``EncodePipeline.encode`` over the same cache, with a trivial encoder;
@@ -96,14 +98,15 @@ def rss_bytes() -> int:
 
 
 class Rows:
-    """The row count of item ``n``: 1 for the warm-up's items (``n < warm_items``: one aligned
-    unit each, the most entries the pool can hold), else ``1 + n % ROWS``."""
+    """The row count of item ``n``: 1 for the items of the warm-up's second half
+    (``warm_items / 2 <= n < warm_items``: one aligned unit each, the most entries the pool can
+    hold), else ``1 + n % ROWS``."""
 
     def __init__(self, warm_items: int) -> None:
         self.warm_items = warm_items
 
     def __call__(self, n: int) -> int:
-        return 1 if n < self.warm_items else 1 + n % ROWS
+        return 1 if self.warm_items // 2 <= n < self.warm_items else 1 + n % ROWS
 
 
 def warm_requests(requests: int, warmup: float) -> int:

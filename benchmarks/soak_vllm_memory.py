@@ -6,11 +6,11 @@ process, through vLLM 0.33.0's engine-step order (``benchmarks.vllm_engine.Engin
 ``build_connector_meta``, every rank's ``start_load_caches`` / ``save_caches`` /
 ``build_connector_worker_meta``, ``request_finished`` before ``update_connector_output``), one
 request a step: ``--requests`` requests of ``--items / --requests`` new distinct items each
-(1-16 rows x 16 fp16: 32-512 bytes; one row in the warm-up, which so churns the pool at its
-capacity in entries, as ``benchmarks/soak_memory.py`` explains) plus two items of the request
-before (declared present and loaded by every rank while they last), over a pool of
-``--pool-mib`` and no global tier (the README's configuration, scaled down). Every rank checks
-the bytes of what it reads.
+(1-16 rows x 16 fp16: 32-512 bytes; one row in the warm-up's second half, which so churns
+the pool at its capacity in entries, as ``benchmarks/soak_memory.py`` explains) plus two items
+of the request before (declared present and loaded by every rank while they last), over a pool
+of ``--pool-mib`` and no global tier (the README's configuration, scaled down). Every rank
+checks the bytes of what it reads.
 
 What it prints: one row: front end, items, requests, resident memory (``VmRSS``) after the
 warm-up (``--warmup`` of the requests: the pool full and evicting) and at the end, its growth
