@@ -181,8 +181,9 @@ def test_interned_shapes_stay_at_their_bound(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_pool_views_and_strides_stay_at_their_bound() -> None:
     """10x the strides cache's 1024 distinct shapes, in three dtypes, pass through a cache:
-    one pool view per dtype, and the strides cache (an ``lru_cache``) at its maxsize."""
-    from embcache.pool import _strides
+    one pool view per dtype, at most ``MAX_BASES`` base views (``_bases``), and the strides
+    cache (an ``lru_cache``) at its maxsize."""
+    from embcache.pool import PoolViews, _strides
 
     _strides.cache_clear()
     dtypes = (torch.uint8, torch.float16, torch.float32)
@@ -194,6 +195,7 @@ def test_pool_views_and_strides_stay_at_their_bound() -> None:
                 request.insert([key], [torch.zeros((1, 1 + i % 4096), dtype=dtype)])
                 request.embeddings()
         assert len(cache._views._typed) == 3
+        assert len(cache._views._bases) <= PoolViews.MAX_BASES == 256
     info = _strides.cache_info()
     assert info.maxsize == 1024 and info.currsize == 1024 and info.misses > 4 * 1024, info
 
