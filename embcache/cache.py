@@ -264,8 +264,11 @@ class EmbeddingCache(InPlaceFills):
 
     def _embeddings(self, rs: RequestState) -> list[torch.Tensor | None]:
         """``Request.embeddings``: a new zero-copy view per item ``rs`` holds, else None."""
-        ranges = self._run(self._core.served, rs)
-        return [None if r is None else self._view(*r) for r in ranges]
+        ranges = rs.served  # set by a first all-hit lookup until the request or cache closes
+        if ranges is None:
+            ranges = self._run(self._core.served, rs)
+        view = self._view
+        return [None if r is None else view(*r) for r in ranges]
 
     def _publish(self, rs: RequestState, keys: Sequence[str]) -> list[bool]:
         """``Request.publish``: start a store write of each key ``rs`` holds READY (if any)."""

@@ -50,17 +50,10 @@ class CacheCore(CoreQueries):
     """The cache's state machine: request steps and read-only queries. Not thread-safe."""
 
     def __init__(
-        self,
-        capacity: int,
-        alignment: int,
-        max_eviction_batch: int,
-        enable_eviction: bool,
-        *,
-        trace: bool = False,
-        clock: Callable[[], float] = float,
-        policy: Policy | None = None,
+        self, capacity: int, alignment: int, max_eviction_batch: int, enable_eviction: bool, *,
+        trace: bool = False, clock: Callable[[], float] = float, policy: Policy | None = None,
         record_freed: bool = False,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self._actions: Actions = Actions(
             capacity, alignment, max_eviction_batch, enable_eviction,
             trace=trace, clock=clock, policy=policy, record_freed=record_freed,
@@ -106,7 +99,19 @@ class CacheCore(CoreQueries):
         next; else the lookup is over (misses reserved when ``reserve``). O(len(items))."""
         if self._closed or self._requests.get(rs.request_id) is not rs:
             self._check(rs)
-        statuses, ask = self._first_pass(rs, items, ask_store, reserve)
+        record = self._record
+        if record is not None:
+            for item in items:
+                record(item.key)
+        statuses, missed = self._actions.lookup_all(rs, items)
+        ask: list[str] = []
+        if missed:
+            rs.served = None
+            statuses, ask = self._misses(rs, items, statuses, ask_store, reserve)
+        else:  # all hits: nothing to note for fallback; a first lookup notes what it serves
+            entries = self._entries
+            rs.served = None if rs.items else [(entries[it.key].offset, it) for it in items]
+            rs.items.extend(items)
         fx = Effects(LookupStart(statuses, ask))
         if not ask:
             fx.waiting = rs
@@ -155,13 +160,9 @@ class CacheCore(CoreQueries):
         return self._taken(fx) if self._buffered else fx
 
     def finish_insert(
-        self,
-        rs: RequestState,
-        fills: Sequence[Fill],
-        outcomes: Sequence[TransferOutcome],
-        count: int,
-        publish: bool,
-    ) -> Effects[list[bool]]:
+        self, rs: RequestState, fills: Sequence[Fill], outcomes: Sequence[TransferOutcome],
+        count: int, publish: bool,
+    ) -> Effects[list[bool]]:  # fmt: skip
         """EndLoad each filled entry with its copy's outcome (whatever became of the cache or
         the request meanwhile: a load in flight must end); which of ``count`` items are cached
         now, the requests to wake, and (when ``publish``) the writes of the cached ones."""
@@ -223,13 +224,9 @@ class CacheCore(CoreQueries):
         return self._done(Effects((rs, self._plan_fills(rs, items))))
 
     def finish_insert_batch(
-        self,
-        rs: RequestState,
-        fills: Sequence[Fill],
-        outcomes: Sequence[TransferOutcome],
-        count: int,
-        publish: bool,
-    ) -> Effects[list[bool]]:
+        self, rs: RequestState, fills: Sequence[Fill], outcomes: Sequence[TransferOutcome],
+        count: int, publish: bool,
+    ) -> Effects[list[bool]]:  # fmt: skip
         """``finish_insert``, then ``end_request``: the inserted entries end idle (a publish
         holds its own pin). The results, the requests to wake, the writes to start."""
         results, wake = self._end_fills(fills, outcomes, count)
@@ -276,7 +273,8 @@ class CacheCore(CoreQueries):
         return self._taken(fx) if self._buffered else fx
 
     def served(self, rs: RequestState) -> Effects[Ranges]:
-        """Per looked-up item, the range it may read (offset and item) or None."""
+        """Per looked-up item, the range it may read (offset and item) or None (what
+        ``rs.served`` holds, when set: a driver may read that instead of this step)."""
         if self._closed or self._requests.get(rs.request_id) is not rs:
             self._check(rs)
         fx = Effects(self._served(rs))
@@ -321,12 +319,13 @@ class CacheCore(CoreQueries):
         """Take no new requests or inserts any more (transfers in flight still end); whether
         it was open."""
         was_open, self._closed = not self._closed, True
+        for rs in self._requests.values():  # ``served`` raises from now on: no shortcut to it
+            rs.served = None
         return self._done(Effects(was_open))
 
     # ------------------------------------------------------------------ helpers
     def _done(self, fx: Effects[T]) -> Effects[T]:
-        """The step's record, with the events and freed ranges its actions buffered (the hot
-        steps test ``_buffered`` themselves: no call when there is nothing to take)."""
+        """The step's record, with the events and freed ranges its actions buffered."""
         return self._taken(fx) if self._buffered else fx
 
     def _taken(self, fx: Effects[T]) -> Effects[T]:
@@ -348,18 +347,12 @@ class CacheCore(CoreQueries):
         if request_id in self._requests:
             raise RequestError(f"request {request_id!r} is already open: ids must be unique")
 
-    def _first_pass(
-        self, rs: RequestState, items: Sequence[ItemLike], ask_store: bool, reserve: bool
-    ) -> tuple[list[ItemStatus], list[str]]:
-        """``begin_lookup``'s work: the statuses, and the keys to ask the store about."""
-        record = self._record
-        if record is not None:
-            for item in items:
-                record(item.key)
-        statuses, missed = self._actions.lookup_all(rs, items)
-        if not missed:  # all hits: nothing to note for fallback
-            rs.items.extend(items)
-            return statuses, []
+    def _misses(
+        self, rs: RequestState, items: Sequence[ItemLike], statuses: list[ItemStatus],
+        ask_store: bool, reserve: bool,
+    ) -> tuple[list[ItemStatus], list[str]]:  # fmt: skip
+        """A lookup's first pass past ``lookup_all`` when some item was not a hit: the
+        statuses, and the keys to ask the store about."""
         capacity = self.capacity
         not_found = False
         for i, item in enumerate(items):
@@ -379,7 +372,16 @@ class CacheCore(CoreQueries):
 
     def _lookup_ended(self, rs: RequestState, items: Sequence[ItemLike]) -> list[int | None] | None:
         """A lookup asking no store, reserving nothing; the offsets (None while it waits)."""
-        self._first_pass(rs, items, False, False)
+        record = self._record
+        if record is not None:
+            for item in items:
+                record(item.key)
+        statuses, missed = self._actions.lookup_all(rs, items)
+        rs.served = None
+        if missed:
+            self._misses(rs, items, statuses, False, False)
+        else:
+            rs.items.extend(items)
         return None if rs.pending() else self._offsets(rs)
 
     def _offsets(self, rs: RequestState) -> list[int | None]:
@@ -442,7 +444,7 @@ class CacheCore(CoreQueries):
     def _end(self, rs: RequestState) -> list[RequestState]:
         """``end_request``'s work; the requests to wake."""
         actions = self._actions
-        rs.lookup_pending = None
+        rs.lookup_pending = rs.served = None
         wake: list[RequestState] = []
         for key in sorted(rs.reserved):
             outcome = TransferOutcome.UNKNOWN if key in rs.filling else TransferOutcome.FAILED
@@ -455,15 +457,10 @@ class CacheCore(CoreQueries):
         return wake
 
     def _start_misses(
-        self,
-        rs: RequestState,
-        items: Sequence[ItemLike],
-        statuses: list[ItemStatus],
-        found: Mapping[str, bool],
-        reserve: bool,
-        store_error: bool,
+        self, rs: RequestState, items: Sequence[ItemLike], statuses: list[ItemStatus],
+        found: Mapping[str, bool], reserve: bool, store_error: bool,
         loads: list[Entry] | None = None,
-    ) -> list[ItemStatus]:
+    ) -> list[ItemStatus]:  # fmt: skip
         """Second pass over the NOT_FOUND items: join what others started meanwhile, else
         BeginLoad a store read (appended to ``loads``) or a reservation; then end the lookup."""
         entries, actions = self._entries, self._actions

@@ -71,6 +71,10 @@ class RequestState:
     fallbacks: dict[str, Reason] = field(default_factory=dict)
     # A lookup between its two passes: its items, their statuses so far, and ``reserve``.
     lookup_pending: tuple[list[ItemLike], list[ItemStatus], bool] | None = None
+    # What ``served`` answers, set by a first lookup whose items all hit (and only then):
+    # until the request closes, its items and their pinned ranges cannot change (a later
+    # lookup, the request's end or the cache's close sets it back to None).
+    served: list[tuple[int, ItemLike] | None] | None = None
 
     def pending(self) -> bool:
         """Whether it waits on a load that someone else fills (a store read or another's insert)."""
