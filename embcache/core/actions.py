@@ -96,13 +96,9 @@ class Actions(StateQueries):
         self._fencing: dict[int, tuple[Entry, ...]] = {}  # fences in flight -> their snapshots
         self._freed: list[tuple[int, int]] | None = [] if record_freed else None  # until taken
         self._emit(
-            "Init",
-            None,
-            capacity=capacity,
-            alignment=alignment,
-            max_eviction_batch=max_eviction_batch,
-            enable_eviction=enable_eviction,
-        )
+            "Init", None, capacity=capacity, alignment=alignment,
+            max_eviction_batch=max_eviction_batch, enable_eviction=enable_eviction,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the DESIGN actions
     def open_request(self, request_id: str) -> RequestState:
@@ -373,8 +369,7 @@ class Actions(StateQueries):
         return len(freed)
 
     def abandon_fence(self, snap: FenceSnapshot) -> None:
-        """The store's fence ``snap.fence`` failed: the fence ends without freeing anything
-        (its entries stay QUARANTINED for the next one). O(1)."""
+        """The store's fence ``snap.fence`` failed: it ends, freeing nothing (QUARANTINED stay)."""
         self._fencing.pop(snap.fence, None)
 
     # ------------------------------------------------------------------ helpers of the actions
@@ -390,33 +385,40 @@ class Actions(StateQueries):
     def _allocate(self, key: str, size: int) -> int | Reason:
         """A range of ``size`` bytes for ``key``, evicting the victims the rule chooses if
         the policy admits ``key`` at their cost; else why not (nothing evicted)."""
-        free = self._allocator.free_bytes
-        if free >= size and (offset := self._allocator.allocate(size)) is not None:
+        allocator = self._allocator
+        free = allocator.free_bytes
+        if free >= size and (offset := allocator.allocate(size)) is not None:
             return offset  # (a full pool skips the search for a block that cannot exist)
         if not self._enable_eviction or free + self._evictable_bytes < size:
             return Reason.NO_SPACE
-        examined: dict[int, Entry] = {}  # offset -> entry, of the candidates the rule looked at
+        if (head := next(iter(self._order), None)) is None:
+            return Reason.NO_SPACE  # (what ``choose_victims`` says of no candidates)
+        first = self._entries[head]
+        start, stop = allocator.free_around(first.offset, first.offset + first.size)
+        victims = [first]  # ``choose_victims``' first step, with no generator: it alone fits
+        if stop - start < size:
+            examined: dict[int, Entry] = {}  # offset -> entry, of the candidates looked at
 
-        def candidates() -> Iterator[Block]:
-            for entry in map(self._entries.__getitem__, self._order):
-                examined[entry.offset] = entry
-                yield Block(entry.offset, entry.size, False)
+            def candidates() -> Iterator[Block]:
+                for entry in map(self._entries.__getitem__, self._order):
+                    examined[entry.offset] = entry
+                    yield Block(entry.offset, entry.size, False)
 
-        allocator = self._allocator
-        window = choose_victims(
-            size, candidates(), self._max_batch, allocator.block_before, allocator.block_at
-        )
-        if window is None:
-            return Reason.NO_SPACE
-        victims = [examined[offset] for offset in window.victims]
+            window = choose_victims(
+                size, candidates(), self._max_batch, allocator.block_before, allocator.block_at
+            )
+            if window is None:
+                return Reason.NO_SPACE
+            victims = [examined[offset] for offset in window.victims]
+            start = window.offset
         if not self._policy.admit(key, size, [victim.key for victim in victims]):
             return Reason.NOT_ADMITTED
         for victim in victims:
             self.evict(victim)
-        offset = self._allocator.allocate(size)
-        if offset != window.offset:
-            raise InvariantError(f"eviction freed {window} but the allocator returned {offset}")
-        return window.offset
+        offset = allocator.allocate(size)
+        if offset != start:
+            raise InvariantError(f"eviction freed a span at {start}; the allocator gave {offset}")
+        return start
 
     def _drop_pin(self, entry: Entry, holder: Holder, plain: Step) -> None:
         holders = entry.holders
