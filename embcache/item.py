@@ -42,7 +42,18 @@ class Item:
             raise InvalidTypeError(
                 f"expected a torch.Tensor for {key!r}, got {type(tensor).__name__}"
             )
-        return cls(key, tuple(tensor.shape), tensor.dtype)
+        shape = tuple(tensor.shape)  # a torch.Size: ints, none negative
+        if shape and min(shape) > 0 and type(key) is str and key:  # what __post_init__ checks
+            item = _new(cls)  # a tensor's fields pass every check: no __init__/__post_init__
+            _set(item, "key", key)
+            _set(item, "shape", shape)
+            _set(item, "dtype", tensor.dtype)
+            return item
+        return cls(key, shape, tensor.dtype)  # raises what the checks say
+
+
+_new = object.__new__
+_set = object.__setattr__  # (the dataclass is frozen)
 
 
 def check_key(key: object) -> str:
