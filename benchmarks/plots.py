@@ -1,4 +1,4 @@
-"""PNG plots of a benchmark run (``python benchmarks/run.py --plots DIR``), with matplotlib.
+"""PNG plots of a benchmark run (``python -m benchmarks.run --plots DIR``), with matplotlib.
 
 Each plot is drawn from the rows of one item; the x values (live blocks, entries, MB, threads)
 are read from the row names, which the benchmarks keep in a fixed form. An item that did not
@@ -190,7 +190,7 @@ def _concurrency(plt: Any, rows: list[Row], out: Path) -> Path | None:
 
 
 def _policy(plt: Any, rows: list[Row], out: Path) -> Path | None:
-    from benchmarks import bench_policy, bench_policy_grid
+    from benchmarks.policy import bench_policy, bench_policy_grid
 
     bench_policy_grid.plot(plt, rows, out)
     return bench_policy.plot(plt, rows, out)

@@ -25,14 +25,13 @@ the state machine; ``EmbeddingCache`` is the driver that does the I/O around it.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from embcache.allocator import RangeAllocator
-from embcache.cache import CacheStats, EmbeddingCache
 from embcache.core.lifecycle import EntryState
 from embcache.core.outcomes import ItemStatus, Reason, Status
-from embcache.fencing import FencePolicy
-from embcache.item import Item
+from embcache.driver.cache import CacheStats, EmbeddingCache
+from embcache.driver.fencing import FencePolicy
+from embcache.driver.item import Item
+from embcache.driver.request import Request
 from embcache.pipeline import EncodePipeline, Encoder, PipelineStats, TensorParallelError
-from embcache.request import Request
 from embcache.store import GlobalStore, TransferOutcome
 
 from embcache.errors import (  # isort: skip
@@ -72,7 +71,6 @@ __all__ = [
     "LockOrderError",
     "NotAllocatedError",
     "PipelineStats",
-    "RangeAllocator",
     "Reason",
     "Request",
     "RequestError",

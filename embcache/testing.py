@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from embcache.driver.global_store import TransferOutcome
 from embcache.errors import ClosedError, InvalidArgumentError
-from embcache.store.base import TransferOutcome
 
 NOT_FOUND = -704
 BUFFER_TOO_SMALL = -600

@@ -28,7 +28,7 @@ settings.register_profile("nightly", max_examples=100_000, stateful_step_count=6
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 if os.environ.get("EMBCACHE_LOCK_CHECK", "1") not in ("", "0"):
-    from embcache.locks import enable_lock_checking
+    from embcache.driver.locks import enable_lock_checking
 
     enable_lock_checking()
 

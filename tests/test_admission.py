@@ -10,8 +10,8 @@ import torch
 
 from embcache import EmbeddingCache, Item
 from embcache.core.policy import make_policy
+from embcache.driver.trace import TraceLog
 from embcache.errors import InvalidArgumentError, InvalidTypeError
-from embcache.trace import TraceLog
 from tests.helpers import payload
 
 UNIT = 256

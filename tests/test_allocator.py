@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embcache import RangeAllocator
-from embcache.allocator import Block
+from embcache.driver.allocator import Block, RangeAllocator
 from embcache.errors import (
     EmbCacheError,
     InvalidArgumentError,

@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-from embcache import EmbeddingCache, EncodePipeline, Item, RangeAllocator, Request
+from embcache import EmbeddingCache, EncodePipeline, Item, Request
+from embcache.driver.allocator import RangeAllocator
 from embcache.errors import (
     ClosedError,
     EmbCacheError,

@@ -1,4 +1,4 @@
-"""The encode-server benchmark (``benchmarks/bench_server.py``) at a tiny size: its mixes are
+"""The encode-server benchmark (``benchmarks/server/bench_server.py``) at a tiny size: its mixes are
 what they say, every contender answers with the encoder's bytes, and a run gives a row per
 contender and mix, JSON and a plot. Nothing here asserts a speed."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import bench_server
-from benchmarks.server_contenders import Lane
-from benchmarks.server_fleet import run_fleet
-from benchmarks.server_workload import MAX_IMAGES, TOKENS, make_encoder, make_workload
+from benchmarks.server import bench_server
+from benchmarks.server.contenders import Lane
+from benchmarks.server.fleet import run_fleet
+from benchmarks.server.workload import MAX_IMAGES, TOKENS, make_encoder, make_workload
 
 TINY = bench_server.SIZES["tiny"]
 CONTENDERS = set(bench_server.contender_names(TINY.best_policy))

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from benchmarks import run as bench_run
-from benchmarks.bench_eviction import ENTRY_BYTES, ScanLRUCache
-from benchmarks.bench_fragmentation import drift_every, make_workload, run_baseline, run_ours
-from benchmarks.bench_paged import run_paged
-from embcache import RangeAllocator
+from benchmarks.micro.bench_eviction import ENTRY_BYTES, ScanLRUCache
+from benchmarks.micro.bench_fragmentation import drift_every, make_workload, run_baseline, run_ours
+from benchmarks.micro.bench_paged import run_paged
+from embcache.driver.allocator import RangeAllocator
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -33,7 +33,8 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
     command = [
         sys.executable,
-        "benchmarks/run.py",
+        "-m",
+        "benchmarks.run",
         "--quick",
         "--json",
         str(out / "rows.json"),
@@ -151,22 +152,39 @@ def test_a_benchmark_that_raises_becomes_an_error_row(monkeypatch: pytest.Monkey
 
 # ---------------------------------------------------------------------------- the layout
 def benchmark_imports(folder: Path) -> dict[str, set[str]]:
-    """Each module of ``folder`` (a ``benchmarks/``) -> the modules of it that it imports,
-    wherever the import stands (top level, in a function, under TYPE_CHECKING)."""
-    modules = {path.stem for path in folder.glob("*.py")} - {"__init__"}
+    """Each module of ``folder`` (a ``benchmarks/``), by its dotted name inside it
+    (``micro.bench_allocator``) -> the modules of it that it imports, wherever the import
+    stands (top level, in a function, under TYPE_CHECKING)."""
+    modules = {
+        ".".join(path.relative_to(folder).with_suffix("").parts)
+        for path in folder.rglob("*.py")
+        if path.name != "__init__.py"
+    }
+
+    def module_in(name: str) -> str | None:  # the longest prefix of name that is a module
+        parts = name.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in modules:
+                return ".".join(parts[:n])
+        return None
+
     graph: dict[str, set[str]] = {}
     for name in sorted(modules):
-        imported: set[str] = set()
-        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
-                imported |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
-                imported.add(node.module.split(".")[1])  # type: ignore[union-attr]
+        path = folder.joinpath(*name.split(".")).with_suffix(".py")
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == (
+                "benchmarks"
+            ):
+                base = (node.module or "").removeprefix("benchmarks").removeprefix(".")
+                targets |= {f"{base}.{a.name}".strip(".") for a in node.names}
             elif isinstance(node, ast.Import):
-                imported |= {
-                    a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")
+                targets |= {
+                    a.name.removeprefix("benchmarks.")
+                    for a in node.names
+                    if a.name.startswith("benchmarks.")
                 }
-        graph[name] = imported & modules
+        graph[name] = {m for t in targets if (m := module_in(t)) is not None}
     return graph
 
 
@@ -195,7 +213,7 @@ def import_circle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_benchmark_imports_form_no_circle() -> None:
     graph = benchmark_imports(ROOT / "benchmarks")
-    assert {"common", "run", "plots", "bench_peers", "bench_metadata"} <= set(graph)
+    assert {"common", "run", "plots", "peers.bench_peers", "micro.bench_metadata"} <= set(graph)
     assert import_circle(graph) is None, " -> ".join(import_circle(graph) or [])
     assert graph["common"] == set()  # the shared helpers depend on no benchmark
 
@@ -214,7 +232,7 @@ def test_import_circle_finds_a_circle_through_a_function_level_import(tmp_path: 
 
 # ---------------------------------------------------------------------------- instruction counts
 def test_callgrind_totals_are_read_from_its_output(tmp_path: Path) -> None:
-    from benchmarks import bench_instructions
+    from benchmarks.peers import bench_instructions
 
     dump = tmp_path / "cg.1.1-01"
     dump.write_text("version: 1\nevents: Ir\nfn=(1) f\n3 5\ntotals: 1234\n")
@@ -227,7 +245,7 @@ def test_callgrind_totals_are_read_from_its_output(tmp_path: Path) -> None:
 
 
 def test_instruction_count_is_the_difference_over_the_extra_operations() -> None:
-    from benchmarks.bench_instructions import per_operation
+    from benchmarks.peers.bench_instructions import per_operation
 
     order = ["ours hit", "ours hit", "sglang hit", "sglang hit"]
     per_op = per_operation(order, [5_000, 105_000, 7_000, 57_000], 100)
@@ -239,7 +257,7 @@ def test_both_sides_of_the_instruction_count_do_their_work(
 ) -> None:
     """The counted process's own run, outside valgrind (the toggles do nothing there): every
     side is set up, runs, and passes its check of the work done (hits, evictions, pins)."""
-    from benchmarks import bench_instructions, bench_peers
+    from benchmarks.peers import bench_instructions, bench_peers
 
     bench_instructions.child(entries=64, low=1, high=3)
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -304,7 +322,7 @@ def test_token_weighted_hits_are_counted_alike_for_ours_and_the_baselines() -> N
 
 
 def test_cold_request_probe_times_every_step() -> None:
-    from benchmarks.cold_request import measure
+    from benchmarks.micro.cold_request import measure
 
     steps = measure(rounds=3)
     for name in ("open", "lookup", "embeddings", "close"):
@@ -317,7 +335,7 @@ def test_cold_request_probe_times_every_step() -> None:
 # ---------------------------------------------------------------------------- SGLang's controller
 @pytest.fixture(scope="module")
 def sglang_module() -> Any:
-    from benchmarks import sglang_wheel
+    from tests.support import sglang_wheel
 
     try:
         return sglang_wheel.load_controller_module()
@@ -326,7 +344,7 @@ def sglang_module() -> Any:
 
 
 def test_sglang_controller_runs_from_the_wheel_and_leaves_no_stand_ins(sglang_module: Any) -> None:
-    from benchmarks import sglang_wheel
+    from tests.support import sglang_wheel
 
     assert sglang_module.__file__.endswith(sglang_wheel.MODULE_FILE)
     assert ".whl/" in sglang_module.__file__  # read out of the wheel, not a copy in the repo
@@ -350,7 +368,7 @@ def test_sglang_controller_runs_from_the_wheel_and_leaves_no_stand_ins(sglang_mo
 def test_sglang_unavailable_says_why_and_how(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from benchmarks import sglang_wheel
+    from tests.support import sglang_wheel
 
     monkeypatch.setenv(sglang_wheel.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # real pip, which finds nothing to download
@@ -366,7 +384,7 @@ def test_sglang_unavailable_says_why_and_how(
 def test_sglang_peer_insert_copies_into_pages_and_evicts_the_oldest_idle(
     sglang_module: Any,
 ) -> None:
-    from benchmarks.bench_peers import SGLangPeer
+    from benchmarks.peers.bench_peers import SGLangPeer
 
     peer = SGLangPeer(8 * 1024, 64, torch.bfloat16, 1024)  # 8 pages of 8 tokens
     assert (peer.pool.num_pages, peer.pool.page_size) == (8, 8)
@@ -389,7 +407,7 @@ def test_sglang_peer_insert_copies_into_pages_and_evicts_the_oldest_idle(
 
 
 def test_original_pr_controller_evicts_to_bytes_past_pinned_entries() -> None:
-    from benchmarks.baselines import OriginalPRController
+    from tests.support.baselines import OriginalPRController
 
     pr = OriginalPRController(4 * 256, 256)
     one = torch.ones(128, dtype=torch.bfloat16)
@@ -407,8 +425,8 @@ def test_original_pr_controller_evicts_to_bytes_past_pinned_entries() -> None:
 
 
 def test_minimal_best_fit_gives_the_offsets_of_the_range_allocator() -> None:
-    from benchmarks.baselines import MinimalBestFit
-    from benchmarks.bench_allocator import half_freed, pair_cost
+    from benchmarks.micro.bench_allocator import half_freed, pair_cost
+    from tests.support.baselines import MinimalBestFit
 
     ours, base = half_freed(RangeAllocator, 500, seed=3), half_freed(MinimalBestFit, 500, seed=3)
     assert ours.free_blocks() == [(o, s) for o, s in base.by_offset.items()]  # type: ignore[attr-defined]
@@ -431,7 +449,7 @@ def test_grid_optimum_evicts_the_entry_needed_furthest_ahead() -> None:
     """Room for two entries of 256 B. Lookups a b c a b c a: c is next needed (at 5) later
     than a (3) and b (4), so it is not cached (refused) and a, b keep hitting; the last c is
     never needed again (bypassed). Lookups a b c b c a: c (next at 4) evicts a (next at 5)."""
-    from benchmarks import bench_policy_grid as grid
+    from benchmarks.policy import bench_policy_grid as grid
 
     specs = [grid.SmallSpec(k, 64, torch.bfloat16, 4) for k in "abc"]  # 256 B each
     load = grid.frag.Workload(specs, [[0], [1], [2], [0], [1], [2], [0]], inflight=0)
@@ -445,7 +463,7 @@ def test_grid_optimum_evicts_the_entry_needed_furthest_ahead() -> None:
 def test_tiny_grid_reports_every_cell() -> None:
     """The CI smoke run of the grid: a target row per cell, the optimum's and the churn rows,
     and the heatmap's values read back from the rows."""
-    from benchmarks import bench_policy_grid as grid
+    from benchmarks.policy import bench_policy_grid as grid
 
     summaries = grid.measure(tiny=True)
     assert list(summaries) == grid.cells(tiny=True)

@@ -7,9 +7,9 @@ import torch
 
 from embcache import EmbeddingCache, Item, Status
 from embcache.core.lifecycle import LOADING, READY
+from embcache.driver.trace import TraceLog
 from embcache.errors import ClosedError, InvalidArgumentError
 from embcache.testing import FaultInjectingStore
-from embcache.trace import TraceLog
 from tests.helpers import payload, raw, wait_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("poison_modes")]

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embcache.allocator import Block, RangeAllocator
 from embcache.core import eviction as code
 from embcache.core.eviction import Window, choose_victims, free_around_by_blocks
+from embcache.driver.allocator import Block, RangeAllocator
 from models import eviction as reference
 
 ALIGN = 256

@@ -1,4 +1,4 @@
-"""In-place fills (``Request.begin_fill`` / ``end_fill``, ``embcache/fills.py``): an insert
+"""In-place fills (``Request.begin_fill`` / ``end_fill``, ``embcache/driver/fills.py``): an insert
 whose bytes someone else writes, ended with the writer's outcome; and the fused lookups
 (``open_lookup``, ``lookup_offsets``, ``offsets``). ``check_invariants()`` after every step."""
 

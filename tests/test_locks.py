@@ -1,4 +1,5 @@
-"""The lock-order checker of ``embcache.locks`` catches every kind of violation DESIGN.md names.
+"""The lock-order checker of ``embcache.driver.locks`` catches every kind of violation DESIGN.md
+names.
 
 Each violation is provoked on purpose against a real cache: an acquisition against the
 hierarchy (allocator lock, then cache lock), a re-entrant acquisition, and blocking work (a
@@ -18,17 +19,18 @@ from typing import Any
 import pytest
 import torch
 
-from embcache import EmbeddingCache, Item, RangeAllocator
+from embcache import EmbeddingCache, Item
 from embcache.core.effects import Effects
 from embcache.core.entries import RequestState
 from embcache.core.lifecycle import QUARANTINED, READY
-from embcache.errors import LockOrderError
-from embcache.locks import (
+from embcache.driver.allocator import RangeAllocator
+from embcache.driver.locks import (
     HierarchyLock,
     assert_unlocked,
     enable_lock_checking,
     lock_checking_enabled,
 )
+from embcache.errors import LockOrderError
 from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import raw, wait_until
 

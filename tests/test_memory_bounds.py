@@ -23,8 +23,8 @@ import torch
 from embcache import EmbeddingCache, InvalidArgumentError, Item, Status
 from embcache.core import actions
 from embcache.core.actions import MAX_SHAPES
+from embcache.driver.trace import TraceLog
 from embcache.testing import Fault, FaultInjectingStore
-from embcache.trace import TraceLog
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -183,7 +183,7 @@ def test_pool_views_and_strides_stay_at_their_bound() -> None:
     """10x the strides cache's 1024 distinct shapes, in three dtypes, pass through a cache:
     one pool view per dtype, at most ``MAX_BASES`` base views (``_bases``), and the strides
     cache (an ``lru_cache``) at its maxsize."""
-    from embcache.pool import PoolViews, _strides
+    from embcache.driver.pool import PoolViews, _strides
 
     _strides.cache_clear()
     dtypes = (torch.uint8, torch.float16, torch.float32)
@@ -248,7 +248,7 @@ def test_metrics_label_pairs_are_bounded() -> None:
 
 def _soak(*front_ends: str) -> dict[str, object]:
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.soak_memory", "--quick", "--json", "--front-end",
+        [sys.executable, "-m", "benchmarks.soak.memory", "--quick", "--json", "--front-end",
          *front_ends],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -258,7 +258,7 @@ def _soak(*front_ends: str) -> dict[str, object]:
 
 
 def test_memory_soak_cache_and_pipeline_quick() -> None:
-    """benchmarks/soak_memory.py --quick: 20,000 distinct items through a 0.25 MiB pool, RSS
+    """benchmarks/soak/memory.py --quick: 20,000 distinct items through a 0.25 MiB pool, RSS
     growth < 5% and the heap never above the warm-up's (at every further tenth and the end),
     no request left open."""
     out = _soak("cache", "pipeline")

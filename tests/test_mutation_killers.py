@@ -22,11 +22,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from embcache import EmbeddingCache, Item, RangeAllocator, Reason, Status
-from embcache.allocator import Block
+from embcache import EmbeddingCache, Item, Reason, Status
 from embcache.core.eviction import Piece, Window, best_window, neighbourhood
 from embcache.core.invariants import check_core
 from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY, Step, transition
+from embcache.driver.allocator import Block, RangeAllocator
+from embcache.driver.locks import HierarchyLock, lock_checking_enabled
+from embcache.driver.trace import TraceLog
 from embcache.errors import (
     ClosedError,
     InvalidArgumentError,
@@ -36,9 +38,7 @@ from embcache.errors import (
     NotAllocatedError,
     TransitionError,
 )
-from embcache.locks import HierarchyLock, lock_checking_enabled
 from embcache.testing import Fault, FaultInjectingStore
-from embcache.trace import TraceLog
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -892,8 +892,8 @@ def test_transition_table_agrees_with_how_the_controller_uses_it() -> None:
     which sets ABSENT. The table has to say the same, or the model, the TLA+ spec and the
     controller disagree silently.
     """
-    from embcache.cache import Entry
     from embcache.core.lifecycle import TRANSITIONS
+    from embcache.driver.cache import Entry
 
     assert Entry.__dataclass_fields__["state"].default is LOADING
     guard_only = {Step.LOOKUP_HIT, Step.LOOKUP_JOIN, Step.RELEASE_WAIT, Step.REMOVE_BUSY}

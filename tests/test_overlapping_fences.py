@@ -18,10 +18,10 @@ import torch
 
 from embcache import EmbeddingCache, Item, TransferOutcome
 from embcache.core.lifecycle import ABSENT, QUARANTINED
+from embcache.driver.fencing import FencePolicy
+from embcache.driver.trace import TraceLog
 from embcache.errors import StoreUnavailableError
-from embcache.fencing import FencePolicy
 from embcache.testing import Fault, FaultInjectingStore
-from embcache.trace import TraceLog
 from tests.helpers import raw
 from tests.overlap import (
     GARBAGE,
@@ -155,8 +155,8 @@ def test_a_fence_refused_by_the_lock_check_begins_nothing() -> None:
     """A fence asked for while the caller holds a lock (here one below the cache's level, so
     taking the cache lock is allowed but the store call is not) is refused before it begins:
     no fence left in flight, the entry still QUARANTINED, and the next fence frees it."""
+    from embcache.driver.locks import HierarchyLock, lock_checking_enabled
     from embcache.errors import LockOrderError
-    from embcache.locks import HierarchyLock, lock_checking_enabled
 
     if not lock_checking_enabled():
         pytest.skip("needs EMBCACHE_LOCK_CHECK=1")

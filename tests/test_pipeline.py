@@ -19,8 +19,8 @@ import torch
 
 from embcache import EmbeddingCache, EncodePipeline, Item, PipelineStats
 from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
+from embcache.driver.locks import assert_unlocked
 from embcache.errors import InvalidArgumentError, InvalidTypeError, RequestError
-from embcache.locks import assert_unlocked
 from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import raw, wait_until
 

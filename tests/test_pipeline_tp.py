@@ -322,7 +322,7 @@ NAMES = [s.__name__ for s in SCENARIOS]
 # ---------------------------------------------------------------------------- harness
 def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     """One rank: run every scenario, record the outcome of each, in order."""
-    from embcache.locks import enable_lock_checking
+    from embcache.driver.locks import enable_lock_checking
 
     enable_lock_checking()
     torch.set_num_threads(1)

@@ -508,7 +508,7 @@ def test_simulation_replays_the_real_cache_exactly(policy: str) -> None:
     """The policy benchmark's ``simulate`` makes the same hits, refusals and evictions as a
     real ``EmbeddingCache(policy=...)`` on a mix that evicts (so the candidates that run only
     simulated run in a faithful model)."""
-    from benchmarks import bench_policy
+    from benchmarks.policy import bench_policy
 
     workload = bench_policy.make_mix("scan", quick=True)
     workload.requests[:] = workload.requests[:400]

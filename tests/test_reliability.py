@@ -10,12 +10,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import embcache.cache as cache_module
+import embcache.driver.cache as cache_module
 from embcache import EmbeddingCache, EncodePipeline, Item
 from embcache.core.lifecycle import ABSENT, QUARANTINED
+from embcache.driver.fencing import FencePolicy
+from embcache.driver.poison import POISON
 from embcache.errors import InvalidArgumentError, InvalidTypeError, LockOrderError
-from embcache.fencing import FencePolicy
-from embcache.poison import POISON
 from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import evict_idle_after_close, item_of, payload, raw, wait_until
 
@@ -153,7 +153,7 @@ def test_an_error_on_an_io_thread_ends_the_load_and_wakes_its_waiters(
     cache = make_cache(auto_fence=None)
     tensor = payload((64,), torch.float32, 3)
     store.put_object("k", raw(tensor))
-    with caplog.at_level(logging.ERROR, "embcache.cache"), cache.request("r") as request:
+    with caplog.at_level(logging.ERROR, "embcache.driver.cache"), cache.request("r") as request:
         request.lookup([item_of("k", tensor)])
         assert request.wait(WAIT_S), "the waiter of a load whose worker raised was never woken"
         assert request.fallback_reasons()[0] is not None

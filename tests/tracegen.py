@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from embcache import EmbeddingCache, Item
+from embcache.driver.trace import TraceLog
 from embcache.testing import Fault, FaultInjectingStore
-from embcache.trace import TraceLog
 from tests.stateful.test_cache_model import CacheMachine
 
 Trace = list[dict[str, Any]]
@@ -97,7 +97,7 @@ def threaded_trace(seed: int, threads: int = 4, steps: int = 40) -> Trace:
 def overlapping_fence_traces() -> list[Trace]:
     """The schedule of ``tests.overlap.requarantine_between_fences``, with a manual first fence
     and with the cache's own."""
-    from embcache.fencing import FencePolicy
+    from embcache.driver.fencing import FencePolicy
     from tests.helpers import raw
     from tests.overlap import UNIT, LimboStore, requarantine_between_fences, tensor
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Trace validation: check that runs of the real cache are behaviours of EmbeddingCache.
 
-A trace (JSON lines written by ``embcache.trace.TraceLog``) becomes a sequence of TLA+ event
+A trace (JSON lines written by ``embcache.driver.trace.TraceLog``) becomes a sequence of TLA+ event
 records in a generated module; ``TraceEmbeddingCache.tla`` follows it step by step, taking the
 spec action each event names and checking the entry's logged post-state, with the spec's
 invariants checked in every state. Many traces are checked in one TLC run: the generated module

@@ -5,6 +5,6 @@ fences, with one method per DESIGN action (``Actions``, ``embcache/DESIGN.md``) 
 request protocol over them (``CacheCore``, which holds the actions privately); each step
 returns one ``Effects`` record: what its driver must do. It imports nothing from ``embcache``
 outside this package except ``embcache.errors`` (exceptions only, no imports);
-``tests/test_core.py`` checks it. The driver (``embcache.cache``) holds the lock around it and
-does the I/O. Each module in one line: the module map, ``docs/architecture.md``.
+``tests/test_core.py`` checks it. The driver (``embcache.driver.cache``) holds the lock around it
+and does the I/O. Each module in one line: the module map, ``docs/architecture.md``.
 """

@@ -12,8 +12,8 @@ the block with free neighbours on both sides, so the free list is always fully c
 Same calls, same offsets: a reference model can predict every result.
 
 Not thread-safe: ``BestFitAllocator`` takes no lock; its owner serializes the calls (the core
-runs under the cache lock). ``embcache.allocator.RangeAllocator``, the public one, is the same
-allocator behind its own lock.
+runs under the cache lock). ``embcache.driver.allocator.RangeAllocator``, the public one, is the
+same allocator behind its own lock.
 """
 
 from __future__ import annotations

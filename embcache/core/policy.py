@@ -19,9 +19,9 @@ Policies (``make_policy(name, **knobs)``):
   is admitted anyway, and that share moves toward the answer (filter or window) that has been
   proving wrong less often, from LRU (share 1) to ``tinylfu`` (share 0).
 
-Design notes on ``tinylfu`` (chosen by measurement, ``benchmarks/bench_policy.py`` and
-``benchmarks/bench_policy_grid.py``). Counts are a count-min sketch (``FrequencySketch``: 4 rows
-of one-byte counters, conservative update, ``hash(key)`` once and the rows' indexes by double
+Design notes on ``tinylfu`` (chosen by measurement, ``benchmarks/policy/bench_policy.py`` and
+``benchmarks/policy/bench_policy_grid.py``). Counts are a count-min sketch (``FrequencySketch``: 4
+rows of one-byte counters, conservative update, ``hash(key)`` once and the rows' indexes by double
 hashing), saturating at 15 as TinyLFU's 4-bit counters do, and halved every ``sample_factor`` x
 (resident entries) lookups, TinyLFU's sample of ten times the cache. Its width is the next power
 of two >= 4 x a sample's lookups, grown (never shrunk) when a sample starts, so its memory is a
@@ -39,7 +39,7 @@ drops that far (the mean rises as counts build up; each halving restarts the run
 Rejected: W-TinyLFU (a window of new entries dueling main's oldest): with byte-sized victims
 chosen by contiguity it kept too little of the filter's refusals (+4 points on steady, not +10).
 
-Design notes on ``adaptive`` (issue 23, ``benchmarks/bench_policy_grid.py``). The spec lets a
+Design notes on ``adaptive`` (issue 23, ``benchmarks/policy/bench_policy_grid.py``). The spec lets a
 policy choose where an entry enters the order and whether to admit, nothing else: an entry
 never moves while it is in the order. So Caffeine's window (a segment whose overflow moves to
 main, demoting main's protected entries) cannot be an order here; ours is a share of the

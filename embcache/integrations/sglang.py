@@ -52,10 +52,10 @@ from typing import Any
 import torch
 
 from embcache import EmbeddingCache, EntryState, GlobalStore, Item, Status
+from embcache.driver.request import Request
 from embcache.errors import InvalidArgumentError
 from embcache.integrations.sglang_holds import Holds, Prefetch, Staged, forget_mine
 from embcache.integrations.sglang_modality import ModalityDims
-from embcache.request import Request
 
 __all__ = [
     "EmbeddingCacheController",

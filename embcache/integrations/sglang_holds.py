@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-from embcache.item import Item
-from embcache.request import Request
+from embcache.driver.item import Item
+from embcache.driver.request import Request
 
 
 @dataclass(eq=False)

@@ -48,13 +48,13 @@ from types import TracebackType
 
 import torch
 
+from embcache.driver.global_store import TransferOutcome
+from embcache.driver.locks import assert_unlocked
 from embcache.errors import (
     InvalidArgumentError,
     InvalidTypeError,
     StoreUnavailableError,
 )
-from embcache.locks import assert_unlocked
-from embcache.store.base import TransferOutcome
 from embcache.store.mooncake_config import MooncakeConfig, reachable
 from embcache.store.mooncake_native import (
     _NO_AVAILABLE_HANDLE,

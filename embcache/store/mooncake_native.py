@@ -11,8 +11,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from embcache.driver.global_store import TransferOutcome
 from embcache.errors import StoreUnavailableError
-from embcache.store.base import TransferOutcome
 
 if TYPE_CHECKING:
     import torch

@@ -47,9 +47,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 from tqdm import tqdm
 
-from embcache.cache import EmbeddingCache
+from embcache.driver.cache import EmbeddingCache
+from embcache.driver.global_store import GlobalStore, TransferOutcome
 from embcache.pipeline import EncodePipeline
-from embcache.store.base import GlobalStore, TransferOutcome
 from embcache.tools.demo_report import (
     DemoConfig,
     DemoResult,

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from embcache.cache import CacheStats, EmbeddingCache
+from embcache.driver.cache import CacheStats, EmbeddingCache
 from embcache.errors import InvariantError
 
 __all__ = [

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from embcache.driver.item import Item
 from embcache.errors import InvalidArgumentError, InvalidTypeError
-from embcache.item import Item
 
 __all__ = ["TinyViT", "image_key", "synthetic_image"]
 

@@ -26,9 +26,9 @@ from wsgiref.simple_server import WSGIServer
 
 import torch
 
-from embcache.cache import CacheStats, EmbeddingCache
+from embcache.driver.cache import CacheStats, EmbeddingCache
+from embcache.driver.global_store import GlobalStore, TransferOutcome
 from embcache.errors import InvalidArgumentError, InvalidTypeError
-from embcache.store.base import GlobalStore, TransferOutcome
 
 try:
     from prometheus_client import CollectorRegistry, Histogram, start_http_server

@@ -19,7 +19,7 @@ import torch
 from embcache import EmbeddingCache
 from embcache.core.lifecycle import ABSENT
 from embcache.core.outcomes import Reason, Status
-from embcache.item import Item
+from embcache.driver.item import Item
 from embcache.store.mooncake import MooncakeStore
 from tests.helpers import payload
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from embcache.driver.global_store import GlobalStore, TransferOutcome, get_outcome, put_outcome
 from embcache.errors import (
     InvalidArgumentError,
     InvalidTypeError,
@@ -24,7 +25,6 @@ from embcache.errors import (
     StoreUnavailableError,
 )
 from embcache.store import mooncake as mooncake_module
-from embcache.store.base import GlobalStore, TransferOutcome, get_outcome, put_outcome
 from embcache.store.mooncake import CODES, MooncakeStore, StoreCode
 from tests.helpers import payload
 

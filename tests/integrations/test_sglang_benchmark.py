@@ -1,12 +1,12 @@
-"""``benchmarks/bench_sglang_adapter.py`` runs its sequence on both controllers and leaves our
+"""``benchmarks/peers/bench_sglang_adapter.py`` runs its sequence on both controllers and leaves our
 cache idle (a tiny size; what it measures is not judged here)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import bench_sglang_adapter as bench
-from benchmarks.sglang_wheel import SGLangUnavailable, load_controller_module
+from benchmarks.peers import bench_sglang_adapter as bench
+from tests.support.sglang_wheel import SGLangUnavailable, load_controller_module
 
 
 def test_the_benchmark_runs_both_controllers_through_the_sequence() -> None:

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.sglang_wheel import MODULE_FILE, SGLangUnavailable, wheel_path
 from embcache.integrations.sglang_install import (
     ENV,
     MODULE,
@@ -33,6 +32,7 @@ from embcache.integrations.sglang_install import (
     install,
     main,
 )
+from tests.support.sglang_wheel import MODULE_FILE, SGLangUnavailable, wheel_path
 
 pytestmark = pytest.mark.timeout(600)  # a first run downloads the wheel (about 40 MB)
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """Our controller has every public method of SGLang 0.5.23's own ``EmbeddingCacheController``,
-with the same parameters, read from the real wheel (``benchmarks.sglang_wheel``: downloaded
+with the same parameters, read from the real wheel (``tests.support.sglang_wheel``: downloaded
 without dependencies, the module run with stand-ins for its SGLang imports).
 
 Without the wheel the tests skip, saying why; in CI (``CI`` set) they fail instead, since
@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.sglang_wheel import SGLangUnavailable, load_controller_module
 from embcache.integrations.sglang import EmbeddingCacheController
 from embcache.integrations.sglang_install import interface_differences
 from embcache.testing import FaultInjectingStore
+from tests.support.sglang_wheel import SGLangUnavailable, load_controller_module
 
 pytestmark = pytest.mark.timeout(600)  # a first run downloads the wheel (about 40 MB)
 

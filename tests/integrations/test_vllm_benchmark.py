@@ -1,4 +1,4 @@
-"""``benchmarks/bench_vllm.py`` runs both sides against their baselines on a tiny size: the
+"""``benchmarks/peers/bench_vllm.py`` runs both sides against their baselines on a tiny size: the
 side-by-side run with vLLM's ECCPUConnector (whose replay must answer as the run did), the
 ``has_cache_item`` row and the worker's copy (what it measures is not judged)."""
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import bench_vllm as bench
+from benchmarks.peers import bench_vllm as bench
 from tests.integrations.vllm_fixtures import vllm_base
 
 __all__ = ["vllm_base"]

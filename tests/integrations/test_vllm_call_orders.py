@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import bench_vllm
-from benchmarks.vllm_wheel import SchedulerOutput
+from benchmarks.peers import bench_vllm
 from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
 from tests.integrations.vllm_replay import FakeRequest, LocalRank, StepWork, embedding
+from tests.support.vllm_wheel import SchedulerOutput
 
 __all__ = ["make_scheduler", "vllm_base"]
 pytestmark = pytest.mark.timeout(300)
@@ -258,7 +258,7 @@ def test_the_scheduler_copies_no_payload_byte(
 ) -> None:
     """Through 200 requests (loads, fills, evictions), no tensor copy and no pool copy-in
     runs inside a scheduler-role call: the ranks move every byte."""
-    from embcache.pool import PoolViews
+    from embcache.driver.pool import PoolViews
     from tests.integrations.vllm_replay import Replay, requests
 
     sched = make_scheduler(CFG)

@@ -1,4 +1,4 @@
-"""``EmbcacheECConnector`` against vLLM 0.33.0's real interface (``benchmarks.vllm_wheel``):
+"""``EmbcacheECConnector`` against vLLM 0.33.0's real interface (``tests.support.vllm_wheel``):
 signatures, pickled metadata, both roles in one process over hundreds of requests, the pin
 held until every rank acked, lost acks, options and wrong-role calls.
 
@@ -59,7 +59,7 @@ def _one_step(sched: Any, request: FakeRequest) -> Any:
     for index in range(len(request.keys)):
         sched.has_cache_item(request.keys[index])
         sched.update_state_after_alloc(request, index)
-    from benchmarks.vllm_wheel import SchedulerOutput
+    from tests.support.vllm_wheel import SchedulerOutput
 
     return sched.build_connector_meta(SchedulerOutput())
 

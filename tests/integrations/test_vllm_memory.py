@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from benchmarks import soak_vllm_memory
-from benchmarks.vllm_engine import Engine
+from benchmarks.soak import vllm_memory as soak_vllm_memory
 from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
 from tests.integrations.vllm_replay import WIDTH, FakeRequest, LocalRank, Replay, requests
+from tests.support.vllm_engine import Engine
 
 __all__ = ["make_scheduler", "vllm_base"]
 pytestmark = pytest.mark.timeout(600)
@@ -84,7 +84,7 @@ def test_a_connector_as_the_readme_shows_holds_its_budget_with_10x_of_it_passing
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
-    from benchmarks.vllm_wheel import vllm_config
+    from tests.support.vllm_wheel import vllm_config
 
     pool = 1 << 20
     extra = {"pool_bytes": pool}
@@ -118,7 +118,7 @@ def test_a_connector_as_the_readme_shows_holds_its_budget_with_10x_of_it_passing
 
 
 def test_a_short_soak_of_both_roles_leaves_memory_flat(vllm_base: Any) -> None:
-    """``benchmarks/soak_vllm_memory.py`` for 3,000 distinct items and 300 requests."""
+    """``benchmarks/soak/vllm_memory.py`` for 3,000 distinct items and 300 requests."""
     row = soak_vllm_memory.run(items=3000, requests=300, pool=64 * 1024, warmup=0.2)
     assert row.containers["errors"] == 0
     assert {k: v for k, v in row.containers.items() if k not in ("entries", "errors")} == dict(

@@ -29,7 +29,7 @@ def shm_names_with(token: str) -> list[str]:
 
 
 def handle_of(connector: Any) -> Any:
-    from benchmarks.vllm_wheel import SchedulerOutput
+    from tests.support.vllm_wheel import SchedulerOutput
 
     return connector.build_connector_meta(SchedulerOutput()).pool
 

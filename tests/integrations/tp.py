@@ -51,7 +51,7 @@ Scenario = Callable[[Rank], None]
 def _worker(
     rank: int, world: int, port: int, outdir: str, module: str, args: dict[str, Any]
 ) -> None:
-    from embcache.locks import enable_lock_checking
+    from embcache.driver.locks import enable_lock_checking
 
     enable_lock_checking()
     torch.set_num_threads(1)

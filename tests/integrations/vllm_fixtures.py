@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks import vllm_wheel
 from tests.integrations.vllm_replay import vllm_config
+from tests.support import vllm_wheel
 
 
 def _have_vllm() -> None:
@@ -24,7 +24,7 @@ def _have_vllm() -> None:
         pytest.skip(
             f"vLLM {vllm_wheel.VERSION}'s wheel is not in {vllm_wheel.cache_dir()}: set "
             "EMBCACHE_VLLM_DOWNLOAD=1 to let the tests fetch it (336 MB), or run "
-            "`python -m benchmarks.vllm_wheel`"
+            "`python -m tests.support.vllm_wheel`"
         )
     try:
         vllm_wheel.install()

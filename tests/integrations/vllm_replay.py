@@ -1,6 +1,6 @@
 """A driver that replays vLLM's per-step call order against our connector, for the vLLM tests.
 
-vLLM's real interface modules come from its wheel (``benchmarks.vllm_wheel``). The scheduler
+vLLM's real interface modules come from its wheel (``tests.support.vllm_wheel``). The scheduler
 connector is made by vLLM's own ``ECConnectorFactory``; each rank's connector by vLLM's
 ``ensure_ec_transfer_initialized`` and driven through vLLM's own
 ``ECConnectorModelRunnerMixin`` (``ProcessRank``: one spawned process per rank), or called in
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import vllm_wheel
-from benchmarks.vllm_wheel import WIDTH, FakeRequest, vllm_config
+from tests.support import vllm_wheel
+from tests.support.vllm_wheel import WIDTH, FakeRequest, vllm_config
 
 DTYPE = torch.float16
 __all__ = ["WIDTH", "FakeRequest", "vllm_config"]  # re-exported for the tests

@@ -16,7 +16,7 @@
 #
 # Two parts:
 #  1. mutmut over embcache/core/{actions,cache_core,invariants,lifecycle}.py and
-#     embcache/cache.py with the fast test layers (tests/test_core.py, test_cache.py, test_cache_failures.py, test_mutation_killers.py,
+#     embcache/driver/cache.py with the fast test layers (tests/test_core.py, test_cache.py, test_cache_failures.py, test_mutation_killers.py,
 #     tests/stateful; HYPOTHESIS_PROFILE=dev, EMBCACHE_LOCK_CHECK=1; no tla/mooncake/stress/
 #     crosshair tests). mutmut only mutates code inside functions, so:
 #  2. the module-level transition table embcache.core.lifecycle.TRANSITIONS is mutated

@@ -11,7 +11,7 @@ from typing import Any
 import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from embcache import RangeAllocator
+from embcache.driver.allocator import RangeAllocator
 from models.allocator import ModelAllocator
 
 

@@ -24,8 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from embcache import EmbeddingCache, Item
 from embcache.core.policy import make_policy
+from embcache.driver.trace import TraceLog
 from embcache.testing import Fault, FaultInjectingStore
-from embcache.trace import TraceLog
 from models.cache import ModelCache
 
 ALIGN = 256

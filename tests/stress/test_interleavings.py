@@ -53,10 +53,10 @@ import torch
 from embcache import EmbeddingCache, EncodePipeline, Item, Reason, Status, TransferOutcome
 from embcache.core.effects import Effects
 from embcache.core.lifecycle import ABSENT, QUARANTINED, READY
-from embcache.locks import assert_unlocked
-from embcache.request import Request
+from embcache.driver.locks import assert_unlocked
+from embcache.driver.request import Request
+from embcache.driver.wakeups import resolve
 from embcache.testing import Fault, FaultInjectingStore
-from embcache.wakeups import resolve
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(120)]
 

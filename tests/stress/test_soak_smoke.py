@@ -1,5 +1,5 @@
-"""The soak benchmark (``benchmarks/soak.py``) for a few seconds: it runs, kills and restarts the
-master, fences only automatically, and ends with nothing lost, pinned or open.
+"""The soak benchmark (``benchmarks/soak/stress.py``) for a few seconds: it runs, kills and restarts
+the master, fences only automatically, and ends with nothing lost, pinned or open.
 
 The soak itself runs for 30 minutes by hand (README, "Reliability"); this only keeps it
 working. It runs in a child process, so Mooncake's logging settings and the resident-memory
@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SMOKE = """
 import json, sys
-from benchmarks.soak import soak
-from embcache.fencing import FencePolicy
+from benchmarks.soak.stress import soak
+from embcache.driver.fencing import FencePolicy
 
 policy = FencePolicy(max_age_s=0.5, min_interval_s=0.2, check_interval_s=0.1)
 result = soak(8.0, kill_every_s=3.0, down_s=1.0, seed=int(sys.argv[1]), warmup_s=1.0,

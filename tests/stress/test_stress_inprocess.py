@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 
 from embcache import EmbeddingCache
-from embcache.fencing import FencePolicy
+from embcache.driver.fencing import FencePolicy
 from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import wait_until
 from tests.stress.workload import Mix, Workload, raw

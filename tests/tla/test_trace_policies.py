@@ -1,6 +1,6 @@
 """Trace validation of admission refusals and of the eviction order (issues 15 and 16).
 
-Hand-written traces in the format of ``embcache.trace``: a refused ``BeginLoad`` (outcome
+Hand-written traces in the format of ``embcache.driver.trace``: a refused ``BeginLoad`` (outcome
 ``NOT_ADMITTED``) is accepted, and rejected when evictions come with it; a Lookup never misses
 for ``not_admitted``; the release order of a closing request is whatever the trace logs (the
 code now releases in lookup order, formerly in key-name order); an entry that becomes
@@ -201,7 +201,7 @@ def test_a_trace_of_the_cache_with_refusals_and_admissions_is_accepted(policy: s
     import torch
 
     from embcache import EmbeddingCache, Item
-    from embcache.trace import TraceLog
+    from embcache.driver.trace import TraceLog
 
     def item(key: str) -> Item:
         return Item(key, (UNIT // 4,), torch.float32)

@@ -20,8 +20,8 @@ from embcache import EmbeddingCache, Item, TransferOutcome
 from embcache.core.actions import Actions
 from embcache.core.lifecycle import ABSENT, QUARANTINED, READY
 from embcache.core.policy import RecencyOrder
+from embcache.driver.trace import TraceLog
 from embcache.testing import Fault, FaultInjectingStore
-from embcache.trace import TraceLog
 from tests.tla.tla_modules import load_trace
 
 TLA = Path(__file__).resolve().parents[2] / "tla"

@@ -1,0 +1,1 @@
+"""Micro-benchmarks: one operation against a baseline, side by side."""

@@ -1,0 +1,1 @@
+"""Eviction policies against every baseline: encoder tokens saved on request mixes."""

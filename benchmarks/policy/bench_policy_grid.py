@@ -1,0 +1,489 @@
+"""Policies on a grid of request mixes: encoder tokens saved against every baseline and the optimum.
+
+Cells: drifting mixes (the popularity ranking reshuffled every 100, 250, 500, 1000 or 2000
+requests) x Zipf skews 0.6, 0.8, 1.0 and 1.2, plus ``steady`` (Zipf 0.9, no drift) and ``scan``
+(steady, and every third request one new image never seen again), on two pools:
+- ``4MiB``: a 4 MiB pool, entries of 64..4096 tokens (log-uniform) x 14 B (the mixed pool of
+  ``bench_peers``); the paged baseline has 1 KiB pages;
+- ``1GiB``: a 1 GiB pool at real sizes (3584 hidden, 70% bf16, 30% fp32: ``bench_fragmentation``'s
+  catalogue); the paged baseline has 256 KiB pages.
+Each cell runs ``SEEDS`` seeds (catalogue, requests and reshuffles drawn from the seed) of
+``REQUESTS`` requests of 1-3 distinct images over 1500 images, 4 requests held open, as
+``bench_policy`` does; a cell's numbers are the means over its seeds.
+Contenders: the baselines LRU-to-fit and LRU-to-bytes over first fit
+(``bench_fragmentation.run_baseline``) and the paged LRU pool (``bench_paged.run_paged``); our
+policies ``lru``, ``tinylfu`` and ``adaptive`` through ``bench_policy.simulate`` (the real
+allocator and victim rule under the cache's actions, which ``bench_policy`` checks against the
+real cache; no torch, no copies); and ``optimum``: Belady's offline rule on bytes, contiguity
+and pins ignored (on a miss, evict the entries needed next furthest in the future, and bypass
+the candidate when it is needed later than every entry it would displace). For variable sizes
+that rule is a strong heuristic, not a proven bound: it is the ceiling we measure against.
+Reported per cell: tokens saved by each, the default policy's margin over the best baseline
+(target >= -0.5 point), its distance to the optimum, and on drifting cells the bytes evicted
+per byte inserted of ours (``adaptive`` and ``lru``) against the paged pool's (the cost of
+contiguity: a contiguous pool evicts a whole window where a paged one evicts pages).
+``--tiny`` (the CI smoke test): two drift periods x two skews + steady + scan on the 4 MiB pool,
+one seed, 400 requests.
+Run from the repository root: python -m benchmarks.policy.bench_policy_grid [--tiny] [--plot DIR]
+[--jobs N] [--markdown OUT] (the runs are independent; N processes share them out;
+``benchmarks/policy_grid.md`` is its markdown page).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import heapq
+import math
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.common import make_row, print_rows
+from benchmarks.micro import bench_fragmentation as frag
+from benchmarks.micro import bench_paged
+from benchmarks.policy.bench_policy import Result, from_tally, simulate
+from embcache.core.policy import make_policy
+
+PERIODS = (100, 250, 500, 1000, 2000)
+SKEWS = (0.6, 0.8, 1.0, 1.2)
+STEADY_SKEW = 0.9
+SCAN_EVERY = 3
+UNIVERSE = 1500
+REQUESTS = 4000
+SEEDS = (1, 2)
+OURS = ("lru", "tinylfu", "adaptive")
+DEFAULT = "adaptive"  # the policy the targets are for
+PAGED = "paged"
+BASELINES = (*frag.BASELINES, PAGED)
+OPTIMUM = "optimum"
+SLACK = 0.5  # points of tokens saved the default may lose to the best baseline on a cell
+LRU_MARGIN = 3.0  # points over our LRU on steady and scan
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A pool size, the bytes of a token of its entries (None: the real catalogue), its pages."""
+
+    name: str
+    capacity: int
+    token_bytes: int | None
+    page: int
+
+
+POOLS = (Pool("4MiB", 4 << 20, 14, 1024), Pool("1GiB", 1 << 30, None, bench_paged.PAGE))
+
+
+@dataclass(frozen=True)
+class SmallSpec(frag.Spec):
+    """An entry of ``tokens`` x ``token_bytes`` bytes (the 4 MiB pool's catalogue)."""
+
+    token_bytes: int = 14
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens * self.token_bytes
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One mix on one pool: ``mix`` is ``drift``, ``steady`` or ``scan``."""
+
+    pool: Pool
+    mix: str
+    skew: float
+    period: int | None
+
+    @property
+    def label(self) -> str:
+        if self.mix == "drift":
+            return f"{self.pool.name} drift {self.period} z{self.skew:g}"
+        return f"{self.pool.name} {self.mix}"
+
+
+def cells(tiny: bool) -> list[Cell]:
+    """The grid: every pool x (drift period x skew, steady, scan); ``tiny`` a corner of it."""
+    pools, periods, skews = (POOLS[:1], (100, 500), (0.8, 1.2)) if tiny else (POOLS, PERIODS, SKEWS)
+    out = []
+    for pool in pools:
+        out += [Cell(pool, "drift", s, p) for p in periods for s in skews]
+        out += [Cell(pool, "steady", STEADY_SKEW, None), Cell(pool, "scan", STEADY_SKEW, None)]
+    return out
+
+
+def spec(pool: Pool, key: str, rng: random.Random) -> frag.Spec:
+    """One image of the pool's catalogue: log-uniform tokens; 70% bf16 at real sizes."""
+    tokens = round(math.exp(rng.uniform(math.log(frag.MIN_TOKENS), math.log(frag.MAX_TOKENS))))
+    dtype = torch.bfloat16 if rng.random() < 0.7 else torch.float32
+    if pool.token_bytes is None:
+        return frag.Spec(key, tokens, dtype)
+    return SmallSpec(key, tokens, dtype, pool.token_bytes)
+
+
+def workload(cell: Cell, seed: int, requests: int) -> frag.Workload:
+    """The requests of ``cell`` drawn from ``seed``: Zipf(skew) over the catalogue, its ranking
+    reshuffled every ``period`` requests (drift), or one new image every third request (scan)."""
+    rng, shuffler = random.Random(seed), random.Random(seed + 1)
+    specs = [spec(cell.pool, f"img{i}", rng) for i in range(UNIVERSE)]
+    weights = [1.0 / (rank + 1) ** cell.skew for rank in range(UNIVERSE)]
+    cumulative = list(_accumulate(weights))
+    owner = list(range(UNIVERSE))  # which image holds each popularity rank
+    out: list[list[int]] = []
+    for n in range(requests):
+        if cell.period is not None and n % cell.period == 0:
+            shuffler.shuffle(owner)
+        if cell.mix == "scan" and n % SCAN_EVERY == SCAN_EVERY - 1:
+            specs.append(spec(cell.pool, f"scan{n}", rng))
+            out.append([len(specs) - 1])
+            continue
+        chosen: list[int] = []
+        want = rng.randint(1, 3)
+        while len(chosen) < want:
+            image = owner[rng.choices(range(UNIVERSE), cum_weights=cumulative)[0]]
+            if image not in chosen:
+                chosen.append(image)
+        out.append(chosen)
+    return frag.Workload(specs, out, inflight=4)
+
+
+def _accumulate(weights: list[float]) -> Iterator[float]:
+    total = 0.0
+    for weight in weights:
+        total += weight
+        yield total
+
+
+# ---------------------------------------------------------------------------- the optimum
+def optimum(load: frag.Workload, capacity: int) -> Result:
+    """Belady on bytes (contiguity and pins ignored): on a miss, evict the entries whose next
+    lookup is furthest away until the candidate fits, unless the candidate's own next lookup is
+    further than theirs (then it is not cached). O(lookups log entries)."""
+    lookups = [index for request in load.requests for index in request]
+    never = len(lookups)
+    upcoming = [never] * len(lookups)
+    last: dict[int, int] = {}
+    for position in range(len(lookups) - 1, -1, -1):
+        upcoming[position] = last.get(lookups[position], never)
+        last[lookups[position]] = position
+    result = Result()
+    resident: dict[int, int] = {}  # image -> its next lookup
+    furthest: list[tuple[int, int]] = []  # (-next lookup, image); stale pairs skipped
+    used = 0
+    for position, index in enumerate(lookups):
+        item = load.specs[index]
+        size = frag.aligned(item.nbytes)
+        result.lookups += 1
+        result.lookup_tokens += item.tokens
+        following = upcoming[position]
+        if index in resident:
+            result.hits += 1
+            result.hit_tokens += item.tokens
+            resident[index] = following
+            heapq.heappush(furthest, (-following, index))
+            continue
+        result.inserts += 1
+        if following == never or size > capacity:
+            continue
+        while used + size > capacity:
+            later, victim = furthest[0]
+            if resident.get(victim) != -later:
+                heapq.heappop(furthest)
+                continue
+            if -later <= following:
+                break
+            heapq.heappop(furthest)
+            del resident[victim]
+            used -= frag.aligned(load.specs[victim].nbytes)
+            result.evictions += 1
+            result.evicted_bytes += frag.aligned(load.specs[victim].nbytes)
+        if used + size > capacity:
+            result.refused += 1
+            continue
+        resident[index] = following
+        heapq.heappush(furthest, (-following, index))
+        used += size
+        result.inserted_bytes += size
+    return result
+
+
+# ---------------------------------------------------------------------------- the grid
+def run_cell(cell: Cell, seed: int, requests: int) -> dict[str, Result]:
+    """Every contender on one seed of ``cell``."""
+    load = workload(cell, seed, requests)
+    pool = cell.pool
+    out = {
+        mode: from_tally(frag.run_baseline(load, mode, pool.capacity)) for mode in frag.BASELINES
+    }
+    out[PAGED] = from_tally(bench_paged.run_paged(load, pool.capacity, pool.page))
+    for name in OURS:
+        out[name] = simulate(load, make_policy(name), capacity=pool.capacity)
+    out[OPTIMUM] = optimum(load, pool.capacity)
+    return out
+
+
+@dataclass
+class Summary:
+    """A cell's means over its seeds: tokens saved and bytes evicted per byte inserted."""
+
+    saved: dict[str, float]
+    churn: dict[str, float]
+
+    @property
+    def best_baseline(self) -> str:
+        return max(BASELINES, key=self.saved.__getitem__)
+
+    def margin(self, name: str = DEFAULT) -> float:
+        """Points of tokens saved over the best baseline."""
+        return self.saved[name] - self.saved[self.best_baseline]
+
+
+def measure(tiny: bool, jobs: int = 1) -> dict[Cell, Summary]:
+    """The grid's summaries, cell by cell, each seed of each cell run by one of ``jobs``
+    processes (a progress bar on stderr)."""
+    requests, seeds = (400, SEEDS[:1]) if tiny else (REQUESTS, SEEDS)
+    grid = cells(tiny)
+    runs: dict[Cell, list[dict[str, Result]]] = {cell: [] for cell in grid}
+    work = [(cell, seed) for cell in grid for seed in seeds]
+    with contextlib.ExitStack() as stack:
+        bar = stack.enter_context(tqdm(total=len(work), desc="policy grid", unit="run"))
+        if jobs == 1:
+            for cell, seed in work:
+                bar.set_postfix_str(f"{cell.label} seed {seed}")
+                runs[cell].append(run_cell(cell, seed, requests))
+                bar.update()
+        else:
+            pool = stack.enter_context(ProcessPoolExecutor(jobs))
+            futures = {pool.submit(run_cell, c, s, requests): c for c, s in work}
+            for future in as_completed(futures):
+                runs[futures[future]].append(future.result())
+                bar.set_postfix_str(futures[future].label)
+                bar.update()
+    out: dict[Cell, Summary] = {}
+    for cell, results in runs.items():
+        names = list(results[0])
+        out[cell] = Summary(
+            {n: statistics.fmean(r[n].tokens_saved for r in results) for n in names},
+            {n: statistics.fmean(_churn(r[n]) for r in results) for n in names},
+        )
+    return out
+
+
+def _churn(result: Result) -> float:
+    return result.evicted_bytes / result.inserted_bytes if result.inserted_bytes else 0.0
+
+
+# ---------------------------------------------------------------------------- report
+def table(grid: dict[Cell, Summary]) -> str:
+    """Tokens saved per cell and contender; the default's margin and distance to the optimum;
+    bytes evicted per byte inserted (adaptive, lru, paged)."""
+    names = [*BASELINES, *OURS, OPTIMUM]
+    head = f"{'cell':24}" + "".join(f" {n[:9]:>9}" for n in names)
+    head += f" {'margin':>7} {'to opt':>7} {'churn a/l/p':>16}"
+    lines = [head, "-" * len(head)]
+    for cell, s in grid.items():
+        line = f"{cell.label:24}" + "".join(f" {s.saved[n]:9.1f}" for n in names)
+        line += f" {s.margin():+7.1f} {s.saved[OPTIMUM] - s.saved[DEFAULT]:7.1f}"
+        line += f" {s.churn[DEFAULT]:5.2f}/{s.churn['lru']:4.2f}/{s.churn[PAGED]:4.2f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def markdown(grid: dict[Cell, Summary], seconds: float, jobs: int, tiny: bool) -> str:
+    """The grid as a markdown page: how it was made, then one line per cell."""
+    names = [*BASELINES, *OURS, OPTIMUM]
+    requests, seeds = (400, SEEDS[:1]) if tiny else (REQUESTS, SEEDS)
+    missed = [c.label for c, s in grid.items() if s.margin() < -SLACK]
+    lru_missed = [
+        c.label
+        for c, s in grid.items()
+        if c.mix in ("steady", "scan") and s.saved[DEFAULT] < s.saved["lru"] + LRU_MARGIN
+    ]
+    load = " ".join(f"{v:.1f}" for v in os.getloadavg())
+    out = [
+        "# Policies on the grid (issue 23)",
+        "",
+        "Generated by `python -m benchmarks.policy.bench_policy_grid"
+        + (" --tiny" if tiny else "")
+        + " --markdown benchmarks/policy_grid.md --plot benchmarks/plots`; do not edit by hand.",
+        f"{len(grid)} cells x {len(seeds)} seeds x {requests} requests; {jobs} process(es), "
+        f"{seconds:.0f} s wall on a shared machine (load average {load} at the end).",
+        f"Run {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU(s) ({platform.machine()}), "
+        f"Python {platform.python_version()}, PYTHONHASHSEED="
+        f"{os.environ.get('PYTHONHASHSEED', 'random')} (the frequency sketch's collisions "
+        "depend on it).",
+        "Tokens saved (%) per contender, means over the seeds; margin: "
+        f"`{DEFAULT}` minus the best baseline (target >= -{SLACK:g}); to opt: `{OPTIMUM}` minus "
+        f"`{DEFAULT}`; churn: bytes evicted per byte inserted, `{DEFAULT}` / `lru` / `{PAGED}`.",
+        "",
+        f"Cells where `{DEFAULT}` is more than {SLACK:g} point behind the best baseline: "
+        f"{len(missed)} of {len(grid)}" + (f" ({', '.join(missed)})" if missed else "") + ".",
+        f"Steady and scan cells where it is not {LRU_MARGIN:g} points over `lru`: "
+        f"{len(lru_missed)}" + (f" ({', '.join(lru_missed)})" if lru_missed else "") + ".",
+        "",
+        "| cell | " + " | ".join(names) + " | margin | to opt | churn |",
+        "|---|" + "---:|" * (len(names) + 2) + "---|",
+    ]
+    for cell, s in grid.items():
+        churn = f"{s.churn[DEFAULT]:.2f} / {s.churn['lru']:.2f} / {s.churn[PAGED]:.2f}"
+        out.append(
+            f"| {cell.label} | "
+            + " | ".join(f"{s.saved[n]:.1f}" for n in names)
+            + f" | {s.margin():+.1f} | {s.saved[OPTIMUM] - s.saved[DEFAULT]:.1f} | {churn} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def rows_of(grid: dict[Cell, Summary]) -> list[dict[str, Any]]:
+    """A target row per cell (the default against the best baseline, and against our LRU on
+    steady and scan), the optimum's margin per cell, and the churn of the drifting cells."""
+    rows = []
+    for cell, s in grid.items():
+        best = s.best_baseline
+        rows.append(
+            make_row(
+                f"grid {cell.label}: tokens saved, {DEFAULT} vs best baseline ({best})",
+                s.saved[DEFAULT],
+                s.saved[best],
+                "%",
+                s.saved[DEFAULT] / s.saved[best],
+                f">= baseline - {SLACK:g}",
+                s.margin() >= -SLACK,
+            )
+        )
+        if cell.mix in ("steady", "scan"):
+            rows.append(
+                make_row(
+                    f"grid {cell.label}: tokens saved, {DEFAULT} vs lru",
+                    s.saved[DEFAULT],
+                    s.saved["lru"],
+                    "%",
+                    s.saved[DEFAULT] / s.saved["lru"],
+                    f">= baseline + {LRU_MARGIN:g}",
+                    s.saved[DEFAULT] >= s.saved["lru"] + LRU_MARGIN,
+                )
+            )
+        rows.append(
+            make_row(
+                f"grid {cell.label}: tokens saved, {DEFAULT} vs {OPTIMUM}",
+                s.saved[DEFAULT],
+                s.saved[OPTIMUM],
+                "%",
+                s.saved[DEFAULT] / s.saved[OPTIMUM],
+                "",
+                None,
+            )
+        )
+        if cell.mix == "drift":
+            rows.append(
+                make_row(
+                    f"grid {cell.label}: bytes evicted per byte inserted, {DEFAULT} vs {PAGED}",
+                    s.churn[DEFAULT],
+                    s.churn[PAGED],
+                    "B/B",
+                    s.churn[DEFAULT] / s.churn[PAGED] if s.churn[PAGED] else None,
+                    "",
+                    None,
+                )
+            )
+    return rows
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    """Rows for ``benchmarks/run.py`` (``quick``: the tiny grid)."""
+    return rows_of(measure(quick))
+
+
+def heat(rows: list[dict[str, Any]]) -> dict[str, dict[tuple[str, float], tuple[float, float]]]:
+    """From ``rows_of``'s rows: pool -> (row label, skew) -> (the default's margin over the best
+    baseline, the optimum's over the default); steady and scan sit in a last row."""
+    out: dict[str, dict[tuple[str, float], list[float]]] = {}
+    for row in rows:
+        name = row["name"]
+        if not name.startswith("grid ") or ": tokens saved, " not in name:
+            continue
+        label, _, versus = name[len("grid ") :].partition(": tokens saved, ")
+        pool, _, mix = label.partition(" ")
+        if mix.startswith("drift "):
+            period, skew = mix.split()[1], float(mix.split()[2][1:])
+            key = (f"drift {period}", skew)
+        else:
+            key = ("steady / scan", 0.0 if mix == "steady" else 1.0)
+        cell = out.setdefault(pool, {}).setdefault(key, [math.nan, math.nan])
+        if " vs best baseline" in versus:
+            cell[0] = row["ours"] - row["baseline"]
+        elif versus.endswith(f" vs {OPTIMUM}"):
+            cell[1] = row["baseline"] - row["ours"]
+    return {pool: {k: (v[0], v[1]) for k, v in cells_.items()} for pool, cells_ in out.items()}
+
+
+def plot(plt: Any, rows: list[dict[str, Any]], out: Path) -> Path | None:
+    """Heatmaps per pool, drift period x skew: the default's margin over the best baseline,
+    and the optimum's margin over the default (points of tokens saved)."""
+    grid = heat(rows)
+    if not grid:
+        return None
+    fig, axes = plt.subplots(len(grid), 2, figsize=(11, 3.6 * len(grid)), dpi=100, squeeze=False)
+    for row, (pool, values) in enumerate(grid.items()):
+        drifts = sorted({k[0] for k in values if k[0] != "steady / scan"}, key=lambda t: int(t[6:]))
+        labels = [*drifts, "steady / scan"]
+        skews = sorted({k[1] for k in values if k[0] != "steady / scan"})
+        titles = (f"{DEFAULT} - best baseline", f"{OPTIMUM} - {DEFAULT}")
+        for col, (title, cmap) in enumerate(zip(titles, ("RdYlGn", "Blues"), strict=True)):
+            matrix = [[math.nan] * len(skews) for _ in labels]
+            for (label, skew), pair in values.items():
+                column = skews.index(skew) if label != "steady / scan" else int(skew)
+                matrix[labels.index(label)][min(column, len(skews) - 1)] = pair[col]
+            finite = [abs(v) for line in matrix for v in line if not math.isnan(v)] or [1.0]
+            bound = max(max(finite), 0.5)
+            ax = axes[row][col]
+            image = ax.imshow(
+                matrix, cmap=cmap, vmin=-bound if col == 0 else 0, vmax=bound, aspect="auto"
+            )
+            for i, line in enumerate(matrix):
+                for j, v in enumerate(line):
+                    if not math.isnan(v):
+                        ax.text(j, i, f"{v:+.1f}", ha="center", va="center", fontsize=8)
+            ax.set_xticks(range(len(skews)))
+            ax.set_xticklabels([f"z{s:g}" for s in skews])
+            ax.set_yticks(range(len(labels)))
+            ax.set_yticklabels(labels)
+            ax.set_title(f"{pool}: {title} (points; last row: steady, scan)", fontsize=9)
+            fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    path = out / "policy_grid.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tiny", action="store_true", help="a corner of the grid, one seed")
+    parser.add_argument("--plot", type=Path, metavar="DIR", help="write DIR/policy_grid.png")
+    parser.add_argument("--jobs", type=int, default=1, help="processes running the cells")
+    parser.add_argument("--markdown", type=Path, metavar="OUT", help="write the grid to OUT")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    results = measure(args.tiny, args.jobs)
+    if args.markdown is not None:
+        page = markdown(results, time.perf_counter() - started, args.jobs, args.tiny)
+        args.markdown.write_text(page, encoding="utf-8")
+    print(table(results))
+    print()
+    rows = rows_of(results)
+    print_rows(rows)
+    if args.plot is not None:
+        from benchmarks.common import require_matplotlib
+
+        args.plot.mkdir(parents=True, exist_ok=True)
+        print(plot(require_matplotlib(), rows, args.plot))

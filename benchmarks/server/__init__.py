@@ -1,0 +1,1 @@
+"""An encode server end to end (``bench_server``) and its parts."""

@@ -1,0 +1,436 @@
+"""An encode server end to end: requests/s and latency with a real encoder, embcache vs the peers.
+
+Concurrent clients (threads, closed loop: each sends its next request when the last one is
+answered) replay one request trace (``benchmarks.server.workload``: 1 to 8 images a request,
+Zipf over a catalog of 64- to 4096-token images, mixes steady, drifting and scan) against each
+contender (``benchmarks.server.contenders``): no cache, SGLang 0.5.23's controller (its own code,
+from the wheel) and embcache's SGLang adapter (``lru`` and the best policy) both driven through
+MMEncoder's sequence, the original PR's controller, and embcache's ``EncodePipeline``. Every
+contender runs the same ``TinyViT`` (one instance) on the same images; every pool has the same
+bytes, a fraction of the hot images' bytes, so the hot set does not fit; the global stores
+hold nothing (no store time on any side).
+
+Side by side: each mix's trace is cut into segments, and the contenders take turns segment by
+segment (the order rotating), each keeping its cache from segment to segment; the first
+segment warms the caches up and is not counted. So a burst of load from other processes on a
+shared machine falls on every contender alike.
+
+Rows per mix and contender: requests/s, p50 and p99 latency, encoder seconds, encoder tokens
+saved (requested tokens not encoded), failed inserts (no space), admissions refused (policy),
+bytes copied (hit bytes read from the pool + fresh bytes offered to it), failed requests, and
+the cache's share of request time (time in cache calls / request time). Written as JSON, with a
+plot of requests/s and p99 per contender and mix next to it.
+
+    python -m benchmarks.server.bench_server [--quick] [--json PATH] [--plot PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.server.contenders import (
+    Contender,
+    Lane,
+    NoCache,
+    OriginalPRServer,
+    PipelineServer,
+    adapter_server,
+    sglang_server,
+)
+from benchmarks.server.fleet import run_fleet
+from benchmarks.server.scale import run_scale
+from benchmarks.server.workload import (
+    MIXES,
+    SIZES,
+    Config,
+    Image,
+    MeteredEncoder,
+    make_encoder,
+    make_workload,
+)
+from tests.support import sglang_wheel
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PARTS = ("mixes", "scale", "fleet")
+SGLANG = "SGLang 0.5.23"
+
+
+def contender_names(best_policy: str) -> tuple[str, ...]:
+    """The contenders' names, in the order they run."""
+    return (
+        "no cache",
+        SGLANG,
+        "original PR",
+        "embcache adapter lru",
+        f"embcache adapter {best_policy}",
+        f"embcache pipeline {best_policy}",
+    )
+
+
+@dataclass
+class Tally:
+    """One contender's measured requests in one mix."""
+
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    cache_seconds: list[float] = field(default_factory=list)
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def make_contenders(
+    encoder: Any, pool_bytes: int, best_policy: str, sglang_page_bytes: int
+) -> tuple[list[Contender], dict[str, str]]:
+    """Every contender (each with its own meter on ``encoder``), and those skipped, with why."""
+    skipped: dict[str, str] = {}
+    made: list[Contender] = [NoCache(MeteredEncoder(encoder))]
+    try:
+        made.append(sglang_server(MeteredEncoder(encoder), pool_bytes, sglang_page_bytes))
+    except sglang_wheel.SGLangUnavailable as exc:
+        skipped[SGLANG] = str(exc)
+    made.append(OriginalPRServer(MeteredEncoder(encoder), pool_bytes))
+    made.append(adapter_server(MeteredEncoder(encoder), pool_bytes, "lru"))
+    made.append(adapter_server(MeteredEncoder(encoder), pool_bytes, best_policy))
+    made.append(PipelineServer(MeteredEncoder(encoder), pool_bytes, best_policy))
+    return made, skipped
+
+
+def run_segment(
+    contender: Contender, requests: list[tuple[str, list[Image]]], clients: int, tally: Tally | None
+) -> None:
+    """Serve ``requests`` with ``clients`` threads; count them in ``tally`` (None: warm-up)."""
+    order = iter(requests)
+    lock = threading.Lock()
+    seen: list[tuple[float, float]] = []
+    errors: list[str] = []
+
+    def client() -> None:
+        lane = Lane()
+        try:
+            while True:
+                with lock:
+                    job = next(order, None)
+                if job is None:
+                    return
+                try:
+                    served = contender.serve(job[0], job[1], lane)
+                    seen.append((served.seconds, served.cache_seconds))
+                except Exception as exc:  # a failed request is counted, not retried
+                    errors.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            lane.close()
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    contender.finish()
+    if tally is not None:
+        tally.seconds += time.perf_counter() - start
+        tally.latencies += [s for s, _ in seen]
+        tally.cache_seconds += [c for _, c in seen]
+        tally.failed += len(errors)
+        tally.errors += errors[:3]
+
+
+def run_mix(
+    contenders: list[Contender], trace: list[list[Image]], mix: str, config: Config
+) -> dict[str, dict[str, Any]]:
+    """Each contender's row for one mix, the contenders taking turns segment by segment."""
+    jobs = [(f"{mix}-{n}", images) for n, images in enumerate(trace)]
+    cut = -(-len(jobs) // config.segments)
+    segments = [jobs[i : i + cut] for i in range(0, len(jobs), cut)]
+    tallies = {c.name: Tally() for c in contenders}
+    before: dict[str, tuple[int, int, float, dict[str, int]]] = {}
+    for n, segment in enumerate(segments):
+        turn = n % len(contenders)
+        for contender in contenders[turn:] + contenders[:turn]:
+            if n == 1:
+                meter = contender.encoder.total
+                before[contender.name] = (
+                    meter.images,
+                    meter.tokens,
+                    meter.seconds,
+                    dict(contender.counts),
+                )
+            run_segment(contender, segment, config.clients, tallies[contender.name] if n else None)
+    requested = sum(i.tokens for _, images in jobs[cut:] for i in images)
+    return {c.name: row(c, tallies[c.name], before[c.name], requested) for c in contenders}
+
+
+def row(
+    contender: Contender,
+    tally: Tally,
+    before: tuple[int, int, float, dict[str, int]],
+    requested_tokens: int,
+) -> dict[str, Any]:
+    """The measured numbers of one contender in one mix."""
+    meter = contender.encoder.total
+    images, tokens, seconds, counts = before
+    got = {k: contender.counts[k] - counts.get(k, 0) for k in contender.counts}
+    lat = sorted(tally.latencies)
+    served = len(lat)
+    return {
+        "requests": served,
+        "failed_requests": tally.failed,
+        "requests_per_s": served / tally.seconds if tally.seconds else 0.0,
+        "p50_ms": 1e3 * statistics.median(lat) if lat else None,
+        "p99_ms": 1e3 * lat[min(served - 1, int(0.99 * served))] if lat else None,
+        "encoder_s": meter.seconds - seconds,
+        "encoded_images": meter.images - images,
+        "encoder_tokens_saved": requested_tokens - (meter.tokens - tokens),
+        "failed_inserts": contender.failed_inserts(),
+        "admissions_refused": contender.admissions_refused(),
+        "bytes_copied": got.get("read_bytes", 0) + got.get("offered_bytes", 0),
+        "cache_share": sum(tally.cache_seconds) / sum(lat) if lat else None,
+        "cache_ms_per_request": 1e3 * statistics.fmean(tally.cache_seconds) if lat else None,
+        "errors": tally.errors,
+    }
+
+
+def measure(config: Config) -> dict[str, Any]:
+    """Every mix, every contender: the rows, the ratios against SGLang, the set-up."""
+    torch.set_num_threads(1)  # the clients are the parallelism; no oversubscription
+    logging.getLogger(sglang_wheel.MODULE_NAME).setLevel(logging.ERROR)  # a line per failed alloc
+    encoder = make_encoder(config.hidden)
+    workload = make_workload(
+        encoder, config.hot, config.requests, config.zipf_s, config.seed, config.mixes
+    )
+    pool_bytes = int(config.pool_fraction * workload.hot_bytes()) // 4096 * 4096
+    result: dict[str, Any] = {
+        "config": asdict(config),
+        "pool_bytes": pool_bytes,
+        "hot_bytes": workload.hot_bytes(),
+        "mixes": {},
+        "skipped": {},
+    }
+    for mix in config.mixes:
+        contenders, skipped = make_contenders(
+            encoder, pool_bytes, config.best_policy, config.sglang_page_bytes
+        )
+        result["skipped"].update(skipped)
+        try:
+            result["mixes"][mix] = run_mix(contenders, workload.mixes[mix], mix, config)
+        finally:
+            for contender in contenders:
+                contender.close()
+    result["ratios"] = ratios(result["mixes"], config.best_policy)
+    return result
+
+
+def ratios(mixes: dict[str, dict[str, dict[str, Any]]], best: str) -> dict[str, dict[str, Any]]:
+    """Per mix: embcache's requests/s over SGLang's, and its p99 over SGLang's."""
+    out: dict[str, dict[str, Any]] = {}
+    for mix, rows in mixes.items():
+        theirs = rows.get(SGLANG)
+        if theirs is None:
+            continue
+        for ours in (f"embcache adapter {best}", f"embcache pipeline {best}"):
+            mine = rows[ours]
+            out.setdefault(mix, {})[ours] = {
+                "throughput_vs_sglang": mine["requests_per_s"] / theirs["requests_per_s"],
+                "p99_vs_sglang": mine["p99_ms"] / theirs["p99_ms"],
+            }
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    """The rows as a plain-text table."""
+    lines = mix_table(result) if "mixes" in result else []
+    for name, rows in result.get("scale", {}).items():
+        for r in rows:
+            lines.append(
+                f"scale {name:28} pool {r['pool_bytes'] / 2**30:6.3f} GiB {r['entries']:6d} "
+                f"entries {r['requests_per_s']:7.1f} req/s p50 {r['p50_ms']:7.1f} ms p99 "
+                f"{r['p99_ms']:7.1f} ms cache {r['cache_ms_per_request']:6.2f} ms/request "
+                f"{r['cache_us_per_item']:7.1f} us/item {100 * r['cache_share']:5.2f}%"
+            )
+    fleet = result.get("fleet", {})
+    for name, r in fleet.get("rows", {}).items():
+        lines.append(
+            f"fleet of 2, {name:20} {r['requests_per_s']:7.1f} req/s p99 {r['p99_ms']:7.1f} ms "
+            f"encoded {r['encoded_images']:6d} images, global hits {r['global_hits']:5d}, "
+            f"publishes ok {r['publishes_ok']}, failed {r['publishes_failed']}"
+        )
+    for name, why in fleet.get("skipped", {}).items():
+        lines.append(f"fleet: skipped {name}: {why}")
+    return "\n".join(lines)
+
+
+def mix_table(result: dict[str, Any]) -> list[str]:
+    """The side-by-side rows of every mix."""
+    lines = [
+        f"pool {result['pool_bytes'] / 2**20:.0f} MiB for {result['hot_bytes'] / 2**20:.0f} MiB "
+        "of hot images"
+    ]
+    head = (
+        f"{'mix':9} {'contender':28} {'req/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'enc s':>7} "
+        f"{'saved tok':>10} {'fail ins':>8} {'refused':>7} {'MiB copied':>10} {'cache %':>7} "
+        f"{'failed':>6}"
+    )
+    lines.append(head)
+    for mix, rows in result["mixes"].items():
+        for name, r in rows.items():
+            share = r["cache_share"]
+            lines.append(
+                f"{mix:9} {name:28} {r['requests_per_s']:7.1f} {r['p50_ms'] or 0:8.1f} "
+                f"{r['p99_ms'] or 0:8.1f} {r['encoder_s']:7.1f} {r['encoder_tokens_saved']:10d} "
+                f"{r['failed_inserts']:8d} {r['admissions_refused']:7d} "
+                f"{r['bytes_copied'] / 2**20:10.0f} {100 * (share or 0):7.2f} "
+                f"{r['failed_requests']:6d}"
+            )
+    for mix, by_side in result.get("ratios", {}).items():
+        for name, r in by_side.items():
+            lines.append(
+                f"{mix:9} {name:28} {r['throughput_vs_sglang']:.2f}x SGLang's requests/s, "
+                f"p99 {r['p99_vs_sglang']:.2f}x SGLang's"
+            )
+    for name, why in result.get("skipped", {}).items():
+        lines.append(f"skipped {name}: {why}")
+    return lines
+
+
+def headline(result: dict[str, Any]) -> str:
+    """The README's headline table (markdown): per contender and mix, requests/s and p99 (and
+    their ratios to SGLang's controller), encoder tokens saved, the cache's share of request
+    time."""
+    best = result["config"]["best_policy"]
+    mixes = result["mixes"]
+    names = [n for n in contender_names(best) if n in next(iter(mixes.values()))]
+    lines = [
+        "| contender | "
+        + " | ".join(f"{m}: req/s, p99 ms, tokens saved, cache" for m in mixes)
+        + " |",
+        "| --- |" + " --- |" * len(mixes),
+    ]
+    for name in names:
+        cells = []
+        for rows in mixes.values():
+            r, theirs = rows[name], rows.get(SGLANG)
+            vs = p99 = ""
+            if theirs is not None and name != SGLANG:
+                vs = f" ({r['requests_per_s'] / theirs['requests_per_s']:.2f}x)"
+                p99 = f" ({r['p99_ms'] / theirs['p99_ms']:.2f}x)"
+            cells.append(
+                f"{r['requests_per_s']:.1f}{vs}, {r['p99_ms']:.0f}{p99}, "
+                f"{r['encoder_tokens_saved'] / 1e3:.0f}k, {100 * r['cache_share']:.0f}%"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Requests/s and p99 per contender and mix, as grouped bars (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mixes = list(result["mixes"])
+    names = list(next(iter(result["mixes"].values())))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(names)
+    for ax, key, label in (
+        (axes[0], "requests_per_s", "requests/s"),
+        (axes[1], "p99_ms", "p99 ms"),
+    ):
+        for n, name in enumerate(names):
+            values = [result["mixes"][m][name][key] or 0 for m in mixes]
+            ax.bar([x + n * width for x in range(len(mixes))], values, width, label=name)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(mixes))], mixes)
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"encode server, {result.get('machine', {}).get('date', '')}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine() -> dict[str, Any]:
+    """Where and when the numbers were taken."""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "host": platform.node(),
+        "cpus": _cpus(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_1min": _load(),
+    }
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def _load() -> float | None:
+    import os
+
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=SIZES, default="full", help="the run's sizes")
+    parser.add_argument("--quick", action="store_true", help="same as --size quick")
+    parser.add_argument("--mixes", nargs="+", choices=MIXES, default=list(MIXES))
+    parser.add_argument("--requests", type=int, default=None, help="requests per mix")
+    parser.add_argument("--best-policy", default=None, help="embcache's policy besides lru")
+    parser.add_argument("--json", type=Path, default=None, help="write the result here")
+    parser.add_argument("--plot", type=Path, default=None, help="write the plot here (PNG)")
+    parser.add_argument(
+        "--headline", type=Path, default=None, help="print the README table of this JSON, only"
+    )
+    parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS),
+        help="mixes: the contenders side by side; scale: embcache at each pool size; "
+        "fleet: two server processes with and without one mooncake_master",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.headline:
+        print(headline(json.loads(args.headline.read_text())))
+        return 0
+    config = SIZES["quick" if args.quick else args.size]
+    config = replace(config, mixes=tuple(args.mixes))
+    if args.requests:
+        config = replace(config, requests=args.requests)
+    if args.best_policy:
+        config = replace(config, best_policy=args.best_policy)
+    size = "quick" if args.quick else args.size
+    result: dict[str, Any] = {"machine": machine(), "size": size}
+    if "mixes" in args.parts:
+        result.update(measure(config))
+    if "scale" in args.parts:
+        result["scale"] = run_scale(config)
+    if "fleet" in args.parts:
+        result["fleet"] = run_fleet(config)
+    print(table(result))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot and "mixes" in result:
+        plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Soaks: long runs that check memory and threads stay flat."""

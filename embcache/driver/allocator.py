@@ -1,0 +1,73 @@
+"""``RangeAllocator``: the best-fit allocator (``embcache.core.allocator``) behind its own lock.
+
+The public, thread-safe allocator for use on its own: every call takes one internal lock, level 2
+of the hierarchy (``embcache.driver.locks``); a caller holding the cache lock (level 1) may call in,
+and nothing here calls out. The cache's core does not use it: it owns a ``BestFitAllocator`` that
+the cache lock already serializes.
+"""
+
+from __future__ import annotations
+
+from embcache.core.allocator import BestFitAllocator, Block, align_up
+from embcache.driver.locks import ALLOCATOR_LEVEL, HierarchyLock
+
+__all__ = ["Block", "RangeAllocator", "align_up"]
+
+
+class RangeAllocator(BestFitAllocator):
+    """Best-fit allocator of aligned byte ranges in ``[0, capacity)``; thread-safe."""
+
+    def __init__(self, capacity: int, alignment: int = 256) -> None:
+        super().__init__(capacity, alignment)
+        self._lock = HierarchyLock(ALLOCATOR_LEVEL, "allocator lock")
+
+    @property
+    def largest_free_block(self) -> int:
+        """Size of the largest free block, 0 when full. O(1)."""
+        with self._lock:
+            return super().largest_free_block
+
+    def allocate(self, nbytes: int) -> int | None:
+        """Offset of a new range of ``nbytes`` (rounded up); None if no block fits. O(log n)."""
+        with self._lock:
+            return super().allocate(nbytes)
+
+    def free(self, offset: int) -> int:
+        """Free the range starting at ``offset``; returns its size. O(log n)."""
+        with self._lock:
+            return super().free(offset)
+
+    def size_of(self, offset: int) -> int:
+        """Size of the live allocation starting at ``offset``. O(1)."""
+        with self._lock:
+            return super().size_of(offset)
+
+    def free_blocks(self) -> list[tuple[int, int]]:
+        """Every free block as ``(offset, size)`` in address order. O(n log n)."""
+        with self._lock:
+            return super().free_blocks()
+
+    def allocations(self) -> list[tuple[int, int]]:
+        """Every allocated block as ``(offset, size)`` in address order. O(n log n)."""
+        with self._lock:
+            return super().allocations()
+
+    def block_before(self, offset: int) -> Block | None:
+        """The block that ends at ``offset`` (a block boundary), or None at 0. O(1)."""
+        with self._lock:
+            return super().block_before(offset)
+
+    def block_at(self, offset: int) -> Block | None:
+        """The block that starts at ``offset``, or None. O(1)."""
+        with self._lock:
+            return super().block_at(offset)
+
+    def free_around(self, offset: int, end: int) -> tuple[int, int]:
+        """``BestFitAllocator.free_around`` under the lock. O(1)."""
+        with self._lock:
+            return super().free_around(offset, end)
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` naming the first broken invariant. O(n log n)."""
+        with self._lock:
+            super().check_invariants()

@@ -1,0 +1,403 @@
+"""``EmbeddingCache``: the driver around the pure core (``embcache.core.cache_core.CacheCore``).
+
+Theory of operation. The core holds every entry, pin, wait and range, takes the DESIGN.md
+actions and composes them into a request's steps; this driver owns the rest: the lock around
+the core, the pool and its views, the payload copies of inserts, the I/O threads that run store
+reads and publishes, wake-ups, trace delivery and the poison debug mode.
+
+One funnel per step: every core step goes through ``_run``, the one place that takes the lock
+around the core. Under the lock it calls the step (which checks that the cache and the request
+are open, raising ``ClosedError``), poisons the ranges it freed (debug mode, before the lock
+goes, so no allocation can take them first) and arms, drops or fires wake-ups
+(``embcache.driver.wakeups``, which lives under the lock); then, with no lock held, it hands the
+trace events to the sink (``embcache.driver.trace.TraceOutbox``), resolves asyncio waiters, and
+starts the step's store reads and writes on the I/O pool. Everything slow happens between steps:
+store calls report back through the ``end_loads``/``end_publishes`` steps; payload copies run in the
+caller's thread while the entry is LOADING (an insert) or pinned (a read or publish), so the
+range cannot be freed or reused under them. Read-only queries (``stats``, ``entry_state``) take
+the lock around a core query, and ``_wait_async`` around the wake-ups alone.
+
+Lock hierarchy: the cache lock is level 1; requests take no lock of their own. ``Request`` talks
+to this driver through the private methods of "the seam Request uses".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from embcache.core.cache_core import CacheCore
+from embcache.core.effects import Effects
+from embcache.core.entries import Entry, FenceSnapshot, RequestState
+from embcache.core.lifecycle import EntryState
+from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
+from embcache.core.policy import Policy, as_policy
+from embcache.core.stats import CacheStats
+from embcache.driver.fencing import FencePolicy, Fencer
+from embcache.driver.fills import InPlaceFills
+from embcache.driver.global_store import GlobalStore, get_outcome, put_outcome
+from embcache.driver.item import Item, check_key
+from embcache.driver.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
+from embcache.driver.poison import poison, poison_requested
+from embcache.driver.pool import PoolViews, make_pool, payload_nbytes
+from embcache.driver.request import Request
+from embcache.driver.trace import TraceOutbox, TraceSink
+from embcache.driver.wakeups import Future, Wakeups, resolve
+from embcache.errors import InvalidArgumentError, InvalidTypeError, LockOrderError
+
+__all__ = ["CacheStats", "EmbeddingCache", "FencePolicy", "TraceSink"]
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+class EmbeddingCache(InPlaceFills):
+    """An embedding cache over one pool, optionally backed by a global store.
+
+    ``capacity_bytes`` is the pool size (a multiple of ``alignment``). ``store=None`` (the
+    default) means no global tier: lookups ask no store, inserts publish nothing, and the pool
+    is the whole cache, so ``capacity_bytes`` bounds every byte of payload it keeps. The pool
+    is a uint8 tensor, pinned when CUDA is available unless ``pin_memory=False``, registered
+    with the store (if any) once. ``trace``, when given, receives one
+    event dict per action, in ``seq`` order. ``policy`` shapes the eviction order and may refuse
+    inserts that would evict (``embcache.core.policy``: "lru", the default, "tinylfu", or a
+    ``Policy``). ``auto_fence`` says when the cache fences by itself (``embcache.driver.fencing``;
+    None: only ``fence()`` does). ``poison_freed`` (default: ``EMBCACHE_POISON``) is a debug
+    mode that overwrites every freed range (``embcache.driver.poison``). ``pool``, when given, is
+    the pool itself (``embcache.driver.pool.make_pool``; shared memory: see
+    ``embcache.driver.fills``)."""
+
+    _new_event = threading.Event  # how a waiting request's Event is made (tests schedule it)
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        store: GlobalStore | None = None,
+        alignment: int = 256,
+        max_eviction_batch: int = 100,
+        enable_eviction: bool = True,
+        pin_memory: bool | None = None,
+        io_workers: int = 4,
+        trace: TraceSink | None = None,
+        policy: str | Policy = "lru",
+        auto_fence: FencePolicy | None = FencePolicy(),  # noqa: B008 (frozen: shared is fine)
+        poison_freed: bool | None = None,
+        pool: torch.Tensor | None = None,
+    ) -> None:
+        for name, value in (("max_eviction_batch", max_eviction_batch), ("io_workers", io_workers)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidTypeError(f"{name} must be an int, got {value!r}")
+            if value <= 0:
+                raise InvalidArgumentError(f"{name} must be > 0, got {value}")
+        if isinstance(alignment, int) and not isinstance(alignment, bool) and alignment < 16:
+            raise InvalidArgumentError(
+                f"alignment must be >= 16 so every dtype can view the pool, got {alignment}"
+            )
+        if store is not None and not isinstance(store, GlobalStore):
+            raise InvalidTypeError(f"store must implement GlobalStore, got {type(store).__name__}")
+        if auto_fence is not None and not isinstance(auto_fence, FencePolicy):
+            raise InvalidTypeError(f"auto_fence must be a FencePolicy or None, got {auto_fence!r}")
+        self._core = CacheCore(
+            capacity_bytes,
+            alignment,
+            max_eviction_batch,
+            enable_eviction,
+            trace=trace is not None,
+            clock=time.monotonic,
+            policy=as_policy(policy),
+            record_freed=poison_requested() if poison_freed is None else poison_freed,
+        )
+        self._outbox = None if trace is None else TraceOutbox(trace)
+        self._wakeups = Wakeups()
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._pool = make_pool(capacity_bytes, pin, pool)
+        self._store = store
+        self._views = PoolViews(self._pool)
+        self._view = self._views.view
+        self._lock = HierarchyLock(CACHE_LEVEL, "cache lock")
+        if store is not None:
+            store.register_buffer(self._pool)
+        self._io = concurrent.futures.ThreadPoolExecutor(io_workers, "embcache-io")
+        self._fence_policy = auto_fence
+        self._fencer = (
+            None if auto_fence is None else Fencer(auto_fence, self._fence_due, self.fence)
+        )
+        self._run(self._core.start)  # Init
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def capacity(self) -> int:
+        """Pool size in bytes."""
+        return self._core.capacity
+
+    @property
+    def pool(self) -> torch.Tensor:
+        """The pool tensor (registered with the store)."""
+        return self._pool
+
+    @property
+    def store(self) -> GlobalStore | None:
+        """The global store this cache reads from and publishes to; None: no global tier."""
+        return self._store
+
+    def request(self, request_id: str) -> Request:
+        """Open a request; use it as a context manager so leaving it releases everything."""
+        if not isinstance(request_id, str):
+            raise InvalidTypeError(f"request_id must be a str, got {request_id!r}")
+        if not request_id:
+            raise InvalidArgumentError("request_id must be a non-empty str")
+        return Request(self, self._run(self._core.open_request, request_id))
+
+    def insert(
+        self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, publish: bool = True
+    ) -> list[bool]:
+        """Insert fresh encoder outputs with no request open (as SGLang's ``store_to_pool_async``
+        does): copy each absent key's tensor into the pool, keeping its dtype, and publish it
+        when asked; True where cached. The new entries end idle (evictable), as a request's
+        inserts do when it closes; a key present or being loaded is left alone (False)."""
+        if isinstance(keys, str) or len(keys) != len(tensors):
+            raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
+        items = [Item.of(check_key(k), t) for k, t in zip(keys, tensors, strict=True)]
+        core = self._core
+        rs, fills = self._run(core.begin_insert_batch, items)
+        outcomes, error = self._copy_in([(e, tensors[i]) for i, e in fills])
+        publish = publish and self._store is not None
+        results = self._run(core.finish_insert_batch, rs, fills, outcomes, len(items), publish)
+        if error is not None:
+            raise error
+        return results
+
+    def remove(self, key: str) -> bool:
+        """Remove ``key``: freed now if idle, else doomed and freed once idle. False if absent."""
+        return self._run(self._core.remove, check_key(key))
+
+    def clear(self) -> int:
+        """Remove every entry (busy ones are doomed); returns how many were removed or doomed."""
+        return self._run(self._core.clear)
+
+    def fence(self) -> int:
+        """Fence the store, then free the very entries quarantined before it; returns how many.
+        Refused by the lock-order check: begins nothing; raising later: abandoned, re-raised."""
+        assert_unlocked("store fence")
+        core = self._core
+        begun: list[FenceSnapshot] = []  # the snapshot, even if delivering its event raises
+        try:
+            self._run(core.begin_fence, begun)
+            if self._store is not None:
+                self._store.fence()
+        except BaseException:
+            if begun:
+                self._run(core.abandon_fence, begun[0])
+            raise
+        return self._run(core.fence, begun[0])
+
+    def close(self) -> None:
+        """Stop taking requests, finish transfers in flight; the store is left to its owner."""
+        if not self._run(self._core.close):
+            return
+        assert_unlocked("waiting for I/O workers")
+        if self._fencer is not None:
+            self._fencer.stop()
+        self._io.shutdown(wait=True)
+
+    def __enter__(self) -> EmbeddingCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def entry_state(self, key: str) -> EntryState:
+        """The state of ``key``'s entry (ABSENT when there is none)."""
+        check_key(key)
+        with self._lock:
+            return self._core.entry_state(key)
+
+    def stats(self) -> CacheStats:
+        """A consistent snapshot. O(entries)."""
+        with self._lock:
+            return self._core.stats(time.monotonic())
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` naming the first broken DESIGN.md invariant. O(n log n)."""
+        with self._lock:
+            self._core.check_invariants()
+
+    # ------------------------------------------------------------------ the seam Request uses
+    def _lookup_items(
+        self, rs: RequestState, items: Sequence[Item], prefetch: bool, reserve: bool
+    ) -> list[ItemStatus]:
+        """``Request.lookup``: one pass under the lock; misses ask the store (no lock held),
+        then a second pass starts loads and reservations."""
+        core = self._core
+        ask_store = prefetch and self._store is not None
+        statuses, ask = self._run(core.begin_lookup, rs, items, ask_store, reserve)
+        if not ask:
+            return statuses
+        assert_unlocked("store exists")
+        assert self._store is not None  # begin_lookup asks only when there is a store
+        try:
+            found: dict[str, bool] | None = dict(zip(ask, self._store.exists(ask), strict=True))
+        except Exception:
+            found = None  # the store failed: the misses fall back with STORE_ERROR
+        return self._run(core.finish_lookup, rs, found)
+
+    def _insert(
+        self, rs: RequestState, keys: Sequence[str], tensors: Sequence[torch.Tensor], publish: bool
+    ) -> list[bool]:
+        """``Request.insert``: BeginLoad, copy with no lock held, EndLoad, then publish."""
+        if isinstance(keys, str) or len(keys) != len(tensors):
+            raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
+        items = [Item.of(check_key(k), t) for k, t in zip(keys, tensors, strict=True)]
+        core = self._core
+        fills = self._run(core.begin_insert, rs, items)
+        outcomes, error = self._copy_in([(e, tensors[i]) for i, e in fills])
+        publish = publish and error is None and self._store is not None
+        results = self._run(core.finish_insert, rs, fills, outcomes, len(items), publish)
+        if error is not None:
+            raise error
+        return results
+
+    def _embeddings(self, rs: RequestState) -> list[torch.Tensor | None]:
+        """``Request.embeddings``: a new zero-copy view per item ``rs`` holds, else None."""
+        ranges = rs.served  # set by a first all-hit lookup until the request or cache closes
+        if ranges is None:
+            ranges = self._run(self._core.served, rs)
+        view = self._view
+        return [None if r is None else view(*r) for r in ranges]
+
+    def _publish(self, rs: RequestState, keys: Sequence[str]) -> list[bool]:
+        """``Request.publish``: start a store write of each key ``rs`` holds READY (if any)."""
+        if isinstance(keys, str):
+            raise InvalidTypeError("publish takes a list of keys, got a str")
+        keys = [check_key(k) for k in keys]
+        return self._run(self._core.publish, rs, keys, self._store is not None)
+
+    def _fallback(self, rs: RequestState) -> tuple[list[int], list[Reason | None]]:
+        """``Request.fallback_mask`` and ``fallback_reasons``."""
+        return self._run(self._core.fallback, rs)
+
+    def _wait(self, rs: RequestState, timeout: float | None) -> bool:
+        """``Request.wait``: block (no lock held) until nothing is pending; False on timeout."""
+        assert_unlocked("request wait")
+        wakeup = self._wakeups.get(rs)  # None: it never waited, nothing is pending
+        return wakeup is None or bool(wakeup.event.wait(timeout))
+
+    async def _wait_async(self, rs: RequestState, timeout: float | None) -> bool:
+        """``Request.wait_async``: like ``wait``, without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bool] = loop.create_future()
+        with self._lock:
+            if not rs.pending():
+                return True
+            (futures := self._wakeups.futures(rs)).append((loop, future))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            with self._lock:
+                if (loop, future) in futures:
+                    futures.remove((loop, future))
+            return False
+
+    def _close_request(self, rs: RequestState) -> None:
+        """``Request.close``: end reservations, release every pin and wait. Idempotent."""
+        self._run(self._core.end_request, rs)
+
+    # ------------------------------------------------------------------ I/O (no lock held)
+    def _copy_in(
+        self, filling: list[tuple[Entry, torch.Tensor]]
+    ) -> tuple[list[TransferOutcome], BaseException | None]:
+        """Copy fresh outputs into their LOADING ranges (``PoolViews.copy_in``), no lock held."""
+        assert_unlocked("payload copy")
+        return self._views.copy_in(filling)
+
+    def _run_loads(self, entries: list[Entry]) -> None:
+        """Worker: read every entry from the store, then end each load and wake its waiters,
+        whatever is raised on the way (an error leaves each outcome UNKNOWN, then re-raises
+        unless it is the store's own)."""
+        store = self._store
+        assert store is not None  # a load starts only from a store's answer
+        sizes = [payload_nbytes(e) for e in entries]
+        outcomes = [TransferOutcome.UNKNOWN] * len(entries)  # until the store says otherwise
+        try:
+            assert_unlocked("store get_into")
+            codes = store.get_into([e.key for e in entries], [e.offset for e in entries], sizes)
+            outcomes = [get_outcome(store, c, n) for c, n in zip(codes, sizes, strict=True)]
+        except LockOrderError:
+            log.error("store read on an I/O thread broke the lock order", exc_info=True)
+            raise
+        except Exception:
+            pass  # the store failed: the reads may still land, so UNKNOWN
+        finally:
+            self._run(self._core.end_loads, entries, outcomes)
+
+    def _run_publishes(self, request_id: str, entries: list[Entry]) -> None:
+        """Worker: write every entry to the store, then end each publish, come what may."""
+        store = self._store
+        assert store is not None  # a publish starts only where there is a store
+        outcomes = [TransferOutcome.UNKNOWN] * len(entries)
+        try:
+            assert_unlocked("store put_from")
+            codes = store.put_from(
+                [e.key for e in entries],
+                [e.offset for e in entries],
+                [payload_nbytes(e) for e in entries],
+            )
+            if len(codes) == len(entries):
+                outcomes = [put_outcome(store, c) for c in codes]
+        except LockOrderError:
+            log.error("store write on an I/O thread broke the lock order", exc_info=True)
+            raise
+        except Exception:
+            pass  # the store failed: the writes may still read the ranges, so UNKNOWN
+        finally:
+            self._run(self._core.end_publishes, request_id, entries, outcomes)
+
+    def _fence_due(self, now: float) -> bool:
+        """Whether the automatic fence should run now (the fencer's question)."""
+        policy, capacity = self._fence_policy, self._core.capacity
+        assert policy is not None
+        with self._lock:
+            return self._core.fence_due(now, int(policy.max_fraction * capacity), policy.max_age_s)
+
+    # ------------------------------------------------------------------ the funnel
+    def _run(self, step: Callable[..., Effects[T]], *args: Any) -> T:
+        """The one place that takes the cache lock around a core step, and carries out the
+        step's ``Effects``. Under the lock: the step (which raises, changing nothing, if the
+        cache or the request is closed), then the poisoning of the ranges it freed (debug
+        mode: no allocation can take them first) and the wake-ups it names (an Event is set
+        only while the core says nothing is pending). With no lock held: its trace events to
+        the sink (in ``seq`` order across threads), its asyncio waiters resolved, its store
+        reads and writes submitted to the I/O pool. Returns the step's result."""
+        with self._lock:
+            fx = step(*args)
+            if fx.freed:
+                poison(self._pool, fx.freed)
+            futures: list[Future] | None = None
+            if fx.waiting is not None:
+                self._wakeups.note(fx.waiting, self._new_event)
+            if fx.wake:
+                futures = self._wakeups.wake(fx.wake)
+            if fx.closed is not None:  # someone may wait on the closed request itself
+                own = self._wakeups.close(fx.closed)
+                futures = own if futures is None else futures + own
+        if fx.events:
+            assert self._outbox is not None
+            self._outbox.deliver(list(fx.events))
+        if fx.wake:
+            assert_unlocked("waking requests")  # a caller's lock must not span a hand-off
+        if futures:
+            resolve(futures)
+        if fx.loads:
+            self._io.submit(self._run_loads, list(fx.loads))
+        if fx.writes is not None:
+            self._io.submit(self._run_publishes, *fx.writes)
+        return fx.result
+
+    def __repr__(self) -> str:
+        return f"EmbeddingCache(capacity={self.capacity}, entries={len(self._core.entries)})"

@@ -1,0 +1,449 @@
+"""``EncodePipeline``: what a serving engine calls to turn images into embeddings via the cache.
+
+Theory of operation. One call, ``encode(request_id, items, inputs)``, runs these steps:
+
+1. Rank 0 opens a cache request and looks the items up (``prefetch``: store hits start loading;
+   ``reserve_misses``: misses are reserved, so concurrent calls for the same image wait for
+   this call's encode instead of encoding it again), then waits at most ``prefetch_timeout``
+   for the loads.
+2. Rank 0 takes one snapshot of what it holds (``embeddings()``): the fallback mask is exactly
+   the items it does not hold (misses, reservations, failed, timed-out, quarantined loads).
+   It copies the held rows to the encoder's device right away (the *hits*), so nothing is read
+   from the pool after the request ends.
+3. With a tensor-parallel group (the collectives are ``embcache.pipeline.tp_channel``): every rank
+   gathers a header (failed?, item count, item fingerprint), so a failure on any rank before
+   this point, or ranks called with different items, raises on every rank; then rank 0
+   broadcasts the mask and the hit rows (as bytes, so any dtype travels unchanged).
+4. Every rank runs the encoder on exactly the masked items (a key once per call), in item
+   order, so an encoder that is itself tensor-parallel sees the same calls on each rank. With
+   a group, the ranks then agree (an all-reduce) on whether every encoder call succeeded.
+5. Rank 0 inserts the fresh outputs (a copy into the pool, fast, and it must happen while the
+   request still holds its reservations, or their waiters would fall back) with
+   ``publish=True``: the write to the global store runs on the cache's I/O pool and never
+   delays the response. The request then ends, releasing every pin, wait and reservation.
+6. Every rank concatenates hits and fresh outputs in item order along dim 0.
+
+The result has the encoder's dtype and device whether an item came from the cache or the
+encoder: the pool stores each item in its own dtype, and encoder outputs of another shape,
+dtype or device are refused rather than converted.
+
+Failure. Leaving the request's ``with`` block releases everything on every path. A rank that
+fails raises its own exception; the other ranks raise ``TensorParallelError`` at the next
+agreement point (the header or the encoder all-reduce), so every rank raises in the same call
+and the group stays aligned for the next one. Every collective waits at most
+``collective_timeout`` seconds (else the group's own timeout); a timed-out collective raises
+``TensorParallelError`` and leaves the group unusable: rebuild it.
+
+Threads and locks. No cache lock is held across the encoder, a wait or a collective (the cache
+takes its lock only inside its own calls; the checker verifies it in tests). The pipeline's
+only lock guards its counters and is held for nothing else. With a group, every rank must call
+``encode`` with the same items in the same order, one call at a time per group (use one group
+per concurrent stream); without one, calls may run concurrently from any number of threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from embcache.core.outcomes import ItemStatus, Reason, Status
+from embcache.driver.cache import EmbeddingCache
+from embcache.driver.item import Item
+from embcache.driver.locks import assert_unlocked
+from embcache.driver.request import Request
+from embcache.errors import InvalidArgumentError, InvalidTypeError, TensorParallelError
+from embcache.pipeline.plan import Plan, make_plan
+from embcache.pipeline.tp_channel import GroupChannel
+
+__all__ = ["EncodePipeline", "Encoder", "PipelineStats", "TensorParallelError"]
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Encoder(Protocol):
+    """What the pipeline calls: one output tensor per input, on ``device``.
+
+    Output ``i`` must have exactly the shape and dtype of the ``Item`` given for input ``i``.
+    """
+
+    @property
+    def device(self) -> torch.device:
+        """Where outputs are produced (and where the pipeline puts cached rows)."""
+        ...
+
+    def __call__(self, inputs: Sequence[Any], /) -> Sequence[torch.Tensor]:
+        """Encode ``inputs``; one tensor per input, in order."""
+        ...
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """Counters of one pipeline since it was made (rank 0 counts lookups; others count 0).
+
+    ``items`` = ``local_hits`` + ``waited`` + ``fallback_items`` over successful calls.
+    ``waited``: items that were LOADING at lookup and served after the wait (a store load or
+    another request's encode). ``fallback_items``: items this rank encoded, by reason in
+    ``fallbacks_by_reason`` (``not_found`` is a plain miss). ``encoded``: inputs given to the
+    encoder (a key repeated in one call is encoded once).
+    """
+
+    calls: int
+    failed_calls: int
+    items: int
+    local_hits: int
+    waited: int
+    fallback_items: int
+    fallbacks_by_reason: dict[str, int]
+    encoded: int
+    encoder_calls: int
+
+
+@dataclass(frozen=True)
+class _Local:
+    """Rank 0's view after the lookup: what to encode, why, and the rows it already has."""
+
+    statuses: list[ItemStatus]
+    mask: list[bool]  # True: encode
+    reasons: list[Reason | None]
+    hits: torch.Tensor  # rows of the held items, in item order, on the encoder's device
+
+
+class EncodePipeline:
+    """Embeddings for a request's items: cached rows where held, the encoder elsewhere.
+
+    ``cache`` is used on rank 0 of ``tp_group`` (or alone without a group); every other rank
+    passes None. ``prefetch_timeout`` bounds the wait for loads from the global store; an item
+    still loading then is encoded instead. ``collective_timeout`` bounds each collective
+    (None: the group's own timeout). ``on_insert(items, seconds)``, if given, is called on
+    rank 0 after each insert of fresh outputs (how many, how long the copy into the pool took),
+    with no lock held, e.g. ``CacheMetrics.observe_insert``; what it raises is logged, never
+    raised. See the module docstring for the protocol.
+    """
+
+    def __init__(
+        self,
+        cache: EmbeddingCache | None,
+        encoder: Encoder,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        prefetch_timeout: float = 60.0,
+        collective_timeout: float | None = None,
+        on_insert: Callable[[int, float], object] | None = None,
+    ) -> None:
+        if on_insert is not None and not callable(on_insert):
+            raise InvalidTypeError(f"on_insert must be callable, got {type(on_insert).__name__}")
+        if not callable(encoder) or not isinstance(getattr(encoder, "device", None), torch.device):
+            raise InvalidTypeError(
+                "encoder must be callable on a list of inputs and have a torch.device `device`, "
+                f"got {type(encoder).__name__}"
+            )
+        _check_seconds("prefetch_timeout", prefetch_timeout)
+        if collective_timeout is not None:
+            _check_seconds("collective_timeout", collective_timeout)
+        self._rank = 0 if tp_group is None else dist.get_rank(tp_group)
+        if self._rank == 0 and not isinstance(cache, EmbeddingCache):
+            raise InvalidTypeError(
+                f"rank 0 needs an EmbeddingCache, got {type(cache).__name__}: rank 0 looks "
+                "every item up"
+            )
+        if self._rank != 0 and cache is not None:
+            raise InvalidArgumentError(
+                f"rank {self._rank} got a cache: only rank 0 of the tensor-parallel group looks "
+                "items up, pass cache=None on the other ranks"
+            )
+        self._cache = cache
+        self._encoder = encoder
+        self._device = torch.empty(0, device=encoder.device).device  # "cuda" -> "cuda:0"
+        self._channel = (
+            None if tp_group is None else GroupChannel(tp_group, self._device, collective_timeout)
+        )
+        self._prefetch_timeout = prefetch_timeout
+        self._on_insert = on_insert
+        self._stats_lock = threading.Lock()  # a leaf lock: guards the counters only
+        self._counts: Counter[str] = Counter()
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the tensor-parallel group (0 without a group)."""
+        return self._rank
+
+    @property
+    def device(self) -> torch.device:
+        """The encoder's device: every result lives there."""
+        return self._device
+
+    def stats(self) -> PipelineStats:
+        """A snapshot of the counters. O(reasons)."""
+        with self._stats_lock:
+            c = Counter(self._counts)
+        prefix = "reason:"
+        return PipelineStats(
+            calls=c["calls"],
+            failed_calls=c["failed_calls"],
+            items=c["items"],
+            local_hits=c["local_hits"],
+            waited=c["waited"],
+            fallback_items=c["fallback_items"],
+            fallbacks_by_reason={
+                k[len(prefix) :]: v for k, v in sorted(c.items()) if k.startswith(prefix)
+            },
+            encoded=c["encoded"],
+            encoder_calls=c["encoder_calls"],
+        )
+
+    def encode(self, request_id: str, items: Sequence[Item], inputs: Sequence[Any]) -> torch.Tensor:
+        """The embeddings of ``items`` concatenated along dim 0, in order.
+
+        ``inputs[i]`` is what the encoder needs to encode ``items[i]``. Every item must share
+        the dtype and the shape after dim 0; a key may repeat (it is encoded once). Raises the
+        encoder's exception (or ``TensorParallelError`` on ranks that did not fail); the cache
+        is left with no pin, wait or reservation of this call on any path.
+        """
+        try:
+            if self._cache is None:
+                result = self._follow(items, inputs)
+            else:
+                result = self._lead(self._cache, request_id, items, inputs)
+        except BaseException:
+            self._count(failed_calls=1)
+            raise
+        return result
+
+    async def encode_async(
+        self, request_id: str, items: Sequence[Item], inputs: Sequence[Any]
+    ) -> torch.Tensor:
+        """``encode`` for asyncio callers: waits for loads without blocking the event loop.
+
+        Blocking steps (store lookups, the encoder, collectives, copies) run in worker threads.
+        A cancellation takes effect once the running step ends (it may be using the request),
+        so the request is still closed with nothing leaked.
+        """
+        try:
+            if self._cache is None:
+                result = await _in_thread(lambda: self._follow(items, inputs))
+            else:
+                result = await self._lead_async(self._cache, request_id, items, inputs)
+        except BaseException:
+            self._count(failed_calls=1)
+            raise
+        return result
+
+    # ------------------------------------------------------------------ rank 0
+    def _lead(
+        self, cache: EmbeddingCache, request_id: str, items: Sequence[Item], inputs: Sequence[Any]
+    ) -> torch.Tensor:
+        with contextlib.ExitStack() as stack:
+            try:
+                plan = make_plan(items, inputs)
+                request = stack.enter_context(cache.request(request_id))
+                statuses = request.lookup(plan.items, prefetch=True, reserve_misses=True)
+                if any(s.status is Status.LOADING for s in statuses):
+                    request.wait(self._prefetch_timeout)
+                local = self._collect(request, plan, statuses)
+            except BaseException:
+                self._share_failure()
+                raise
+            self._send(plan, local)
+            fresh = self._encode_fallbacks(plan, local.mask)
+            self._insert(request, fresh)
+        self._count_call(plan, local, len(fresh))
+        return self._assemble(plan, local.mask, local.hits, fresh)
+
+    async def _lead_async(
+        self, cache: EmbeddingCache, request_id: str, items: Sequence[Item], inputs: Sequence[Any]
+    ) -> torch.Tensor:
+        with contextlib.ExitStack() as stack:
+            try:
+                plan = make_plan(items, inputs)
+                request = stack.enter_context(cache.request(request_id))
+                statuses = await _in_thread(
+                    lambda: request.lookup(plan.items, prefetch=True, reserve_misses=True)
+                )
+                if any(s.status is Status.LOADING for s in statuses):
+                    await request.wait_async(self._prefetch_timeout)
+                local = await _in_thread(lambda: self._collect(request, plan, statuses))
+            except BaseException:
+                if self._channel is not None:
+                    await _in_thread(self._share_failure)
+                raise
+            if self._channel is not None:
+                await _in_thread(lambda: self._send(plan, local))
+            fresh = await _in_thread(lambda: self._encode_fallbacks(plan, local.mask))
+            await _in_thread(lambda: self._insert(request, fresh))
+        self._count_call(plan, local, len(fresh))
+        return await _in_thread(lambda: self._assemble(plan, local.mask, local.hits, fresh))
+
+    def _collect(self, request: Request, plan: Plan, statuses: list[ItemStatus]) -> _Local:
+        """One snapshot of what the request holds; the held rows copied to the device."""
+        reasons = request.fallback_reasons()  # before the snapshot: served only grows
+        views = request.embeddings()
+        mask = [view is None for view in views]
+        held = [view for view in views if view is not None]
+        if held:
+            hits = torch.cat([view.to(self._device) for view in held])  # a copy, never a view
+        else:
+            hits = torch.empty((0, *plan.tail), dtype=plan.dtype, device=self._device)
+        return _Local(statuses, mask, reasons, hits)
+
+    def _insert(self, request: Request, fresh: dict[str, torch.Tensor]) -> None:
+        """Copy fresh outputs into the pool; their publish runs on the cache's I/O pool."""
+        if not fresh:
+            return
+        started = time.perf_counter()
+        request.insert(list(fresh), list(fresh.values()), publish=True)
+        if self._on_insert is None:
+            return
+        try:
+            self._on_insert(len(fresh), time.perf_counter() - started)
+        except Exception:
+            logger.exception("on_insert raised; the call goes on")
+
+    # ------------------------------------------------------------------ other ranks
+    def _follow(self, items: Sequence[Item], inputs: Sequence[Any]) -> torch.Tensor:
+        try:
+            plan = make_plan(items, inputs)
+        except BaseException:
+            self._share_failure()
+            raise
+        assert self._channel is not None  # a rank other than 0 has a group
+        mask, hits = self._channel.receive(plan, self._device)
+        fresh = self._encode_fallbacks(plan, mask)
+        with self._stats_lock:
+            self._counts.update(calls=1, encoded=len(fresh), encoder_calls=int(bool(fresh)))
+        return self._assemble(plan, mask, hits, fresh)
+
+    # ------------------------------------------------------------------ every rank
+    def _encode_fallbacks(self, plan: Plan, mask: list[bool]) -> dict[str, torch.Tensor]:
+        """Run the encoder on the masked items (each key once); every rank agrees it worked."""
+        items, inputs = plan.fallbacks(mask)
+        if not items:
+            return {}
+        try:
+            fresh = self._call_encoder(items, inputs)
+        except BaseException:
+            self._agree_encoded(failed=True)
+            raise
+        self._agree_encoded(failed=False)
+        return fresh
+
+    def _call_encoder(self, items: list[Item], inputs: list[Any]) -> dict[str, torch.Tensor]:
+        assert_unlocked("encoder call")
+        with torch.no_grad():
+            outputs = list(self._encoder(inputs))
+        if len(outputs) != len(items):
+            raise InvalidArgumentError(
+                f"the encoder returned {len(outputs)} tensors for {len(items)} inputs: it must "
+                "return one per input"
+            )
+        for item, out in zip(items, outputs, strict=True):
+            if (
+                not isinstance(out, torch.Tensor)
+                or tuple(out.shape) != item.shape
+                or out.dtype != item.dtype
+                or out.device != self._device
+            ):
+                got = (
+                    f"{tuple(out.shape)} {out.dtype} on {out.device}"
+                    if isinstance(out, torch.Tensor)
+                    else type(out).__name__
+                )
+                raise InvalidArgumentError(
+                    f"the encoder returned {got} for {item.key!r}, but the item is {item.shape} "
+                    f"{item.dtype} on {self._device}: fix the items or the encoder (the pipeline "
+                    "never converts)"
+                )
+        return {item.key: out for item, out in zip(items, outputs, strict=True)}
+
+    @staticmethod
+    def _assemble(
+        plan: Plan, mask: list[bool], hits: torch.Tensor, fresh: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        pieces: list[torch.Tensor] = []
+        row = 0
+        for item, masked in zip(plan.items, mask, strict=True):
+            if masked:
+                pieces.append(fresh[item.key])
+            else:
+                pieces.append(hits[row : row + item.shape[0]])
+                row += item.shape[0]
+        return torch.cat(pieces)
+
+    # ------------------------------------------------------------------ collectives
+    def _share_failure(self) -> None:
+        """Tell the group this rank failed before the mask; never raises (the cause wins)."""
+        if self._channel is not None:
+            self._channel.share_failure()
+
+    def _send(self, plan: Plan, local: _Local) -> None:
+        """Rank 0: agree on the items, then broadcast the mask and the hit rows."""
+        if self._channel is not None:
+            self._channel.send(plan, local.mask, local.hits)
+
+    def _agree_encoded(self, *, failed: bool) -> None:
+        """All-reduce whether the encoder failed anywhere; raise if another rank's did."""
+        if self._channel is not None:
+            self._channel.agree_encoded(failed=failed)
+
+    # ------------------------------------------------------------------ counters
+    def _count(self, **counts: int) -> None:
+        with self._stats_lock:
+            self._counts.update(counts)
+
+    def _count_call(self, plan: Plan, local: _Local, encoded: int) -> None:
+        local_hits = waited = 0
+        reasons: Counter[str] = Counter()
+        for status, masked, reason in zip(local.statuses, local.mask, local.reasons, strict=True):
+            if masked:  # the cache gives every item it does not serve a reason
+                reasons["reason:" + ("unexplained" if reason is None else reason.value)] += 1
+            elif status.status is Status.HIT:
+                local_hits += 1
+            else:
+                waited += 1
+        with self._stats_lock:
+            self._counts.update(
+                calls=1,
+                items=len(plan.items),
+                local_hits=local_hits,
+                waited=waited,
+                fallback_items=sum(local.mask),
+                encoded=encoded,
+                encoder_calls=int(encoded > 0),
+            )
+            self._counts.update(reasons)
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidTypeError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(f"{name} must be a finite number of seconds > 0, got {value}")
+
+
+async def _in_thread(fn: Callable[[], T]) -> T:
+    """Run ``fn`` in a worker thread; a cancellation is deferred until ``fn`` has returned."""
+    future = asyncio.ensure_future(asyncio.to_thread(fn))
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.done():
+                raise
+            cancelled = True
+            continue
+        if cancelled:
+            raise asyncio.CancelledError
+        return result

@@ -1,0 +1,85 @@
+"""``Plan``: one validated ``EncodePipeline.encode`` call, the same on every rank.
+
+It fixes the items and their inputs, the dtype and the shape after dim 0 that every item shares
+(the result is their concatenation along dim 0), and a fingerprint the tensor-parallel ranks
+compare to make sure they were called with the same items.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from embcache.driver.item import Item
+from embcache.errors import InvalidArgumentError, InvalidTypeError
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated call: items, inputs, and what the result looks like."""
+
+    items: list[Item]
+    inputs: list[Any]
+    dtype: torch.dtype
+    tail: tuple[int, ...]  # shape after dim 0, common to every item
+    fingerprint: int
+
+    def fallbacks(self, mask: Sequence[bool]) -> tuple[list[Item], list[Any]]:
+        """The masked items and their inputs, each key once, in item order."""
+        seen: set[str] = set()
+        items: list[Item] = []
+        inputs: list[Any] = []
+        for item, value, masked in zip(self.items, self.inputs, mask, strict=True):
+            if masked and item.key not in seen:
+                seen.add(item.key)
+                items.append(item)
+                inputs.append(value)
+        return items, inputs
+
+    def hit_rows(self, mask: Sequence[bool]) -> int:
+        return sum(it.shape[0] for it, masked in zip(self.items, mask, strict=True) if not masked)
+
+
+def make_plan(items: Sequence[Item], inputs: Sequence[Any]) -> Plan:
+    """Validate a call; raises ``InvalidTypeError``/``InvalidArgumentError`` naming the problem."""
+    if isinstance(items, Item) or not isinstance(items, Sequence):
+        raise InvalidTypeError(f"items must be a sequence of Item, got {type(items).__name__}")
+    if not isinstance(inputs, Sequence) or isinstance(inputs, str | bytes):
+        raise InvalidTypeError(f"inputs must be a sequence, got {type(inputs).__name__}")
+    if not items:
+        raise InvalidArgumentError("encode needs at least one item")
+    if len(items) != len(inputs):
+        raise InvalidArgumentError(
+            f"{len(items)} items but {len(inputs)} inputs: give one input per item"
+        )
+    first = items[0]
+    if not isinstance(first, Item):
+        raise InvalidTypeError(f"items must be Item, got {type(first).__name__}")
+    seen: dict[str, Item] = {}
+    digest = hashlib.blake2b(digest_size=7)
+    for item in items:
+        if not isinstance(item, Item):
+            raise InvalidTypeError(f"items must be Item, got {type(item).__name__}")
+        if item.dtype != first.dtype or item.shape[1:] != first.shape[1:]:
+            raise InvalidArgumentError(
+                f"{item.key!r} is {item.shape} {item.dtype} but {first.key!r} is "
+                f"{first.shape} {first.dtype}: items are concatenated along dim 0, so they must "
+                "share the dtype and every other dim"
+            )
+        if seen.setdefault(item.key, item) != item:
+            raise InvalidArgumentError(
+                f"{item.key!r} appears as {seen[item.key].shape} and as {item.shape}: one key "
+                "names one embedding"
+            )
+        digest.update(f"{item.key}|{item.shape}|{item.dtype};".encode())
+    return Plan(
+        items=list(items),
+        inputs=list(inputs),
+        dtype=first.dtype,
+        tail=first.shape[1:],
+        fingerprint=int.from_bytes(digest.digest(), "big"),
+    )

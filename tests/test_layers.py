@@ -1,0 +1,169 @@
+"""The package's layers, read from its imports: each module imports only from its own package
+and from the layers below it, and the top of ``embcache/`` holds only packages and the public
+entry points.
+
+The layers, bottom up:
+
+1. ``embcache.errors``: the exceptions, imported by every layer.
+2. ``embcache.core``: the pure state machine (no lock, thread, clock, torch or store).
+3. ``embcache.driver``: ``EmbeddingCache`` and ``Request`` around the core: the lock and its
+   hierarchy checker (``locks``), the pool, the I/O threads, wake-ups, fences, poison, traces,
+   and the ``GlobalStore`` protocol the driver calls (``global_store``).
+4. ``embcache.store`` (stores: Mooncake), ``embcache.testing`` (the fault-injecting store) and
+   ``embcache.pipeline`` (the encode pipeline, on the driver). A store sits above the driver,
+   not below it: the driver owns the protocol it calls and a store implements it, so Mooncake
+   may use the driver's ``assert_unlocked`` and the driver never imports a store. Packages of
+   one layer do not import each other.
+5. ``embcache`` (``__init__.py``): the public API.
+6. ``embcache.integrations`` (one driver per serving stack) and ``embcache.tools`` (the demo,
+   metrics, encoders), built on the public API.
+7. ``embcache.__main__``: the command line.
+
+Every import counts wherever it stands: at the top, inside a function, or under
+``TYPE_CHECKING``. A deferred or typing-only import of a higher layer is still a dependency on
+it (the module cannot be read, typed or moved without that layer), so it fails too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "embcache"
+
+LAYERS: list[set[str]] = [
+    {"embcache.errors"},
+    {"embcache.core"},
+    {"embcache.driver"},
+    {"embcache.store", "embcache.testing", "embcache.pipeline"},
+    {"embcache"},
+    {"embcache.integrations", "embcache.tools"},
+    {"embcache.__main__"},
+]
+TOP_LEVEL_FILES = {"__init__.py", "__main__.py", "errors.py", "testing.py", "DESIGN.md"}
+
+
+def unit_of(module: str) -> str:
+    """The package (or top-level module) of LAYERS that ``module`` belongs to."""
+    units = {unit for layer in LAYERS for unit in layer}
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in units:
+            return ".".join(parts[:n])
+    raise AssertionError(f"{module} is in no layer: add its package to LAYERS in {__file__}")
+
+
+def layer_of(module: str) -> int:
+    unit = unit_of(module)
+    return next(i for i, layer in enumerate(LAYERS) if unit in layer)
+
+
+def modules_of(package: Path) -> dict[str, Path]:
+    """Every module under ``package`` by its dotted name (a package by its own name)."""
+    return {
+        ".".join(p.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in sorted(package.rglob("*.py"))
+    }
+
+
+def imported_modules(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that module ``name`` imports, wherever the import stands.
+    ``from a import b`` imports ``a.b`` when that is a module, else ``a``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package of this module, up level - 1
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            parts = target.split(".")
+            for n in range(len(parts), 0, -1):  # the longest prefix that is a module
+                if ".".join(parts[:n]) in known:
+                    found.add(".".join(parts[:n]))
+                    break
+    return found
+
+
+def upward_imports(package: Path) -> list[str]:
+    """``a imports b`` for every import of a higher layer, or of another package of one layer."""
+    modules = modules_of(package)
+    bad = []
+    for name, path in modules.items():
+        for target in sorted(imported_modules(name, path, set(modules))):
+            here, there = unit_of(name), unit_of(target)
+            if here != there and layer_of(target) >= layer_of(name):
+                bad.append(
+                    f"{name} (layer {layer_of(name) + 1}) imports {target} "
+                    f"(layer {layer_of(target) + 1})"
+                )
+    return bad
+
+
+def stray_top_level_files(package: Path) -> list[str]:
+    """Files at the top of ``package`` that are neither a package nor a public entry point."""
+    return sorted(
+        p.name
+        for p in package.iterdir()
+        if p.is_file() and p.name not in TOP_LEVEL_FILES and not p.name.startswith(".")
+    )
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    bad = upward_imports(PACKAGE)
+    assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+def test_the_top_level_holds_only_packages_and_the_entry_points() -> None:
+    stray = stray_top_level_files(PACKAGE)
+    assert not stray, f"embcache/ holds only packages and {sorted(TOP_LEVEL_FILES)}: move {stray}"
+    packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    assert {f"embcache.{name}" for name in packages} <= {u for layer in LAYERS for u in layer}
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        ("core/lifecycle.py", "from embcache.driver.cache import X\n", "embcache.driver.cache"),
+        ("driver/cache.py", "def f():\n    import embcache.store.mooncake\n", "embcache.store"),
+        (
+            "driver/cache.py",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from embcache import x\n",
+            "embcache (layer 5)",
+        ),
+        ("store/mooncake.py", "from embcache.pipeline import plan\n", "embcache.pipeline.plan"),
+        ("driver/cache.py", "from ..pipeline import plan\n", "embcache.pipeline.plan"),
+    ],
+)
+def test_a_planted_upward_import_is_found(
+    tmp_path: Path, module: str, source: str, expected: str
+) -> None:
+    package = tmp_path / "embcache"
+    for name in ("__init__.py", "errors.py", "core/__init__.py", "core/lifecycle.py",
+                 "driver/__init__.py", "driver/cache.py", "store/__init__.py",
+                 "store/mooncake.py", "pipeline/__init__.py", "pipeline/plan.py"):
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text("")
+    assert upward_imports(package) == []
+    (package / module).write_text(source)
+    (bad,) = upward_imports(package)
+    assert expected in bad, bad
+
+
+def test_a_stray_top_level_module_is_found(tmp_path: Path) -> None:
+    package = tmp_path / "embcache"
+    package.mkdir()
+    for name in (*TOP_LEVEL_FILES, "pool.py"):
+        (package / name).write_text("")
+    assert stray_top_level_files(package) == ["pool.py"]
