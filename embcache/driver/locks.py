@@ -1,6 +1,6 @@
 """The lock hierarchy of DESIGN.md, with an optional checker.
 
-Level 1 is the cache lock, level 2 a public ``RangeAllocator``'s lock, level 3 the trace
+Level 1 is the cache lock, level 2 a ``RangeAllocator``'s lock, level 3 the trace
 outbox's lock (held only to queue or pick a batch of trace events). A thread may only take a
 lock of a strictly higher level than every lock it already holds, and must hold no lock at all
 while it does blocking work (a store call, a payload copy, an encoder call, a callback, a wait).
