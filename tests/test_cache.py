@@ -813,17 +813,16 @@ def test_wait_is_not_ended_by_a_stale_wake_up(
     """The wake-up for load A, delivered late, must not end a wait on load B started meanwhile.
 
     The schedule is forced by delaying the I/O thread's ``set`` of the request's completion
-    event (a private hook; the interleaving itself is an ordinary one). The lookup of B runs on
-    a helper thread: if the wake-up is delivered under the cache lock, that lookup cannot
-    overtake it, and the gate opens after a bounded wait instead.
+    event (made by the cache's ``new_event``; the interleaving itself is an ordinary one). The
+    lookup of B runs on a helper thread: if the wake-up is delivered under the cache lock, that
+    lookup cannot overtake it, and the gate opens after a bounded wait instead.
     """
-    cache = make_cache()
+    done = GatedDone()
+    cache = make_cache(new_event=lambda: done)
     store.put_object("a", raw(slot(1)))
     store.put_object("b", raw(slot(2)))
     store.inject("b", Fault.HOLD)
     with cache.request("r") as request:
-        done = GatedDone()
-        cache._new_event = lambda: done  # type: ignore[method-assign]
         request.lookup([slot_item("a")])
         assert done.entered.wait(WAIT_S)  # load A ended; its wake-up is on its way
         statuses: list[ItemStatus] = []

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
-import dataclasses
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -322,7 +321,7 @@ def test_timed_out_async_wait_drops_its_future() -> None:
         with cache.request("r") as request:
             request.lookup([Item("k", (64,), torch.float32)])
             assert asyncio.run(request.wait_async(timeout=0.01)) is False
-            assert cache._wakeups["r"].futures == []
+            assert cache.sizes()["async_waiters"] == 0
             store.release_holds()
             assert request.wait(timeout=10)
         cache.check_invariants()
@@ -431,7 +430,10 @@ def test_blocking_work_under_a_lock_names_what_it_was(call: str) -> None:
         "close": "waiting for I/O workers",
         "lookup": "store exists",
     }[call]
-    cache = EmbeddingCache(8 * ALIGN, store=FaultInjectingStore(), pin_memory=False)
+    io = ThreadPoolExecutor(4, "embcache-io")
+    cache = EmbeddingCache(
+        8 * ALIGN, store=FaultInjectingStore(), pin_memory=False, io_executor=io
+    )
     outer = HierarchyLock(0, "test outer lock")
     t = torch.arange(64, dtype=torch.float32)
     try:
@@ -449,7 +451,7 @@ def test_blocking_work_under_a_lock_names_what_it_was(call: str) -> None:
             else:
                 cache.close()
         if call == "close":
-            cache._io.shutdown(wait=True)  # close() stopped before waiting for its workers
+            io.shutdown(wait=True)  # close() stopped before waiting for its workers
         else:
             cache.check_invariants()
     finally:
@@ -521,7 +523,7 @@ def test_one_completion_wakes_every_async_waiter() -> None:
 
         async def wait_all() -> list[bool]:
             waits = [asyncio.ensure_future(r.wait_async(timeout=10)) for r in requests]
-            while not all(cache._wakeups[f"r{i}"].futures for i in range(3)):
+            while cache.sizes()["async_waiters"] < 3:  # one future of each request
                 await asyncio.sleep(0.001)
             store.release_holds()
             return list(await asyncio.gather(*waits))
@@ -607,26 +609,18 @@ def test_trace_fields_of_waiters_doomed_and_tainted() -> None:
 
 # ------------------------------------------------------------------ the invariant checker
 def state_copy(cache: EmbeddingCache) -> dict[str, Any]:
-    """A copy of the cache core's state, as ``check_core`` takes it: corrupt the copy, never
-    the core (its state is read-only from outside)."""
-    core = cache._core
-    with cache._lock:
-        requests = {
-            r: dataclasses.replace(
-                rs, items=list(rs.items), holds=dict(rs.holds), waits=set(rs.waits),
-                reserved=set(rs.reserved), fallbacks=dict(rs.fallbacks),
-            )
-            for r, rs in core.requests.items()
-        }
-        return {
-            "allocator": copy.deepcopy(core.allocator),
-            "entries": {k: dataclasses.replace(e) for k, e in core.entries.items()},
-            "pinned_since": dict(core.pinned_since),
-            "requests": requests,
-            "order": core.eviction_order(),
-            "evictable_bytes": core.evictable_bytes,
-            "quarantine": dict(core.quarantine),
-        }
+    """A copy of the cache core's state, as ``check_core`` takes it (``snapshot``): corrupt
+    the copy, never the core."""
+    snap = cache.snapshot()
+    return {
+        "allocator": snap.allocator,
+        "entries": snap.entries,
+        "pinned_since": snap.pinned_since,
+        "requests": snap.requests,
+        "order": snap.eviction_order,
+        "evictable_bytes": snap.evictable_bytes,
+        "quarantine": snap.quarantine,
+    }
 
 
 def corrupt_and_check(corrupt: str) -> str:
@@ -866,11 +860,11 @@ def test_a_closed_event_loop_does_not_stop_other_wake_ups() -> None:
                 await asyncio.wait_for(a.wait_async(), 0.01)
 
         asyncio.run(cancelled())
-        assert cache._wakeups["a"].futures  # the premise: a waiter on a closed loop
+        assert cache.sizes()["async_waiters"] == 1  # the premise: a's waiter on a closed loop
 
         async def wait_b() -> bool:
             task = asyncio.ensure_future(b.wait_async(timeout=5))
-            while not cache._wakeups["b"].futures:
+            while cache.sizes()["async_waiters"] < 2:  # a's left on its loop, and b's
                 await asyncio.sleep(0.001)
             store.release_holds()
             return await task
@@ -975,16 +969,18 @@ def test_pins_are_counted_exactly_traced_or_not(traced: bool) -> None:
     r1, r2 = cache.request("r1"), cache.request("r2")
     assert [s.status for s in r1.lookup([a, a], prefetch=False)] == [Status.HIT, Status.HIT]
     assert [s.status for s in r2.lookup([a], prefetch=False)] == [Status.HIT]
-    core = cache._core
-    assert core.entries["a"].pins == 2 and core.eviction_order() == []
+    snap = cache.snapshot()
+    assert snap.entries["a"].pins == 2 and snap.eviction_order == []
     r1.close()  # r2 still pins "a": not evictable, not replaced by an insert
-    assert core.entries["a"].pins == 1 and core.eviction_order() == []
+    snap = cache.snapshot()
+    assert snap.entries["a"].pins == 1 and snap.eviction_order == []
     assert cache.insert(["b"], [torch.zeros(ALIGN // 4)], publish=False) == [False]
-    assert cache.entry_state("a") is READY and core.evictable_bytes == 0
+    assert cache.entry_state("a") is READY and cache.snapshot().evictable_bytes == 0
     cache.check_invariants()
     r2.close()
-    assert core.entries["a"].pins == 0 and core.eviction_order() == ["a"]
-    assert core.pinned_since == {} and core.evictable_bytes == ALIGN
+    snap = cache.snapshot()
+    assert snap.entries["a"].pins == 0 and snap.eviction_order == ["a"]
+    assert snap.pinned_since == {} and snap.evictable_bytes == ALIGN
     cache.check_invariants()
     cache.close()
 
@@ -1000,9 +996,9 @@ def test_a_doomed_entry_takes_no_pin_traced_or_not(traced: bool) -> None:
         [status] = late.lookup([a], prefetch=False)
         assert (status.status, status.reason) == (Status.MISS, Reason.BUSY)
         assert late.embeddings() == [None]
-        assert cache._core.entries["a"].pins == 1  # the holder's only
+        assert cache.snapshot().entries["a"].pins == 1  # the holder's only
         cache.check_invariants()
     holder.close()  # the last pin of a doomed entry frees it
-    assert cache.entry_state("a") is ABSENT and cache._core.allocator.allocated_bytes == 0
+    assert cache.entry_state("a") is ABSENT and cache.stats().allocated_bytes == 0
     cache.check_invariants()
     cache.close()

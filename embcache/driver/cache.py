@@ -14,25 +14,34 @@ trace events to the sink (``embcache.driver.trace.TraceOutbox``), resolves async
 starts the step's store reads and writes on the I/O pool. Everything slow happens between steps:
 store calls report back through the ``end_loads``/``end_publishes`` steps; payload copies run in the
 caller's thread while the entry is LOADING (an insert) or pinned (a read or publish), so the
-range cannot be freed or reused under them. Read-only queries (``stats``, ``entry_state``) take
-the lock around a core query, and ``_wait_async`` around the wake-ups alone.
+range cannot be freed or reused under them. Read-only queries (``stats``, ``entry_state``,
+``snapshot``, ``sizes``) take the lock around a core query, and ``_wait_async`` around the
+wake-ups alone.
+
+Where a test needs to control the asynchronous parts, it passes them in: ``io_executor`` (what
+runs the store reads and writes: a queue a test drains one task at a time) and ``new_event``
+(how a waiting request's Event is made: one a deterministic scheduler controls).
 
 Lock hierarchy: the cache lock is level 1; requests take no lock of their own. ``Request`` talks
-to this driver through the private methods of "the seam Request uses".
+to this driver through its internal interface (``embcache.driver.request.RequestDriver``: the
+methods under "the interface Request uses" here and in ``embcache.driver.fills``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, TypeVar
 
 import torch
 
+from embcache.core.allocator import BestFitAllocator
 from embcache.core.cache_core import CacheCore
 from embcache.core.effects import Effects
 from embcache.core.entries import Entry, FenceSnapshot, RequestState
@@ -52,9 +61,39 @@ from embcache.driver.trace import TraceOutbox, TraceSink
 from embcache.driver.wakeups import Future, Wakeups, resolve
 from embcache.errors import InvalidArgumentError, InvalidTypeError, LockOrderError
 
-__all__ = ["CacheStats", "EmbeddingCache", "FencePolicy", "TraceSink"]
+__all__ = [
+    "CacheSnapshot",
+    "CacheStats",
+    "EmbeddingCache",
+    "FencePolicy",
+    "IOExecutor",
+    "TraceSink",
+]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class IOExecutor(Protocol):
+    """What runs the cache's store reads and writes (``concurrent.futures.Executor`` is one):
+    ``submit(fn, *args)`` runs ``fn(*args)`` later, on any thread but the caller's lock-free;
+    ``shutdown(wait=True)`` returns once every task submitted has run."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> object: ...
+    def shutdown(self, wait: bool = True) -> object: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    """A consistent copy of the core's state (``EmbeddingCache.snapshot``): the arguments of
+    ``embcache.core.invariants.check_core``, none of them shared with the cache."""
+
+    entries: dict[str, Entry]  # key -> a copy of its entry (state, range, holders, waiters...)
+    requests: dict[str, RequestState]  # open requests: copies of their holds, waits, ...
+    eviction_order: list[str]  # the idle READY keys, the next victim first
+    evictable_bytes: int
+    allocator: BestFitAllocator  # a copy: free_blocks(), allocations(), ...
+    pinned_since: dict[str, float]  # pinned key -> when its pins began (the cache's clock)
+    quarantine: dict[str, float]  # QUARANTINED key -> since when
 
 class EmbeddingCache(InPlaceFills):
     """An embedding cache over one pool, optionally backed by a global store.
@@ -70,9 +109,14 @@ class EmbeddingCache(InPlaceFills):
     None: only ``fence()`` does). ``poison_freed`` (default: ``EMBCACHE_POISON``) is a debug
     mode that overwrites every freed range (``embcache.driver.poison``). ``pool``, when given, is
     the pool itself (``embcache.driver.pool.make_pool``; shared memory: see
-    ``embcache.driver.fills``)."""
+    ``embcache.driver.fills``).
 
-    _new_event = threading.Event  # how a waiting request's Event is made (tests schedule it)
+    ``io_executor`` runs the store reads and writes (default: a ``ThreadPoolExecutor`` of
+    ``io_workers`` threads); ``new_event`` makes the Event a request waiting on a load blocks
+    on (default: ``threading.Event``). Both are the cache's to use and to shut down
+    (``close()`` calls ``io_executor.shutdown(wait=True)``): give one the cache alone uses.
+    They are how a test controls the asynchronous parts (a queue it runs task by task, events
+    a deterministic scheduler owns); a deployment has no reason to pass them."""
 
     def __init__(
         self,
@@ -89,6 +133,8 @@ class EmbeddingCache(InPlaceFills):
         auto_fence: FencePolicy | None = FencePolicy(),  # noqa: B008 (frozen: shared is fine)
         poison_freed: bool | None = None,
         pool: torch.Tensor | None = None,
+        io_executor: IOExecutor | None = None,
+        new_event: Callable[[], threading.Event] = threading.Event,
     ) -> None:
         for name, value in (("max_eviction_batch", max_eviction_batch), ("io_workers", io_workers)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -103,6 +149,15 @@ class EmbeddingCache(InPlaceFills):
             raise InvalidTypeError(f"store must implement GlobalStore, got {type(store).__name__}")
         if auto_fence is not None and not isinstance(auto_fence, FencePolicy):
             raise InvalidTypeError(f"auto_fence must be a FencePolicy or None, got {auto_fence!r}")
+        if io_executor is not None and not (
+            callable(getattr(io_executor, "submit", None))
+            and callable(getattr(io_executor, "shutdown", None))
+        ):
+            raise InvalidTypeError(
+                f"io_executor must have submit and shutdown (an Executor), got {io_executor!r}"
+            )
+        if not callable(new_event):
+            raise InvalidTypeError(f"new_event must make an Event, got {new_event!r}")
         self._core = CacheCore(
             capacity_bytes,
             alignment,
@@ -123,7 +178,12 @@ class EmbeddingCache(InPlaceFills):
         self._lock = HierarchyLock(CACHE_LEVEL, "cache lock")
         if store is not None:
             store.register_buffer(self._pool)
-        self._io = concurrent.futures.ThreadPoolExecutor(io_workers, "embcache-io")
+        self._io: IOExecutor = (
+            concurrent.futures.ThreadPoolExecutor(io_workers, "embcache-io")
+            if io_executor is None
+            else io_executor
+        )
+        self._new_event = new_event
         self._fence_policy = auto_fence
         self._fencer = (
             None if auto_fence is None else Fencer(auto_fence, self._fence_due, self.fence)
@@ -228,7 +288,42 @@ class EmbeddingCache(InPlaceFills):
         with self._lock:
             self._core.check_invariants()
 
-    # ------------------------------------------------------------------ the seam Request uses
+    def snapshot(self) -> CacheSnapshot:
+        """A consistent copy of the core's state (entries, open requests, eviction order,
+        allocator, pin times, quarantine), taken in one locked step, for debugging and for
+        checking the state from outside (against a reference model, or ``check_core`` over a
+        copy). Nothing in it is shared with the cache. O(entries + requests)."""
+        with self._lock:
+            core = self._core
+            return CacheSnapshot(
+                entries={key: replace(entry) for key, entry in core.entries.items()},
+                requests={r: _copy_request(rs) for r, rs in core.requests.items()},
+                eviction_order=core.eviction_order(),
+                evictable_bytes=core.evictable_bytes,
+                allocator=copy.deepcopy(core.allocator),
+                pinned_since=dict(core.pinned_since),
+                quarantine=dict(core.quarantine),
+            )
+
+    def sizes(self) -> dict[str, int]:
+        """How much each container bounded by the open requests or by a constant holds
+        (embcache/DESIGN.md, "Memory bounds"), for watching memory: ``wakeups`` (open requests
+        that waited on a load), ``async_waiters`` (their pending ``wait_async`` futures),
+        ``fences_in_flight``, ``shapes`` (interned shapes), ``trace_batches`` (trace events
+        handed in and not yet delivered), ``typed_views`` and ``view_bases`` (the pool's
+        views). O(open requests)."""
+        with self._lock:
+            sizes = {
+                "wakeups": len(self._wakeups),
+                "async_waiters": self._wakeups.futures_count(),
+                "fences_in_flight": self._core.fences_in_flight,
+                "shapes": self._core.shapes,
+            }
+        outbox = self._outbox
+        sizes["trace_batches"] = 0 if outbox is None else outbox.waiting_batches()
+        return sizes | self._views.sizes()
+
+    # ------------------------------------------------------------------ the interface Request uses
     def _lookup_items(
         self, rs: RequestState, items: Sequence[Item], prefetch: bool, reserve: bool
     ) -> list[ItemStatus]:
@@ -401,3 +496,17 @@ class EmbeddingCache(InPlaceFills):
 
     def __repr__(self) -> str:
         return f"EmbeddingCache(capacity={self.capacity}, entries={len(self._core.entries)})"
+
+
+def _copy_request(rs: RequestState) -> RequestState:
+    """A copy of ``rs`` whose containers are its own (``EmbeddingCache.snapshot``)."""
+    return replace(
+        rs,
+        items=list(rs.items),
+        holds=dict(rs.holds),
+        waits=set(rs.waits),
+        reserved=set(rs.reserved),
+        filling=set(rs.filling),
+        fallbacks=dict(rs.fallbacks),
+        served=None if rs.served is None else list(rs.served),
+    )

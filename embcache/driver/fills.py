@@ -38,7 +38,8 @@ T = TypeVar("T")
 
 
 class InPlaceFills:
-    """The in-place fill methods of ``EmbeddingCache`` (the seam ``Request`` uses)."""
+    """The in-place fill methods of ``EmbeddingCache``: ``open_lookup``, and its part of the
+    interface ``Request`` uses (``embcache.driver.request.RequestDriver``)."""
 
     if TYPE_CHECKING:  # what they use of the driver (``embcache.driver.cache``)
         _core: CacheCore

@@ -71,6 +71,11 @@ class PoolViews:
         self._bases: dict[tuple[torch.dtype, tuple[int, ...], int], torch.Tensor] = {}
         self._base = pool.data_ptr()
 
+    def sizes(self) -> dict[str, int]:
+        """``typed_views``: one pool view per dtype seen; ``view_bases``: the base views
+        (at most ``MAX_BASES``). O(1)."""
+        return {"typed_views": len(self._typed), "view_bases": len(self._bases)}
+
     def view(self, offset: int, item: ItemLike | Entry) -> torch.Tensor:
         """``item``'s bytes at ``offset`` as a tensor of its shape and dtype (zero-copy): a
         slice of a base view (class docstring). O(1)."""

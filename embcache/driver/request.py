@@ -5,6 +5,13 @@ reservations (misses it promised to encode). Leaving the ``with`` block, normall
 exception, ends every reservation it did not fill (its waiters fall back) and releases every
 pin and wait. A request is used by one thread or task at a time; many requests may run
 concurrently against one cache.
+
+``Request`` holds no state of its own: its state is the core's ``RequestState``, changed only
+under the cache lock by the driver that owns it. So each method checks the arguments its
+contract names and hands the request's state to the driver through ``RequestDriver``, the
+internal interface below (``EmbeddingCache`` implements it in ``embcache.driver.cache`` and
+``embcache.driver.fills``). Its methods are underscored because they belong to the package,
+not to users: they take a ``RequestState``, which only a ``Request`` has.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from embcache.errors import InvalidArgumentError, InvalidTypeError
 
 
 class RequestDriver(Protocol):
-    """The seam between ``Request`` and the driver that owns its state (``EmbeddingCache``):
-    private methods, so that only ``Request`` calls them."""
+    """The internal interface ``Request`` uses (module docstring): one method per step a
+    request can take, each given the request's state and carrying out that step under the
+    driver's lock; ``EmbeddingCache`` implements it. Nothing but ``Request`` calls these."""
 
     def _lookup_items(
         self, rs: RequestState, items: Sequence[Item], prefetch: bool, reserve: bool
@@ -63,6 +71,13 @@ class Request:
     @property
     def request_id(self) -> str:
         return self._state.request_id
+
+    @property
+    def items(self) -> list[Item]:
+        """The items looked up so far, in lookup order: what ``embeddings()``, ``offsets()``,
+        ``fallback_mask()`` and ``fallback_reasons()`` answer about, position by position.
+        A copy. O(items)."""
+        return list(self._state.items)  # type: ignore[arg-type]  # the core keeps them duck-typed
 
     def lookup(
         self, items: Sequence[Item], *, prefetch: bool = True, reserve_misses: bool = False

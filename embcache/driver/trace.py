@@ -59,6 +59,11 @@ class TraceOutbox:
         self._waiting: dict[int, list[dict[str, Any]]] = {}  # first seq -> batch
         self._delivering = False
 
+    def waiting_batches(self) -> int:
+        """How many batches were handed in and are not delivered yet. O(1)."""
+        with self._lock:
+            return len(self._waiting)
+
     def deliver(self, events: list[dict[str, Any]]) -> None:
         """Hand in one batch; delivers it and every batch now due, unless another thread is
         delivering (it then delivers this one too)."""

@@ -43,9 +43,13 @@ class Wakeups:
         """The futures list of ``rs``, which waits (``note`` gave it a Wakeup): append to it."""
         return self._by_rs[rs].futures
 
-    def __getitem__(self, request_id: str) -> Wakeup:
-        """The Wakeup of the open request called ``request_id`` (for tests). O(n)."""
-        return next(w for rs, w in self._by_rs.items() if rs.request_id == request_id)
+    def __len__(self) -> int:
+        """How many requests have a Wakeup (open ones that ever waited). O(1)."""
+        return len(self._by_rs)
+
+    def futures_count(self) -> int:
+        """How many asyncio futures wait to be resolved, over every request. O(n)."""
+        return sum(len(w.futures) for w in self._by_rs.values())
 
     def note(self, rs: RequestState, new_event: Callable[[], threading.Event]) -> None:
         """After a lookup: clear rs's Event while it waits on a load, set it otherwise (only

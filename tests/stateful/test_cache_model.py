@@ -2,9 +2,9 @@
 
 Half the runs take no trace, so the core's untraced fast paths are the ones compared; the
 other half take one, as trace validation does. The asynchronous parts are separate rules: the
-cache's I/O pool is replaced by a queue that a rule runs one task at a time (a batch of loads,
-or of publishes), so Hypothesis explores the interleavings of lookups, completions, releases,
-removes and fences deterministically. A fence is also two rules: ``begin_fence`` runs
+cache's I/O executor is a queue (``io_executor``) that a rule runs one task at a time (a batch
+of loads, or of publishes), so Hypothesis explores the interleavings of lookups, completions,
+releases, removes and fences deterministically. A fence is also two rules: ``begin_fence`` runs
 ``fence()`` on a thread whose store fence waits, ``end_fence`` lets one of those in flight end,
 so fences overlap with loads, UNKNOWN outcomes, removes and each other, and the model says what
 each must free. Store faults (fail, unknown, short, raise) and other workers' puts and deletes
@@ -151,8 +151,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.store = GatedStore()
         self.fencing: list[tuple[FenceThread, threading.Event, int]] = []  # fences in flight
         # Untraced, the core takes its fast paths (no event built); traced, the paths the trace
-        # validation sees. Both are compared with the model step by step (issue 31: one body).
+        # validation sees: one body either way, compared with the model step by step.
         self.trace = TraceLog() if traced or type(self).trace_sink is not None else None
+        self.io = ManualExecutor()
         self.cache = EmbeddingCache(
             units * ALIGN,
             store=self.store,
@@ -163,10 +164,8 @@ class CacheMachine(RuleBasedStateMachine):
             trace=self.trace,
             policy=make_policy(policy, **KNOBS[policy]),
             auto_fence=None,  # fences are a rule here
+            io_executor=self.io,
         )
-        self.io = ManualExecutor()
-        self.cache._io.shutdown()
-        self.cache._io = self.io  # type: ignore[assignment]
         self.model = ModelCache(units * ALIGN, ALIGN, max_batch, eviction, policy, **KNOBS[policy])
         self.handles: dict[str, Any] = {}
 
@@ -337,7 +336,8 @@ class CacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         self.cache.check_invariants()
-        real = {k: self.entry_view(e) for k, e in self.cache._core.entries.items()}
+        snap = self.cache.snapshot()
+        real = {k: self.entry_view(e) for k, e in snap.entries.items()}
         model = {
             k: (
                 e.state,
@@ -351,8 +351,8 @@ class CacheMachine(RuleBasedStateMachine):
             for k, e in self.model.entries.items()
         }
         assert real == model, (real, model)
-        assert self.cache._core.eviction_order() == self.model.lru
-        assert self.cache._core.allocator.free_blocks() == self.model.alloc.free_blocks()
+        assert snap.eviction_order == self.model.lru
+        assert snap.allocator.free_blocks() == self.model.alloc.free_blocks()
         stats, counts = self.cache.stats(), self.model.counts
         assert (stats.hits, stats.evictions, stats.evicted_bytes, stats.inserts) == (
             counts["hits"],

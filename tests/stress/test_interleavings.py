@@ -27,9 +27,10 @@ executions nor its random strategy in 200, because the window spans whole method
 ``explore`` finds it in a few dozen schedules (the self-test below keeps that true).
 Nothing to install.
 
-The I/O thread pool is replaced by ``ManualIO``, whose jobs run on a scheduled ``io`` thread,
-the cache lock by a ``ScheduledLock`` around it (the hierarchy checker still runs), and each
-request's ``done`` event by a scheduled one: private attributes, set by this file only.
+The cache is given ``ManualIO`` as its I/O executor, whose jobs run on a scheduled ``io``
+thread, and scheduled events as its request Events (``io_executor``, ``new_event``); its lock
+is wrapped in a ``ScheduledLock`` (the hierarchy checker still runs), the one private
+attribute this file sets: the gaps it explores are the lock's acquisitions and releases.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import torch
 from embcache import EmbeddingCache, EncodePipeline, Item, Reason, Status, TransferOutcome
 from embcache.core.effects import Effects
 from embcache.core.lifecycle import ABSENT, QUARANTINED, READY
-from embcache.driver.locks import assert_unlocked
+from embcache.driver.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
 from embcache.driver.request import Request
 from embcache.driver.wakeups import resolve
 from embcache.testing import Fault, FaultInjectingStore
@@ -235,11 +236,11 @@ class ScheduledLock:
     """The cache lock, with a switch before each acquisition and after each release (never
     while it is held, so a paused thread never holds it)."""
 
-    def __init__(self, inner: Any, sched: GapScheduler) -> None:
-        self._inner = inner
+    def __init__(self, sched: GapScheduler) -> None:
+        self._inner = HierarchyLock(CACHE_LEVEL, "cache lock")
         self._sched = sched
-        self.level = inner.level
-        self.name = inner.name
+        self.level = self._inner.level
+        self.name = self._inner.name
 
     def acquire(self) -> None:
         self._sched.point(f"lock in {sys._getframe(2).f_code.co_name}")
@@ -408,7 +409,7 @@ class World:
 
     def read(self, request: Request, key: str) -> None:
         """Whatever ``request`` is served for ``key`` is ``key``'s payload."""
-        for it, view in zip(request._state.items, request.embeddings(), strict=True):
+        for it, view in zip(request.items, request.embeddings(), strict=True):
             if it.key == key and view is not None:
                 assert torch.equal(view, payload(key)), f"{key}: served wrong bytes"
                 self.notes.setdefault(f"served:{request.request_id}", True)
@@ -432,7 +433,7 @@ class World:
         assert stats.open_requests == 0 and stats.pinned_entries == 0, stats
         assert set(stats.entries_by_state) <= {"READY"}, stats
         assert stats.allocated_bytes == sum(stats.bytes_by_state.values()), stats
-        for key in list(self.cache._core.entries):
+        for key in list(self.cache.snapshot().entries):
             with self.cache.request(f"final-{key}") as request:
                 request.lookup([item(key)], prefetch=False)
                 view = request.embeddings()[0]
@@ -446,12 +447,17 @@ class World:
 def world(choose: Callable[[int, int], int], capacity_units: int = 8) -> Iterator[World]:
     sched = GapScheduler(choose)
     store = ScheduledStore(sched)
-    cache = EmbeddingCache(capacity_units * 256, store=store, pin_memory=False, io_workers=1)
-    cache._io.shutdown()
     io = ManualIO(sched)
-    cache._io = io  # type: ignore[assignment]
-    cache._lock = ScheduledLock(cache._lock, sched)  # type: ignore[assignment]
-    cache._new_event = lambda: ScheduledEvent(sched, False)  # type: ignore[method-assign]
+    cache = EmbeddingCache(
+        capacity_units * 256,
+        store=store,
+        pin_memory=False,
+        io_executor=io,
+        new_event=lambda: ScheduledEvent(sched, False),  # type: ignore[arg-type,return-value]
+    )
+    # private: the explorer switches threads at every acquisition and release of the cache
+    # lock (the gaps it explores); no caller may replace a cache's lock, so no seam offers it
+    cache._lock = ScheduledLock(sched)  # type: ignore[assignment]
     try:
         yield World(sched, cache, store, io)
     finally:
@@ -735,7 +741,7 @@ def async_wait_vs_wake_up(w: World, timeout: float) -> None:
             ok = task.result()
         finally:
             loop.close()
-        assert w.cache._wakeups[b.request_id].futures == [], "a finished wait_async left its future"
+        assert w.cache.sizes()["async_waiters"] == 0, "a finished wait_async left its future"
         if timeout:
             assert ok, "a long wait_async was not woken"
         w.read(b, "k")
@@ -842,6 +848,7 @@ def stale_wake_up_run(self: EmbeddingCache, step: Callable[..., Effects[Any]], *
 
 def test_the_scheduler_finds_the_stale_wake_up_bug_of_3dfca44() -> None:
     def mutant(w: World) -> None:
+        # private: the self-test plants the old bug into the funnel itself
         w.cache._run = types.MethodType(stale_wake_up_run, w.cache)  # type: ignore[method-assign]
         wake_up_vs_lookup_of_another_loading_key(w)
 
