@@ -1372,3 +1372,57 @@ def test_wait_with_an_infinite_timeout_waits_until_the_load_ends(
         assert request.wait(timeout=float("inf"))
         assert request.fallback_mask().tolist() == [0]
     assert_clean(cache)
+
+
+# ---------------------------------------------------------------------------- given I/O and events
+class QueuedIO:
+    """An I/O executor that runs nothing until asked."""
+
+    def __init__(self) -> None:
+        self.tasks: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        self.shut = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.tasks.append((fn, args))
+
+    def run_all(self) -> None:
+        while self.tasks:
+            fn, args = self.tasks.pop(0)
+            fn(*args)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.run_all()
+        self.shut = True
+
+
+def test_a_given_io_executor_runs_the_loads_and_is_shut_down_by_close(
+    store: FaultInjectingStore,
+) -> None:
+    store.put_object("a", raw(slot(1)))
+    io, made = QueuedIO(), []
+
+    def new_event() -> threading.Event:
+        made.append(threading.Event())
+        return made[-1]
+
+    cache = EmbeddingCache(1 << 20, store=store, pin_memory=False, io_executor=io,
+                           new_event=new_event)
+    with cache.request("r") as request:
+        assert request.lookup([slot_item("a")]) == [ItemStatus(Status.LOADING)]
+        assert len(io.tasks) == 1 and not request.wait(timeout=0)  # nothing ran the load yet
+        assert len(made) == 1 and not made[0].is_set()
+        io.run_all()
+        assert made[0].is_set() and request.wait(timeout=0)
+        view = request.embeddings()[0]
+        assert view is not None and torch.equal(view, slot(1))
+    cache.close()
+    assert io.shut
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [({"io_executor": object()}, "io_executor must have submit"), ({"new_event": 3}, "new_event")],
+)
+def test_a_bad_io_executor_or_event_factory_is_refused(kwargs: dict[str, Any], words: str) -> None:
+    with pytest.raises(InvalidTypeError, match=words):
+        EmbeddingCache(1 << 16, pin_memory=False, **kwargs)

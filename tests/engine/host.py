@@ -117,7 +117,7 @@ class Engine:
         }
         if self.connector is not None and hasattr(self.connector, "stats"):
             out["connector"] = asdict(self.connector.stats())
-            cache = self.connector._scheduler.cache
+            cache = self.connector.scheduler_side.cache
             out["cache"] = {k: v for k, v in asdict(cache.stats()).items() if _plain(v)}
         return out
 

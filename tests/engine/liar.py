@@ -31,13 +31,14 @@ class LyingECConnector(EmbcacheECConnector):
     @property
     def has_cache_item(self) -> Callable[[str], bool]:  # type: ignore[override]
         truthful = self.__dict__.get("has_cache_item") or super().has_cache_item
-        side = self._scheduler_side("has_cache_item")
+        side = self.scheduler_side
 
         def lying(identifier: str) -> bool:
             if truthful(identifier):
                 return True
             try:
-                return bool(side._store.exists([identifier])[0])
+                store = side.cache.store
+                return store is not None and bool(store.exists([identifier])[0])
             except Exception:
                 log.exception("the lying connector could not ask the store about %s", identifier)
                 return False

@@ -66,7 +66,7 @@ def _one_step(sched: Any, request: FakeRequest) -> Any:
 
 def _insert(sched: Any, key: str, rows: int) -> None:
     """Put ``key`` in the scheduler's cache through a finished request of its own."""
-    cache = sched._scheduler.cache  # the test reaches in only to seed the cache
+    cache = sched.scheduler_side.cache  # seeded through the scheduler side's own cache
     with cache.request(f"seed-{key}") as r:
         r.insert([key], [embedding(key, rows)], publish=False)
 
@@ -105,7 +105,7 @@ def test_both_roles_in_one_process_hundreds_of_requests_under_eviction(
         replay.step()
         sched.check_invariants()
     assert replay.report.errors == []
-    stats, cache = sched.stats(), sched._scheduler.cache.stats()
+    stats, cache = sched.stats(), sched.scheduler_side.cache.stats()
     assert replay.report.declared > 50 and cache.evictions > 20 and stats.inserts > 20
     assert stats.open_requests == 0 and cache.open_requests == 0
     assert cache.pinned_entries == 0 and stats.quarantined_requests == 0
@@ -141,7 +141,7 @@ def test_a_pin_ends_only_when_every_rank_acked_and_the_request_finished(
     _insert(sched, "a", 8)
     request = FakeRequest("r1", ["a"], {"a": 8}, 1)
     meta = _one_step(sched, request)
-    cache = sched._scheduler.cache
+    cache = sched.scheduler_side.cache
     load = (meta.step, "a")
     sched.update_connector_output(
         ECConnectorOutput(ec_connector_worker_meta=EmbcacheECWorkerMetadata({0: [load]}))
@@ -178,7 +178,7 @@ def test_a_lost_ack_quarantines_the_range_for_good_and_a_late_one_ends_it(
     )
     stats = sched.stats()
     assert stats.quarantined_requests == 1 and stats.quarantined_bytes == 8 * WIDTH * 2
-    cache = sched._scheduler.cache
+    cache = sched.scheduler_side.cache
     for i in range(30):  # pressure: every other entry is evicted, the held one stays
         with cache.request(f"fill-{i}") as r:
             r.insert([f"f{i}"], [torch.zeros(64, WIDTH, dtype=DTYPE)], publish=False)
@@ -196,14 +196,16 @@ def test_a_store_read_defers_the_request_until_it_ends(
     from embcache.integrations.vllm import scheduler
     from embcache.testing import FaultInjectingStore
 
+    # private: the connector makes its store from its options (Mooncake only, made by vLLM's
+    # factory): the test swaps that factory for an in-process store
     monkeypatch.setattr(scheduler, "_store", lambda options: FaultInjectingStore())
     sched = make_scheduler(SMALL)
-    store = sched._scheduler.cache.store
+    store = sched.scheduler_side.cache.store
     assert isinstance(store, FaultInjectingStore)
     key = "stored"
-    with sched._scheduler.cache.request("seed") as r:
+    with sched.scheduler_side.cache.request("seed") as r:
         r.insert([key], [embedding(key, 8)])  # published to the store, then evicted below
-    sched._scheduler.cache.clear()
+    sched.scheduler_side.cache.clear()
     deadline = time.monotonic() + 10
     while not store.exists([key])[0]:
         assert time.monotonic() < deadline
@@ -239,8 +241,8 @@ def test_each_option_is_checked_with_a_clear_error(
 def test_without_options_it_has_no_global_tier(make_scheduler: Callable[..., Any]) -> None:
     """No mooncake_master: no store at all (nothing outside the pool keeps payload bytes)."""
     sched = make_scheduler()
-    assert sched._scheduler.cache.store is None
-    assert sched._scheduler.cache.capacity == 1 << 30
+    assert sched.scheduler_side.cache.store is None
+    assert sched.scheduler_side.cache.capacity == 1 << 30
 
 
 def test_a_method_of_the_other_role_raises(make_scheduler: Callable[..., Any]) -> None:
@@ -250,3 +252,8 @@ def test_a_method_of_the_other_role_raises(make_scheduler: Callable[..., Any]) -
     worker = LocalRank("ec_both", SMALL, 2, 0).connector
     with pytest.raises(InvalidArgumentError, match="has_cache_item is a scheduler-role method"):
         worker.has_cache_item("a")
+    with pytest.raises(InvalidArgumentError, match="worker_side is a worker-role method"):
+        sched.worker_side  # noqa: B018 (the property raises)
+    with pytest.raises(InvalidArgumentError, match="scheduler_side is a scheduler-role method"):
+        worker.scheduler_side  # noqa: B018 (the property raises)
+    assert worker.worker_side is not None and sched.scheduler_side.cache is not None

@@ -64,7 +64,7 @@ def test_a_connector_with_a_master_holds_its_budget_with_10x_of_it_passing(
     item = rows * WIDTH * 2
     per_request, warm, count = 4, 2 * budget // item, 12 * budget // item
     try:
-        cache = sched._scheduler.cache
+        cache = sched.scheduler_side.cache
         assert cache.store is not None
         assert sched.build_connector_meta(object()).pool.size == pool
         tracemalloc.start()

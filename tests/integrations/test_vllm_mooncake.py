@@ -47,12 +47,12 @@ def test_one_engine_loads_what_the_other_published_and_survives_the_master(
     }
     producer = engine(make_scheduler, extra, 1)
     run(producer, 60, seed=4)
-    published = settle(producer.scheduler._scheduler.cache).publishes_ok
+    published = settle(producer.scheduler.scheduler_side.cache).publishes_ok
     assert producer.report.errors == [] and published > 10
 
     consumer = engine(make_scheduler, extra, 2)
     run(consumer, 60, seed=5)
-    loaded = consumer.scheduler._scheduler.cache.stats()
+    loaded = consumer.scheduler.scheduler_side.cache.stats()
     assert consumer.report.errors == []
     assert loaded.loads_ok > 5 and consumer.report.declared > 5 and consumer.report.deferred > 0
 
@@ -60,5 +60,5 @@ def test_one_engine_loads_what_the_other_published_and_survives_the_master(
     before = consumer.report.encodes
     run(consumer, 60, seed=6)
     assert consumer.report.errors == [] and consumer.report.encodes > before
-    settle(consumer.scheduler._scheduler.cache)
+    settle(consumer.scheduler.scheduler_side.cache)
     consumer.scheduler.check_invariants()

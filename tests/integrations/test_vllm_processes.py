@@ -29,7 +29,7 @@ def expire(replay: Replay) -> None:
 
 
 def assert_only_quarantine_holds_pins(sched: Any) -> None:
-    ours, cache = sched.stats(), settle(sched._scheduler.cache)
+    ours, cache = sched.stats(), settle(sched.scheduler_side.cache)
     assert ours.open_requests == ours.quarantined_requests == cache.open_requests
     assert ours.outstanding_saves == 0
     if ours.quarantined_requests == 0:
@@ -50,7 +50,7 @@ def test_three_processes_lost_acks_and_a_killed_rank(make_scheduler: Callable[..
         report = replay.report
         assert report.errors == []
         assert report.declared > 50 and report.dropped_acks >= 4
-        assert sched._scheduler.cache.stats().evictions > 20
+        assert sched.scheduler_side.cache.stats().evictions > 20
         late, lost = report.dropped[::2], report.dropped[1::2]
         for acks in late:
             replay.deliver(acks)

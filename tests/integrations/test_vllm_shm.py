@@ -48,7 +48,7 @@ def test_the_pool_is_private_unguessable_and_never_in_dev_shm(
     assert shm_names_with(one.token) == []
     mapped = attach(one)
     mapped[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
-    assert first._scheduler.cache.pool[:4].tolist() == [1, 2, 3, 4]  # the same memory
+    assert first.scheduler_side.cache.pool[:4].tolist() == [1, 2, 3, 4]  # the same memory
     first.shutdown()
     assert shm_names_with(one.token) == []
     with pytest.raises(StoreUnavailableError, match="cannot map the scheduler's shared pool"):

@@ -68,6 +68,21 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
         else:
             self._worker = WorkerSide(parallel.rank, torch.device(vllm_config.device_config.device))
 
+    # -- the two halves ------------------------------------------------------------------
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        """The scheduler-side half (vLLM's word for the methods that run in the scheduler):
+        its ``cache`` (the ``EmbeddingCache`` over the shared pool: ``stats()``,
+        ``entry_state``, ``snapshot()``), ``stats()``, ``sizes()``, ``holds()``. Raises
+        ``InvalidArgumentError`` in the worker role."""
+        return self._scheduler_side("scheduler_side")
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        """The worker-side half of one rank (``WorkerSide``). Raises ``InvalidArgumentError``
+        in the scheduler role."""
+        return self._worker_side("worker_side")
+
     # -- scheduler role ------------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
         """True only for an item the request being scheduled holds pinned READY. (In the

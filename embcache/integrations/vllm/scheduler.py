@@ -283,6 +283,32 @@ class SchedulerSide:
             **self._counts,
         )
 
+    def sizes(self) -> dict[str, int]:
+        """How much each of the role's containers holds (embcache/DESIGN.md, "Memory bounds",
+        "vLLM connector"), for watching memory: ``held`` (open requests), ``finishing`` (finished
+        with an ack owed), ``quarantined`` (an ack lost), ``load_acks`` and ``save_acks``
+        (transfers awaiting acks), ``step_loads`` and ``step_saves`` (this step's, emptied by
+        ``build``). O(1)."""
+        return {
+            "held": len(self._held),
+            "finishing": len(self._finishing),
+            "quarantined": len(self._quarantined),
+            "load_acks": len(self._load_acks),
+            "save_acks": len(self._save_acks),
+            "step_loads": len(self._step_loads),
+            "step_saves": len(self._step_saves),
+        }
+
+    def holds(self) -> dict[str, str]:
+        """Each vLLM request whose embcache request is open, and why: ``"running"`` (vLLM has
+        not finished it), ``"finishing"`` (finished, an ack owed for at most
+        ``hold_timeout_s``) or ``"quarantined"`` (an ack lost: its pins held until it comes).
+        O(requests)."""
+        holds = dict.fromkeys(self._held, "running")
+        holds.update(dict.fromkeys(self._finishing, "finishing"))
+        holds.update(dict.fromkeys(self._quarantined, "quarantined"))
+        return holds
+
     def check_invariants(self) -> None:
         """The cache's invariants, then the connector's: every outstanding load or save belongs
         to an open request that lists it; an outstanding save's entry is LOADING (its range
