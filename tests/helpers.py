@@ -8,8 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from embcache import EmbeddingCache, Item
-from embcache.core.entries import RequestState
+from embcache import EmbeddingCache, Item, Request
 
 
 def payload(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -46,14 +45,20 @@ def wait_until(
 
 def evict_idle_after_close(cache: EmbeddingCache) -> None:
     """Test harness: right after each of ``cache``'s requests closes, remove every idle entry,
-    so (with ``poison_freed``) a view read after its request ended reads poison."""
-    close = cache._close_request
+    so (with ``poison_freed``) a view read after its request ended reads poison. It wraps
+    ``cache.request``, so the requests the pipeline opens are caught too."""
+    open_request = cache.request
 
-    def close_then_evict(rs: RequestState) -> None:
-        close(rs)
-        with cache._lock:
-            idle = cache._core.eviction_order()
-        for key in idle:
-            cache.remove(key)
+    def request_then_evict(request_id: str) -> Request:
+        request = open_request(request_id)
+        close = request.close
 
-    cache._close_request = close_then_evict  # type: ignore[method-assign]
+        def close_then_evict() -> None:
+            close()
+            for key in cache.snapshot().eviction_order:
+                cache.remove(key)
+
+        request.close = close_then_evict  # type: ignore[method-assign]
+        return request
+
+    cache.request = request_then_evict  # type: ignore[method-assign]

@@ -19,6 +19,8 @@ import torch
 
 from embcache import EmbeddingCache, Item, Reason, Status
 from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
+from embcache.driver.locks import assert_unlocked, enable_lock_checking, lock_checking_enabled
+from embcache.errors import LockOrderError
 from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import aligned, item_of, payload, raw, wait_until
 
@@ -548,8 +550,17 @@ class ProbeStore(FaultInjectingStore):
 
 def test_no_lock_is_held_during_payload_copies() -> None:
     """While an insert copy, a store read or a publish moves bytes, another thread can look up,
-    read and take stats, and the cache lock is free (the test's own thread is blocked in a
-    wait then, so ``locked()`` can only mean the copying thread holds it)."""
+    read and take stats, and the copying thread holds no lock (the lock-order checker's record
+    of the locks each thread holds, turned on for the test)."""
+    was = lock_checking_enabled()
+    enable_lock_checking(True)
+    try:
+        copies_hold_no_lock()
+    finally:
+        enable_lock_checking(was)
+
+
+def copies_hold_no_lock() -> None:
     store = ProbeStore()
     cache = EmbeddingCache(64 << 20, store=store, pin_memory=False)
     try:
@@ -560,7 +571,11 @@ def test_no_lock_is_held_during_payload_copies() -> None:
         probes: list[tuple[str, bool, bool, bytes]] = []
 
         def probe(where: str) -> None:
-            lock_free = not cache._lock.locked()
+            try:
+                assert_unlocked(where)
+                lock_free = True
+            except LockOrderError:
+                lock_free = False
             served: list[bytes] = []
 
             def concurrent_reader() -> None:

@@ -174,15 +174,17 @@ def test_interned_shapes_stay_at_their_bound(monkeypatch: pytest.MonkeyPatch) ->
             with cache.request(f"r{i}") as request:
                 request.lookup([Item(key, (1, 1 + i), torch.uint8)])
                 request.insert([key], [torch.zeros((1, 1 + i), dtype=torch.uint8)])
-            most = max(most, cache._core.shapes)
+            most = max(most, cache.sizes()["shapes"])
         cache.check_invariants()
     assert most == 64
 
 
 def test_pool_views_and_strides_stay_at_their_bound() -> None:
     """10x the strides cache's 1024 distinct shapes, in three dtypes, pass through a cache:
-    one pool view per dtype, at most ``MAX_BASES`` base views (``_bases``), and the strides
-    cache (an ``lru_cache``) at its maxsize."""
+    one pool view per dtype, at most ``MAX_BASES`` base views, and the strides cache (an
+    ``lru_cache``) at its maxsize."""
+    # private: the strides cache is pool.py's own lru_cache, one per process: its bound is
+    # the helper's itself
     from embcache.driver.pool import PoolViews, _strides
 
     _strides.cache_clear()
@@ -194,8 +196,9 @@ def test_pool_views_and_strides_stay_at_their_bound() -> None:
                 request.lookup([Item(key, (1, 1 + i % 4096), dtype)])
                 request.insert([key], [torch.zeros((1, 1 + i % 4096), dtype=dtype)])
                 request.embeddings()
-        assert len(cache._views._typed) == 3
-        assert len(cache._views._bases) <= PoolViews.MAX_BASES == 256
+        sizes = cache.sizes()
+        assert sizes["typed_views"] == 3
+        assert sizes["view_bases"] <= PoolViews.MAX_BASES == 256
     info = _strides.cache_info()
     assert info.maxsize == 1024 and info.currsize == 1024 and info.misses > 4 * 1024, info
 
@@ -218,9 +221,10 @@ def test_wakeups_fences_and_trace_batches_empty_when_requests_close() -> None:
                 cache.fence()
         cache.fence()
         assert cache.stats().open_requests == 0
-        assert len(cache._wakeups._by_rs) == 0
-        assert cache._core.fences_in_flight == 0
-        assert not cache._outbox._waiting  # type: ignore[union-attr]
+        sizes = cache.sizes()
+        assert sizes["wakeups"] == sizes["async_waiters"] == 0
+        assert sizes["fences_in_flight"] == 0
+        assert sizes["trace_batches"] == 0
         cache.check_invariants()
     assert len(trace.events) > 300
     store.close()

@@ -121,12 +121,12 @@ def test_a_failed_store_fence_frees_nothing_and_leaves_no_fence_in_flight() -> N
     try:
         with pytest.raises(StoreUnavailableError):
             cache.fence()
-        assert cache._core.fences_in_flight == 0
+        assert cache.sizes()["fences_in_flight"] == 0
         assert cache.entry_state("q") is QUARANTINED
         cache.check_invariants()
         store.fail = False
         assert cache.fence() == 1
-        assert cache._core.fences_in_flight == 0
+        assert cache.sizes()["fences_in_flight"] == 0
         cache.check_invariants()
     finally:
         store.release_holds()
@@ -165,11 +165,11 @@ def test_a_fence_refused_by_the_lock_check_begins_nothing() -> None:
     try:
         with outer, pytest.raises(LockOrderError, match="store fence while holding"):
             cache.fence()
-        assert cache._core.fences_in_flight == 0
+        assert cache.sizes()["fences_in_flight"] == 0
         assert cache.entry_state("q") is QUARANTINED
         cache.check_invariants()
         assert cache.fence() == 1
-        assert cache._core.fences_in_flight == 0
+        assert cache.sizes()["fences_in_flight"] == 0
     finally:
         store.release_holds()
         cache.close()
@@ -193,12 +193,12 @@ def test_a_fence_whose_trace_sink_raises_is_abandoned() -> None:
         sink.fail = True
         with pytest.raises(RuntimeError, match="trace sink is full"):
             cache.fence()
-        assert cache._core.fences_in_flight == 0
+        assert cache.sizes()["fences_in_flight"] == 0
         assert cache.entry_state("q") is QUARANTINED
         cache.check_invariants()
         sink.fail = False
         assert cache.fence() == 1
-        assert cache._core.fences_in_flight == 0
+        assert cache.sizes()["fences_in_flight"] == 0
         cache.check_invariants()
     finally:
         store.release_holds()

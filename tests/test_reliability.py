@@ -109,8 +109,7 @@ def fill(cache: EmbeddingCache, keys: list[str]) -> dict[str, Item]:
 
 
 def order(cache: EmbeddingCache) -> list[str]:
-    with cache._lock:
-        return cache._core.eviction_order()
+    return cache.snapshot().eviction_order
 
 
 def test_a_lookup_that_pins_nothing_leaves_the_order_alone(

@@ -213,12 +213,11 @@ class Workload:
         assert set(stats.entries_by_state) <= {"READY"}, f"{stats}; {where}"
         assert stats.allocated_bytes == sum(stats.bytes_by_state.values()), f"{stats}; {where}"
         assert stats.allocated_bytes + stats.free_bytes == stats.capacity_bytes, f"{stats}; {where}"
-        with cache._lock:  # the entries themselves: nothing doomed or tainted is left behind
-            leftovers = [
-                (e.key, e.state.name, e.doomed, e.tainted, e.publishing)
-                for e in cache._core.entries.values()
-                if e.doomed or e.tainted or e.publishing or e.state is not READY
-            ]
+        leftovers = [  # the entries themselves: nothing doomed or tainted is left behind
+            (e.key, e.state.name, e.doomed, e.tainted, e.publishing)
+            for e in cache.snapshot().entries.values()
+            if e.doomed or e.tainted or e.publishing or e.state is not READY
+        ]
         assert not leftovers, f"entries left busy: {leftovers}; {where}"
         self._check_every_entry()
         self._check_store_objects()
