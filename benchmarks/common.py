@@ -1,4 +1,5 @@
-"""What the benchmarks share: the row format and its printing, the section a run produces,
+"""What the benchmarks share: making and printing rows (their format and check are in
+``tests/support/rows.py``), the section a run produces,
 filling a cache, traced bytes, and matplotlib.
 
 Every benchmark module imports from here and this module imports no other benchmark module, so
@@ -18,9 +19,7 @@ from typing import Any
 import torch
 
 from embcache import Request
-
-Row = dict[str, Any]
-ROW_KEYS = ("name", "ours", "baseline", "unit", "ratio", "target", "met")
+from tests.support.rows import Row
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Run every embcache benchmark in one process and print one table.
 
     python -m benchmarks.run [--quick] [--json OUT] [--plots DIR] [--markdown OUT] [--only N ...]
+    python -m benchmarks.run --list
 
 Each benchmark measures ours and a baseline side by side in the same run and reports the ratio,
 because these machines are noisy: no row compares against an absolute time. The items are
@@ -24,7 +25,8 @@ The peers are SGLang 0.5.23's paged controller, run from its wheel at benchmark 
 (``tests/support/sglang_wheel.py``; its rows say skipped when the wheel cannot be had), and the
 original PR's controller (``tests/support/baselines.py``); see ``benchmarks/peers/bench_peers.py``.
 
-A row is ``{name, ours, baseline, unit, ratio, target, met}``; ``met`` is None where there is no
+A row is ``{name, ours, baseline, unit, ratio, target, met}`` (``tests/support/rows.py``, which
+checks it); ``met`` is None where there is no
 target (or the row was skipped). The ratio reads as its target does: a speedup (baseline /
 ours) for times against a baseline or a peer (below 1: ours is slower), a slowdown (ours /
 baseline) for the hit path against a bare dict, ours / baseline for bandwidths, bytes and
@@ -49,7 +51,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROW_KEYS, Row, Section, skipped_row
+from benchmarks.common import Row, Section, skipped_row
+from tests.support.rows import check_row, json_row
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,40 +148,6 @@ ITEMS: list[tuple[int, str, Callable[[bool], list[Row]]]] = [
 
 
 # ---------------------------------------------------------------------------- rows
-def check_row(row: Any) -> None:
-    """Raise ``ValueError`` unless ``row`` is a well-formed result row."""
-    if not isinstance(row, dict) or tuple(sorted(row)) != tuple(sorted(ROW_KEYS)):
-        raise ValueError(f"a row has exactly the keys {ROW_KEYS}: {row!r}")
-    if not isinstance(row["name"], str) or not row["name"]:
-        raise ValueError(f"row name must be a non-empty str: {row!r}")
-    for key in ("ours", "baseline", "ratio"):
-        value = row[key]
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise ValueError(f"row {key} must be a number or None: {row!r}")
-        if isinstance(value, float) and math.isnan(value):
-            raise ValueError(f"row {key} is NaN: {row!r}")
-    if not isinstance(row["unit"], str) or not isinstance(row["target"], str):
-        raise ValueError(f"row unit and target must be str: {row!r}")
-    if not any(row["met"] is value for value in (True, False, None)):
-        raise ValueError(f"row met must be True, False or None: {row!r}")
-    if row["met"] is not None and not row["target"]:
-        raise ValueError(f"row met is set but it has no target: {row!r}")
-
-
-def _plain(row: Row) -> Row:
-    """``row`` with numbers as JSON can hold them (an infinite ratio becomes null)."""
-    out: Row = {}
-    for key in ROW_KEYS:
-        value = row[key]
-        if isinstance(value, bool) or value is None or isinstance(value, str):
-            out[key] = value
-        elif isinstance(value, int | float):
-            out[key] = float(value) if math.isfinite(value) else None
-        else:
-            out[key] = value
-    return out
-
-
 def _num(value: Any) -> str:
     if value is None:
         return ""
@@ -376,7 +345,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=range(1, len(ITEMS) + 1),
         help=f"run only these items (1-{len(ITEMS)})",
     )
+    parser.add_argument("--list", action="store_true", help="print the items (N title) and exit")
     args = parser.parse_args(argv)
+    if args.list:
+        for number, title, _ in ITEMS:
+            print(f"{number} {title}")
+        return 0
     if args.plots is not None:
         from benchmarks import plots
 
@@ -394,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for s in sections for row in s.rows]
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([_plain(r) for r in rows], indent=1) + "\n")
+        args.json.write_text(json.dumps([json_row(r) for r in rows], indent=1) + "\n")
     drawn: list[Path] = []
     if args.plots is not None:
         from benchmarks import plots

@@ -1,12 +1,17 @@
 """The benchmark suite keeps working: ``benchmarks/run.py --quick`` completes and emits
 well-formed rows. Nothing here asserts a speed: these machines are shared and noisy, and a
-missed target is a result, not a failure."""
+missed target is a result, not a failure.
+
+Every benchmark runs in a child process (``python -m benchmarks...``, from the repository
+root) and is judged by what it writes; what tests and benchmarks share (the row check, the
+baselines, the mixes, callgrind's output) is imported from ``tests/support``."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
 import json
+import os
 import random
 import subprocess
 import sys
@@ -17,14 +22,39 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import run as bench_run
-from benchmarks.micro.bench_eviction import ENTRY_BYTES, ScanLRUCache
-from benchmarks.micro.bench_fragmentation import drift_every, make_workload, run_baseline, run_ours
-from benchmarks.micro.bench_paged import run_paged
 from embcache.driver.allocator import RangeAllocator
+from tests.support import mixes
+from tests.support.baselines import ScanLRUCache, half_freed
+from tests.support.callgrind import Unavailable, per_operation, total
+from tests.support.rows import check_row, json_row
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+ENTRY_BYTES = 256  # the scan-LRU baseline's entries, as its benchmark sizes them
+
+
+def run_module(
+    module: str, *args: str, timeout: float = 120, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    """``python -m module args`` from the repository root, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def items() -> list[str]:
+    """The suite's items as ``benchmarks.run --list`` prints them (``N title``)."""
+    done = run_module("benchmarks.run", "--list")
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == [str(n) for n in range(1, len(lines) + 1)]
+    return lines
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +77,12 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"done": done, "out": out}
 
 
-def test_quick_run_completes(quick_run: dict[str, Any]) -> None:
+def test_quick_run_completes(quick_run: dict[str, Any], items: list[str]) -> None:
     done = quick_run["done"]
     assert done.returncode == 0, done.stderr[-4000:]
     assert "benchmark" in done.stdout and "ratio" in done.stdout
-    for number in range(1, len(bench_run.ITEMS) + 1):  # progress of every item on stderr
+    assert len(items) >= 9
+    for number in range(1, len(items) + 1):  # progress of every item on stderr
         assert f"] {number}. " in done.stderr
 
 
@@ -59,17 +90,31 @@ def test_quick_run_rows_are_well_formed(quick_run: dict[str, Any]) -> None:
     rows = json.loads((quick_run["out"] / "rows.json").read_text())
     assert isinstance(rows, list) and rows
     for row in rows:
-        bench_run.check_row(row)
+        check_row(row)
     assert not [r for r in rows if "ERROR" in r["name"]]
 
 
-def test_quick_run_markdown_covers_every_item(quick_run: dict[str, Any]) -> None:
+def test_quick_run_rows_count_like_with_like(quick_run: dict[str, Any]) -> None:
+    """The rows whose contenders must have done the work they are compared on. Fragmentation
+    and the paged pool check every tally against their mix (each lookup and its tokens, an
+    attempt per miss, failures within attempts: ``check_counts``, else an ERROR row); here:
+    both sides saved some tokens and not all, the paged pool uses its victims' pages first,
+    and the minimal best fit served every allocate+free pair it was timed on."""
+    rows = {r["name"]: r for r in json.loads((quick_run["out"] / "rows.json").read_text())}
+    saved = rows["encoder tokens saved, LRU-to-fit"]
+    assert 0 < saved["ours"] < 100 and 0 < saved["baseline"] < 100
+    assert rows["evicted for nothing, paged 256 KiB"]["baseline"] == 0
+    best_fit = [r for n, r in rows.items() if n.startswith("allocator pair vs minimal best fit")]
+    assert len(best_fit) == 2 and all(r["ours"] > 0 and r["baseline"] > 0 for r in best_fit)
+
+
+def test_quick_run_markdown_covers_every_item(quick_run: dict[str, Any], items: list[str]) -> None:
     text = (quick_run["out"] / "RESULTS.md").read_text()
     assert "## Machine" in text and "- date: " in text
-    items = {line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")} - {
-        "#"
-    }
-    assert items == {str(n) for n in range(1, len(bench_run.ITEMS) + 1)}
+    numbers = {
+        line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")
+    } - {"#"}
+    assert numbers == {str(n) for n in range(1, len(items) + 1)}
 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib not installed")
@@ -109,45 +154,70 @@ def _row(**changes: Any) -> dict[str, Any]:
 )
 def test_check_row_rejects_malformed_rows(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
-        bench_run.check_row(_row(**bad))
+        check_row(_row(**bad))
 
 
 def test_check_row_rejects_missing_or_extra_keys() -> None:
     row = _row()
     del row["met"]
     with pytest.raises(ValueError):
-        bench_run.check_row(row)
+        check_row(row)
     with pytest.raises(ValueError):
-        bench_run.check_row(_row(item=3))
+        check_row(_row(item=3))
 
 
 def test_infinite_ratio_is_null_in_json() -> None:
-    row = bench_run._plain(_row(ratio=float("inf")))
+    row = json_row(_row(ratio=float("inf")))
     assert row["ratio"] is None
-    bench_run.check_row(row)
+    check_row(row)
     json.dumps(row, allow_nan=False)
 
 
-def test_mooncake_row_is_skipped_without_a_master(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bench_run.shutil, "which", lambda name: None)
-    (section,) = bench_run.run_items(quick=True, only={7}, log=lambda message: None)
-    assert section.error is None
-    (row,) = section.rows
-    bench_run.check_row(row)
+def test_mooncake_row_is_skipped_without_a_master(tmp_path: Path) -> None:
+    path = os.pathsep.join(
+        folder
+        for folder in os.environ.get("PATH", "").split(os.pathsep)
+        if folder and not (Path(folder) / "mooncake_master").exists()
+    )
+    out = tmp_path / "rows.json"
+    done = run_module(
+        "benchmarks.run",
+        "--quick",
+        "--only",
+        "7",
+        "--json",
+        str(out),
+        env={**os.environ, "PATH": path},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]  # no item raised
+    (row,) = json.loads(out.read_text())
+    check_row(row)
     assert "skipped" in row["name"] and row["met"] is None and row["ours"] is None
 
 
-def test_a_benchmark_that_raises_becomes_an_error_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(quick: bool) -> list[dict[str, Any]]:
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(bench_run, "ITEMS", [(1, "broken", broken)])
-    (section,) = bench_run.run_items(quick=True, log=lambda message: None)
-    assert section.error == "RuntimeError: boom"
-    (row,) = section.rows
-    bench_run.check_row(row)
-    assert row["met"] is False
-    assert "MISSED" in bench_run.table([section])
+def test_a_benchmark_that_raises_becomes_an_error_row(tmp_path: Path) -> None:
+    """A ``mooncake_master`` on PATH that exits at once: the mooncake item raises, and the run
+    goes on to give its error row, the table's MISSED, the error in RESULTS.md, exit status 1."""
+    fake = tmp_path / "bin" / "mooncake_master"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho boom >&2\nexit 3\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    out, page = tmp_path / "rows.json", tmp_path / "RESULTS.md"
+    done = run_module(
+        "benchmarks.run", "--quick", "--only", "7", "--json", str(out), "--markdown", str(page),
+        env=env,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-4000:]
+    (row,) = json.loads(out.read_text())
+    check_row(row)
+    assert row["name"] == "mooncake: ERROR StoreUnavailableError"
+    assert row["met"] is False and row["ours"] is None and row["target"] == "runs"
+    assert "MISSED" in done.stdout
+    text = page.read_text()
+    assert "## Errors" in text
+    assert "- item 7 (mooncake): StoreUnavailableError: mooncake_master exited at start" in text
+    assert "boom" in text  # the master's own words, from its log
 
 
 # ---------------------------------------------------------------------------- the layout
@@ -232,38 +302,40 @@ def test_import_circle_finds_a_circle_through_a_function_level_import(tmp_path: 
 
 # ---------------------------------------------------------------------------- instruction counts
 def test_callgrind_totals_are_read_from_its_output(tmp_path: Path) -> None:
-    from benchmarks.peers import bench_instructions
-
     dump = tmp_path / "cg.1.1-01"
     dump.write_text("version: 1\nevents: Ir\nfn=(1) f\n3 5\ntotals: 1234\n")
-    assert bench_instructions.total(dump) == 1234
+    assert total(dump) == 1234
     dump.write_text("version: 1\nevents: Ir\nsummary: 99\n")
-    assert bench_instructions.total(dump) == 99
+    assert total(dump) == 99
     dump.write_text("version: 1\nevents: Ir\n")
-    with pytest.raises(bench_instructions.Unavailable, match="no totals"):
-        bench_instructions.total(dump)
+    with pytest.raises(Unavailable, match="no totals"):
+        total(dump)
 
 
 def test_instruction_count_is_the_difference_over_the_extra_operations() -> None:
-    from benchmarks.peers.bench_instructions import per_operation
-
     order = ["ours hit", "ours hit", "sglang hit", "sglang hit"]
     per_op = per_operation(order, [5_000, 105_000, 7_000, 57_000], 100)
     assert per_op == {"ours hit": 1_000.0, "sglang hit": 500.0}
 
 
-def test_both_sides_of_the_instruction_count_do_their_work(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_both_sides_of_the_instruction_count_do_their_work() -> None:
     """The counted process's own run, outside valgrind (the toggles do nothing there): every
     side is set up, runs, and passes its check of the work done (hits, evictions, pins)."""
-    from benchmarks.peers import bench_instructions, bench_peers
+    from tests.support import sglang_wheel
 
-    bench_instructions.child(entries=64, low=1, high=3)
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    done = run_module(
+        "benchmarks.peers.bench_instructions", "--child", "--entries=64", "--low=1", "--high=3"
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
     sides = ["ours hit", "ours evicting insert", "ours request-less insert"]
-    if bench_peers.sglang_missing() is None:
+    try:
+        sglang_wheel.load_controller_module()
+    except sglang_wheel.SGLangUnavailable:
+        assert report["sglang_missing"]
+    else:
         sides += ["sglang hit", "sglang evicting insert"]
+        assert report["sglang_missing"] is None
     assert report["order"] == [side for side in sides for _ in range(2)]
 
 
@@ -290,19 +362,10 @@ def test_scan_lru_baseline_fails_when_everything_is_pinned() -> None:
     assert not cache.insert("b", tensor)
 
 
-def test_paged_baseline_accounts_for_every_allocation() -> None:
-    workload = make_workload(quick=True)
-    tally = run_paged(workload)
-    assert tally.lookups == sum(len(r) for r in workload.requests)
-    assert tally.attempts == tally.lookups - tally.hits
-    assert 0 <= tally.failures <= tally.attempts
-    assert tally.wasted_bytes == 0  # victims' pages are used first
-    assert tally.evicted_bytes >= 0 and tally.evictions >= 0
-
-
 def test_drifting_mix_reshuffles_popularity_between_phases() -> None:
-    steady, drifting = make_workload(quick=True), make_workload(quick=True, drifting=True)
-    every = drift_every(quick=True)
+    steady = mixes.make_workload(quick=True)
+    drifting = mixes.make_workload(quick=True, drifting=True)
+    every = mixes.drift_every(quick=True)
     assert [len(r) for r in steady.requests] == [len(r) for r in drifting.requests]
     assert all(len(set(r)) == len(r) for r in drifting.requests)
     assert steady.requests != drifting.requests  # the first shuffle already moves the ranks
@@ -313,18 +376,11 @@ def test_drifting_mix_reshuffles_popularity_between_phases() -> None:
     assert len(set(top)) > 1, "the favourite image never changed between phases"
 
 
-def test_token_weighted_hits_are_counted_alike_for_ours_and_the_baselines() -> None:
-    workload = make_workload(quick=True)
-    total = sum(workload.specs[i].tokens for r in workload.requests for i in r)
-    for tally in (run_ours(workload), run_baseline(workload, "LRU-to-fit")):
-        assert tally.lookup_tokens == total
-        assert 0 < tally.hit_tokens < total
-
-
-def test_cold_request_probe_times_every_step() -> None:
-    from benchmarks.micro.cold_request import measure
-
-    steps = measure(rounds=3)
+def test_cold_request_probe_times_every_step(tmp_path: Path) -> None:
+    out = tmp_path / "steps.json"
+    done = run_module("benchmarks.micro.cold_request", "--rounds", "3", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-4000:]
+    steps = json.loads(out.read_text())
     for name in ("open", "lookup", "embeddings", "close"):
         cold, warm = steps[name]
         assert cold > 0 and warm > 0
@@ -384,7 +440,7 @@ def test_sglang_unavailable_says_why_and_how(
 def test_sglang_peer_insert_copies_into_pages_and_evicts_the_oldest_idle(
     sglang_module: Any,
 ) -> None:
-    from benchmarks.peers.bench_peers import SGLangPeer
+    from tests.support.sglang_wheel import SGLangPeer
 
     peer = SGLangPeer(8 * 1024, 64, torch.bfloat16, 1024)  # 8 pages of 8 tokens
     assert (peer.pool.num_pages, peer.pool.page_size) == (8, 8)
@@ -425,7 +481,6 @@ def test_original_pr_controller_evicts_to_bytes_past_pinned_entries() -> None:
 
 
 def test_minimal_best_fit_gives_the_offsets_of_the_range_allocator() -> None:
-    from benchmarks.micro.bench_allocator import half_freed, pair_cost
     from tests.support.baselines import MinimalBestFit
 
     ours, base = half_freed(RangeAllocator, 500, seed=3), half_freed(MinimalBestFit, 500, seed=3)
@@ -442,39 +497,44 @@ def test_minimal_best_fit_gives_the_offsets_of_the_range_allocator() -> None:
             assert a == b
             if a is not None:
                 live.append((a, b))  # type: ignore[arg-type]
-    assert pair_cost(base, 10, seed=1) > 0
+    for size in (256 * rng.randint(1, 8) for _ in range(10)):  # allocate+free pairs, as timed
+        a, b = ours.allocate(size), base.allocate(size)
+        assert a == b and b is not None
+        assert ours.free(a) == base.free(b)  # type: ignore[arg-type]
 
 
 def test_grid_optimum_evicts_the_entry_needed_furthest_ahead() -> None:
     """Room for two entries of 256 B. Lookups a b c a b c a: c is next needed (at 5) later
     than a (3) and b (4), so it is not cached (refused) and a, b keep hitting; the last c is
     never needed again (bypassed). Lookups a b c b c a: c (next at 4) evicts a (next at 5)."""
-    from benchmarks.policy import bench_policy_grid as grid
-
-    specs = [grid.SmallSpec(k, 64, torch.bfloat16, 4) for k in "abc"]  # 256 B each
-    load = grid.frag.Workload(specs, [[0], [1], [2], [0], [1], [2], [0]], inflight=0)
-    result = grid.optimum(load, 512)
+    specs = [mixes.SmallSpec(k, 64, torch.bfloat16, 4) for k in "abc"]  # 256 B each
+    load = mixes.Workload(specs, [[0], [1], [2], [0], [1], [2], [0]], inflight=0)
+    result = mixes.optimum(load, 512)
     assert (result.hits, result.refused, result.evictions) == (3, 1, 0)
-    load = grid.frag.Workload(specs, [[0], [1], [2], [1], [2], [0]], inflight=0)
-    result = grid.optimum(load, 512)
+    load = mixes.Workload(specs, [[0], [1], [2], [1], [2], [0]], inflight=0)
+    result = mixes.optimum(load, 512)
     assert (result.hits, result.refused, result.evictions) == (2, 0, 1)
 
 
-def test_tiny_grid_reports_every_cell() -> None:
+def test_tiny_grid_reports_every_cell(tmp_path: Path) -> None:
     """The CI smoke run of the grid: a target row per cell, the optimum's and the churn rows,
     and the heatmap's values read back from the rows."""
-    from benchmarks.policy import bench_policy_grid as grid
-
-    summaries = grid.measure(tiny=True)
-    assert list(summaries) == grid.cells(tiny=True)
-    rows = grid.rows_of(summaries)
+    out = tmp_path / "grid.json"
+    done = run_module("benchmarks.policy.bench_policy_grid", "--tiny", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    cells = result["cells"]
+    drifts = [f"4MiB drift {p} z{s}" for p in (100, 500) for s in ("0.8", "1.2")]
+    assert [c["label"] for c in cells] == [*drifts, "4MiB steady", "4MiB scan"]
+    rows = result["rows"]
     for row in rows:
-        bench_run.check_row(row)
+        check_row(row)
     targets = [r for r in rows if "vs best baseline" in r["name"]]
-    assert len(targets) == len(summaries)
-    for summary in summaries.values():
-        assert all(0 <= v <= 100 for v in summary.saved.values())
-        assert set(summary.saved) == {*grid.BASELINES, *grid.OURS, grid.OPTIMUM}
-    heat = grid.heat(rows)["4MiB"]
-    steady = summaries[grid.cells(tiny=True)[-2]]
-    assert heat[("steady / scan", 0.0)][0] == pytest.approx(steady.margin())
+    assert len(targets) == len(cells)
+    contenders = {"LRU-to-fit", "LRU-to-bytes", "paged", "lru", "tinylfu", "adaptive", "optimum"}
+    for cell in cells:
+        assert all(0 <= v <= 100 for v in cell["saved"].values())
+        assert set(cell["saved"]) == contenders
+    heat = {(label, skew): pair for label, skew, *pair in result["heat"]["4MiB"]}
+    steady = cells[-2]
+    assert heat[("steady / scan", 0.0)][0] == pytest.approx(steady["margin"])

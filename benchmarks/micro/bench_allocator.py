@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from benchmarks.common import growth_row, make_row, print_rows
 from embcache.driver.allocator import RangeAllocator
-from tests.support.baselines import MinimalBestFit, NaiveAllocator
+from tests.support.baselines import MinimalBestFit, NaiveAllocator, half_freed
 
 ALIGN = 256
 BEST_FIT_SLACK = 1.1  # ours may cost this much more than the minimal best fit
@@ -60,18 +60,6 @@ def pair_cost(alloc: Allocator, pairs: int, seed: int) -> float:
         assert off is not None
         alloc.free(off)
     return (time.perf_counter() - start) / pairs
-
-
-def half_freed(make: Any, live: int, seed: int) -> Allocator:
-    """``live`` blocks of 1..8 units filling the pool, then a random half of them freed."""
-    rng = random.Random(seed)
-    sizes = [ALIGN * rng.randint(1, 8) for _ in range(live)]
-    alloc = make(sum(sizes), ALIGN)
-    offsets = [alloc.allocate(s) for s in sizes]
-    for offset in rng.sample(offsets, live // 2):
-        assert offset is not None
-        alloc.free(offset)
-    return alloc
 
 
 def best_fit_rows(quick: bool) -> list[dict[str, Any]]:

@@ -6,16 +6,16 @@ idle. Each timed operation is one request that inserts one fresh key (evicting t
 entry) and closes, which appends its entry to the LRU tail: a steady state.
 
 Ours is ``EmbeddingCache`` through its public API: its LRU list holds only evictable entries
-(DESIGN.md), so pinned entries are never looked at. The baseline (``ScanLRUCache``, below) is
-the design it replaces: one recency list of every entry, scanned from the head past pinned
-entries until an idle one is found; it uses the same ``RangeAllocator`` and the same payload
-copy, so the difference is the victim search. Every configuration is built first (each N with
-half pinned, and the largest N again with none pinned), then timed in chunks that alternate
-over all of them, so that load drift on a shared machine hits them alike; medians. The target,
-a cost independent of the number of pinned entries, is judged twice: at the largest N, the
-cost with N/2 pinned over the cost with none pinned (<= 1.5x), and the cost at the largest N
-over the smallest (<= 3x, the allocator being O(log n)). The same evicting insert also runs
-against SGLang 0.5.23's paged controller, from its wheel, with 256 B pages (one entry a page):
+(DESIGN.md), so pinned entries are never looked at. The baseline (``ScanLRUCache``, in
+``tests/support/baselines.py``) is the design it replaces: one recency list of every entry, scanned
+from the head past pinned entries until an idle one is found; it uses the same ``RangeAllocator``
+and the same payload copy, so the difference is the victim search. Every configuration is built
+first (each N with half pinned, and the largest N again with none pinned), then timed in chunks
+that alternate over all of them, so that load drift on a shared machine hits them alike; medians.
+The target, a cost independent of the number of pinned entries, is judged twice: at the largest N,
+the cost with N/2 pinned over the cost with none pinned (<= 1.5x), and the cost at the largest N
+over the smallest (<= 3x, the allocator being O(log n)). The same evicting insert also runs against
+SGLang 0.5.23's paged controller, from its wheel, with 256 B pages (one entry a page):
 ``benchmarks.peers.bench_peers.sglang_evicting_side``; target: ours at least as fast at every N.
 Run from the repository root: python -m benchmarks.micro.bench_eviction [--quick]
 """
@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import statistics
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -35,49 +34,12 @@ import torch
 from benchmarks.common import growth_row, insert_all, make_row, print_rows, skipped_row
 from benchmarks.peers import bench_peers
 from embcache import EmbeddingCache
-from embcache.driver.allocator import RangeAllocator
+from tests.support.baselines import ScanLRUCache
 
 ENTRY_BYTES = 256
 SHAPE = (ENTRY_BYTES // 2,)  # bf16
 FLAT_PINNED = 1.5  # cost with N/2 pinned over cost with none pinned, at the same N
 FLAT_GROWTH = 3.0  # cost at the largest N over the smallest (the allocator is O(log n))
-
-
-class ScanLRUCache:
-    """Baseline: one recency list of all entries; eviction scans it from the head, skipping
-    pinned entries (O(pinned) per victim)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.allocator = RangeAllocator(capacity, ENTRY_BYTES)
-        self.pool = torch.empty(capacity, dtype=torch.uint8)
-        self.entries: dict[str, tuple[int, int]] = {}
-        self.pins: Counter[str] = Counter()
-        self.recency: OrderedDict[str, None] = OrderedDict()  # every entry, oldest first
-
-    def insert(self, key: str, tensor: torch.Tensor) -> bool:
-        """Insert ``key`` pinned (the caller releases it); evict idle entries from the head."""
-        size = self.allocator.rounded(tensor.nbytes)
-        offset = self.allocator.allocate(size)
-        while offset is None:
-            victim = next((k for k in self.recency if not self.pins[k]), None)
-            if victim is None:
-                return False
-            del self.recency[victim]
-            self.allocator.free(self.entries.pop(victim)[0])
-            offset = self.allocator.allocate(size)
-        self.pool[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(
-            tensor
-        )
-        self.entries[key] = (offset, size)
-        self.recency[key] = None
-        self.pins[key] += 1
-        return True
-
-    def release(self, key: str) -> None:
-        self.pins[key] -= 1
-        if not self.pins[key]:
-            del self.pins[key]
-            self.recency.move_to_end(key)
 
 
 class Side:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
@@ -39,81 +38,21 @@ from typing import Any
 import torch
 
 from benchmarks.common import print_rows
-from embcache import EmbeddingCache, Item, Request, Status
+from embcache import EmbeddingCache, Request, Status
 from tests.support.baselines import NaiveAllocator
+from tests.support.mixes import (
+    ALIGN,
+    HIDDEN,
+    MAX_TOKENS,
+    Workload,
+    aligned,
+    drift_every,
+    make_workload,
+)
 
-HIDDEN = 3584
-MIN_TOKENS, MAX_TOKENS = 64, 4096
 POOL_BYTES = 1 << 30
-ALIGN = 256
 MAX_BATCH = 100
 BASELINES = ("LRU-to-fit", "LRU-to-bytes")
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One image's embedding: ``tokens`` x ``HIDDEN`` of ``dtype``."""
-
-    key: str
-    tokens: int
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.tokens * HIDDEN * self.dtype.itemsize
-
-    @property
-    def item(self) -> Item:
-        return Item(self.key, (self.tokens, HIDDEN), self.dtype)
-
-
-@dataclass(frozen=True)
-class Workload:
-    specs: list[Spec]
-    requests: list[list[int]]  # indices into specs, distinct within a request
-    inflight: int  # requests held open (pinned) at once
-
-
-def drift_every(quick: bool) -> int:
-    """Requests between two reshuffles of the popularity ranking in the drifting variant."""
-    return 100 if quick else 500
-
-
-def make_workload(quick: bool, seed: int = 7, drifting: bool = False) -> Workload:
-    """Log-uniform token counts, 70% bf16, Zipf(0.9) popularity, 1-3 images per request.
-    ``drifting``: the same draws, but which image holds each popularity rank is reshuffled
-    every ``drift_every(quick)`` requests."""
-    rng = random.Random(seed)
-    universe = 600 if quick else 1500
-    specs = [
-        Spec(
-            f"img{i}",
-            round(math.exp(rng.uniform(math.log(MIN_TOKENS), math.log(MAX_TOKENS)))),
-            torch.bfloat16 if rng.random() < 0.7 else torch.float32,
-        )
-        for i in range(universe)
-    ]
-    weights = [1.0 / (rank + 1) ** 0.9 for rank in range(universe)]
-    requests = []
-    for _ in range(300 if quick else 2000):
-        chosen: list[int] = []
-        want = rng.randint(1, 3)
-        while len(chosen) < want:
-            index = rng.choices(range(universe), weights)[0]
-            if index not in chosen:
-                chosen.append(index)
-        requests.append(chosen)
-    if drifting:
-        shuffler, owner = random.Random(seed + 1), list(range(universe))
-        for n, chosen in enumerate(requests):
-            if n % drift_every(quick) == 0:
-                shuffler.shuffle(owner)
-            chosen[:] = [owner[rank] for rank in chosen]
-    return Workload(specs, requests, inflight=4)
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 # ---------------------------------------------------------------------------- oracle
@@ -179,6 +118,25 @@ class Tally:
             self.wasted_bytes += sum(s for _, s in evicted)
         else:
             self.wasted_bytes += sum(s for o, s in evicted if o + s <= offset or o >= offset + size)
+
+
+def check_counts(workload: Workload, tally: Tally) -> Tally:
+    """``tally``, or ``AssertionError`` unless it counted ``workload`` as every contender must
+    for their rows to compare: every lookup and its tokens, one insert attempt per miss, at
+    most that many failures, no negative eviction count, and some tokens both saved and not."""
+    tokens = sum(workload.specs[i].tokens for r in workload.requests for i in r)
+    checks = {
+        "every lookup": tally.lookups == sum(len(r) for r in workload.requests),
+        "every lookup's tokens": tally.lookup_tokens == tokens,
+        "an attempt per miss": tally.attempts == tally.lookups - tally.hits,
+        "failures within attempts": 0 <= tally.failures <= tally.attempts,
+        "evictions counted": tally.evictions >= 0 and tally.evicted_bytes >= 0,
+        "some tokens saved, not all": 0 < tally.hit_tokens < tokens,
+    }
+    failed = [name for name, ok in checks.items() if not ok]
+    if failed:
+        raise AssertionError(f"a tally miscounts the mix ({', '.join(failed)}): {tally}")
+    return tally
 
 
 # ---------------------------------------------------------------------------- ours
@@ -361,9 +319,9 @@ def row(
 def run(quick: bool = False) -> list[dict[str, Any]]:
     """Rows ``{name, ours, baseline, unit, ratio, target, met}`` against both baselines."""
     workload = make_workload(quick)
-    ours = run_ours(workload)
+    ours = check_counts(workload, run_ours(workload))
     drifting = make_workload(quick, drifting=True)
-    ours_drifting = run_ours(drifting)
+    ours_drifting = check_counts(drifting, run_ours(drifting))
     drift = f"drifting mix (every {drift_every(quick)} requests): "
     # name, unit, value of a tally (the steady mix's, or the drifting mix's), target, met
     metrics: list[tuple[str, str, Callable[[Tally, Tally], float], str, bool | None]] = [
@@ -390,7 +348,10 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     ]
     rows = []
     for mode in BASELINES:
-        base = run_baseline(workload, mode), run_baseline(drifting, mode)
+        base = (
+            check_counts(workload, run_baseline(workload, mode)),
+            check_counts(drifting, run_baseline(drifting, mode)),
+        )
         rows += [
             row(f"{name}, {mode}", value(ours, ours_drifting), value(*base), unit, target, met)
             for name, unit, value, target, met in metrics

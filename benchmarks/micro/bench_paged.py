@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.common import print_rows
 from benchmarks.micro import bench_fragmentation as frag
+from tests.support import mixes
 
 PAGE = 256 * 1024
 MODE = "paged 256 KiB"
@@ -40,7 +41,7 @@ def pages_for(nbytes: int, page: int = PAGE) -> int:
 
 
 def run_paged(
-    workload: frag.Workload, pool_bytes: int = frag.POOL_BYTES, page: int = PAGE
+    workload: mixes.Workload, pool_bytes: int = frag.POOL_BYTES, page: int = PAGE
 ) -> frag.Tally:
     """Replay ``workload`` over a paged pool of ``pool_bytes`` (``page`` bytes a page) with
     plain LRU."""
@@ -121,7 +122,7 @@ def run_paged(
     return tally
 
 
-def _ours_values(rows: list[dict[str, Any]] | None, workload: frag.Workload) -> dict[str, float]:
+def _ours_values(rows: list[dict[str, Any]] | None, workload: mixes.Workload) -> dict[str, float]:
     """Ours' failed %, fails with bytes idle, wasted MiB and hit % from the fragmentation rows
     of the same run (``bench_fragmentation.run``), or from a fresh run of ours."""
     wanted = {
@@ -149,7 +150,7 @@ def _ours_values(rows: list[dict[str, Any]] | None, workload: frag.Workload) -> 
     }
 
 
-def gather_rows(workload: frag.Workload, reads: int, seed: int = 3) -> list[dict[str, Any]]:
+def gather_rows(workload: mixes.Workload, reads: int, seed: int = 3) -> list[dict[str, Any]]:
     """GB/s reading entries of the mix's sizes: contiguous range copy vs page gather."""
     rng = random.Random(seed)
     sizes = [rng.choice(workload.specs).nbytes for _ in range(reads)]
@@ -200,9 +201,9 @@ def run(
 ) -> list[dict[str, Any]]:
     """Rows of ours against the paged pool on the fragmentation mix; pass the rows of
     ``bench_fragmentation.run`` of the same run to reuse its measurement of ours."""
-    workload = frag.make_workload(quick)
+    workload = mixes.make_workload(quick)
     ours = _ours_values(fragmentation_rows, workload)
-    paged = run_paged(workload)
+    paged = frag.check_counts(workload, run_paged(workload))
     paged_hits = 100 * paged.hits / paged.lookups
     return [
         frag.row(

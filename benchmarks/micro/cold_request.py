@@ -8,16 +8,18 @@ prints the median microseconds next to the same step timed warm (the same reques
 copy, run twice at once; the second is timed). The copy out of a fresh view is set beside a
 copy out of a view made beforehand (the benchmark's raw baseline). Use it before and after a
 change to the request path.
-Run from the repository root: python -m benchmarks.micro.cold_request [--rounds N]
+Run from the repository root: python -m benchmarks.micro.cold_request [--rounds N] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -98,12 +100,18 @@ def measure(rounds: int) -> dict[str, tuple[float, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=1000)
-    rounds = parser.parse_args().rounds
-    if rounds <= 0:
+    parser.add_argument(
+        "--json", type=Path, metavar="OUT", help="write {step: [cold s, warm s]} as JSON"
+    )
+    args = parser.parse_args()
+    if args.rounds <= 0:
         parser.error("--rounds must be > 0")
+    steps = measure(args.rounds)
     print(f"{'step (one-item request, 4 MB item)':36} {'cold us':>9} {'warm us':>9}")
-    for name, (cold, warm) in measure(rounds).items():
+    for name, (cold, warm) in steps.items():
         print(f"{name:36} {cold * 1e6:9.1f} {warm * 1e6:9.1f}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(steps, indent=1) + "\n")
 
 
 if __name__ == "__main__":

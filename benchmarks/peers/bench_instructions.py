@@ -34,7 +34,6 @@ import gc
 import json
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -47,6 +46,8 @@ import torch
 from benchmarks.common import Row, insert_all, make_row, print_rows, skipped_row
 from benchmarks.peers import bench_peers
 from embcache import EmbeddingCache, Item
+from tests.support.callgrind import Unavailable, per_operation, total
+from tests.support.sglang_wheel import SGLangPeer
 
 ENTRY_BYTES = 256
 SHAPE = (ENTRY_BYTES // 2,)  # bf16
@@ -55,10 +56,6 @@ WARMUP = 20  # operations before counting: Python's adaptive interpreter settles
 ROOT = Path(__file__).resolve().parents[2]
 
 Op = Callable[[int], None]
-
-
-class Unavailable(RuntimeError):
-    """The count cannot run here (no valgrind, or the run failed): the message says why."""
 
 
 # ---------------------------------------------------------------------------- the two sides
@@ -98,9 +95,7 @@ def ours_hit(entries: int, batches: list[list[str]]) -> tuple[Op, Callable[[int]
 
 def sglang_hit(entries: int, batches: list[list[str]]) -> tuple[Op, Callable[[int], None]]:
     """SGLang's ``get_pool_views`` + ``release_pool_views`` of 8 cached keys, and a check."""
-    peer = bench_peers.SGLangPeer(
-        entries * ENTRY_BYTES, ENTRY_BYTES // 2, torch.bfloat16, ENTRY_BYTES
-    )
+    peer = SGLangPeer(entries * ENTRY_BYTES, ENTRY_BYTES // 2, torch.bfloat16, ENTRY_BYTES)
     tensor = torch.zeros(SHAPE, dtype=torch.bfloat16)
     for i in range(entries):
         assert peer.insert(f"img{i}", tensor)
@@ -199,15 +194,6 @@ def child(entries: int, low: int, high: int) -> None:
     print(json.dumps({"order": order, "sglang_missing": why}))
 
 
-def total(path: Path) -> int:
-    """The instruction count of one callgrind output file (its ``totals:`` or ``summary:``)."""
-    text = path.read_text()
-    found = re.search(r"^(?:totals|summary):\s*(\d+)", text, re.MULTILINE)
-    if found is None:
-        raise Unavailable(f"no totals in callgrind output {path}")
-    return int(found.group(1))
-
-
 def count(entries: int, low: int, high: int) -> tuple[dict[str, float], str | None]:
     """Instructions per operation of each side, and why SGLang's are missing (or None)."""
     valgrind = shutil.which("valgrind")
@@ -246,16 +232,6 @@ def count(entries: int, low: int, high: int) -> tuple[dict[str, float], str | No
             raise Unavailable(f"{len(order)} regions but {len(main_thread)} dumps in {out}")
         counts = [total(path) for path in main_thread]
     return per_operation(order, counts, high - low), report["sglang_missing"]
-
-
-def per_operation(order: list[str], counts: list[int], span: int) -> dict[str, float]:
-    """Each side's count per operation: its second region's count minus its first's, over
-    the ``span`` operations more that the second ran. ``order`` names each dump's side."""
-    per_op: dict[str, float] = {}
-    for i in range(0, len(order), 2):
-        assert order[i] == order[i + 1], order
-        per_op[order[i]] = (counts[i + 1] - counts[i]) / span
-    return per_op
 
 
 def rows(entries: int = 1_000, low: int = 10, high: int = 110) -> list[Row]:

@@ -43,8 +43,9 @@ import torch
 from benchmarks.common import hex_keys, make_row, print_rows, skipped_row, traced_bytes
 from benchmarks.micro import bench_fragmentation as frag
 from embcache import EmbeddingCache, Item, Request, Status
-from tests.support import sglang_wheel
+from tests.support import mixes, sglang_wheel
 from tests.support.baselines import OriginalPRController
+from tests.support.sglang_wheel import SGLangPeer
 
 MIXED_POOL = 4 << 20
 MIXED_TOKEN_BYTES = 14  # 7 bf16 values a token
@@ -63,68 +64,6 @@ def sglang_missing() -> str | None:
     except sglang_wheel.SGLangUnavailable as exc:
         return str(exc)
     return None
-
-
-class SGLangPeer:
-    """SGLang's controller, driven through its own methods (see the module docstring)."""
-
-    def __init__(self, pool_bytes: int, dim: int, dtype: torch.dtype, page_bytes: int) -> None:
-        self.module = sglang_wheel.load_controller_module()
-        self.controller = sglang_wheel.make_controller(pool_bytes, dim, dtype, page_bytes)
-        sglang_wheel.stop_io(self.controller)
-        self.pool = self.controller.vision_pool
-        self.image = sglang_wheel.image_modality()
-
-    def exists(self, keys: list[str]) -> list[bool]:
-        """``batch_is_exist``, driven without an event loop: all keys must be local."""
-        coroutine = self.controller.batch_is_exist(keys)
-        try:
-            coroutine.send(None)
-        except StopIteration as done:
-            return list(done.value)
-        coroutine.close()
-        raise RuntimeError("batch_is_exist awaited the global store: drive local hits only")
-
-    def prefetch(self, request_id: str, keys: list[str], tokens: list[int]) -> None:
-        self.controller.prefetch(request_id, keys, tokens, self.image)
-
-    def progress(self, request_id: str) -> bool:
-        return bool(self.controller.check_prefetch_progress(request_id))
-
-    def get(self, keys: list[str]) -> list[Any]:
-        return list(self.controller.get_pool_views(keys))
-
-    def release(self, keys: list[str]) -> None:
-        self.controller.release_pool_views(keys)
-
-    def insert(self, key: str, tensor: torch.Tensor) -> bool:
-        """``store_to_pool_async`` + ``wait_store_to_pool`` for one CPU tensor; False when the
-        controller skips it (present, or no pages)."""
-        controller, pool, module = self.controller, self.pool, self.module
-        rows = tensor.view(pool.dtype).view(-1, pool.dim)
-        with controller.lock:
-            if key in controller.entries:
-                controller._lru_touch(key)
-                return False
-            runs = controller._allocate_with_eviction(pool, rows.shape[0])
-            if runs is None:
-                return False
-            entry = module.EmbeddingCacheEntry(
-                hash=key,
-                modality=self.image,
-                num_tokens=rows.shape[0],
-                dim=pool.dim,
-                page_runs=runs,
-                state=module.EntryState.FILLING,
-            )
-            controller.entries[key] = entry
-        controller._copy_embedding_page_runs(
-            src=rows, dst=pool.tensor, entry=entry, pool=pool, src_is_pool=False
-        )
-        with controller.lock:
-            if controller.entries.get(key) is entry and entry.state == module.EntryState.FILLING:
-                controller._mark_ready(entry)
-        return True
 
 
 def chunked(sides: dict[str, Callable[[int], None]], ops: int, chunks: int) -> dict[str, float]:
@@ -194,7 +133,7 @@ class OursReplay(Replay):
         super().__init__(specs, inflight)
         self.cache = EmbeddingCache(
             pool_bytes,
-            alignment=frag.ALIGN,
+            alignment=mixes.ALIGN,
             max_eviction_batch=frag.MAX_BATCH,
             pin_memory=False,
             io_workers=1,
@@ -276,17 +215,17 @@ class SGLangReplay(Replay):
 
 
 def stream_specs(
-    workload: frag.Workload, real: bool
+    workload: mixes.Workload, real: bool
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """Each image's (key, shape, dtype): real sizes, or ``MIXED_TOKEN_BYTES`` a token (bf16)."""
     if real:
-        return [(s.key, (s.tokens, frag.HIDDEN), s.dtype) for s in workload.specs]
+        return [(s.key, (s.tokens, mixes.HIDDEN), s.dtype) for s in workload.specs]
     width = MIXED_TOKEN_BYTES // 2
     return [(s.key, (s.tokens, width), torch.bfloat16) for s in workload.specs]
 
 
 def wasted_bytes(
-    workload: frag.Workload, specs: Any, pool_bytes: int, sources: Any
+    workload: mixes.Workload, specs: Any, pool_bytes: int, sources: Any
 ) -> tuple[int, int]:
     """Ours' failed inserts and bytes evicted for nothing on the stream (a traced run, untimed)."""
     tally = frag.Tally()
@@ -310,14 +249,14 @@ def replay_rows(quick: bool, real: bool) -> list[dict[str, Any]]:
     why = sglang_missing()
     if why is not None:
         return [skipped_row(name, why, ">= 1.0x")]
-    workload = frag.make_workload(quick)
+    workload = mixes.make_workload(quick)
     if real and quick:
-        workload = frag.Workload(workload.specs, workload.requests[:120], workload.inflight)
+        workload = mixes.Workload(workload.specs, workload.requests[:120], workload.inflight)
     specs = stream_specs(workload, real)
     pool_bytes = REAL_POOL if real else MIXED_POOL
     largest = max(shape[0] * shape[1] for _, shape, _ in specs)
     sources = {d: torch.zeros(largest, dtype=d) for d in (torch.bfloat16, torch.float32)}
-    dim = frag.HIDDEN if real else MIXED_TOKEN_BYTES // 2
+    dim = mixes.HIDDEN if real else MIXED_TOKEN_BYTES // 2
     peer = SGLangPeer(pool_bytes, dim, torch.bfloat16, page)
     contenders: dict[str, Replay] = {
         "ours": OursReplay(specs, workload.inflight, pool_bytes, sources),
@@ -346,7 +285,7 @@ def replay_rows(quick: bool, real: bool) -> list[dict[str, Any]]:
         ),
     ]
     if not real:  # the trace tells what was evicted for nothing; a second, untimed run
-        timed = frag.Workload(
+        timed = mixes.Workload(
             workload.specs, requests[: (chunks + 1) * per_chunk], workload.inflight
         )
         failures, wasted = wasted_bytes(timed, specs, pool_bytes, sources)

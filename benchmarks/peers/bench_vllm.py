@@ -54,6 +54,7 @@ import torch
 
 from benchmarks.common import make_row, print_rows, skipped_row
 from tests.support import vllm_wheel
+from tests.support.callgrind import dump_totals
 from tests.support.vllm_wheel import FakeRequest, vllm_config
 
 MB = 1 << 20
@@ -345,18 +346,6 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
         return [skipped_row("vllm connector", str(exc))]
     _steady_malloc()
     return side_by_side_rows(quick) + scheduler_rows(quick) + worker_rows(quick)
-
-
-def dump_totals(out: Path) -> list[int]:
-    """The ``totals:`` instruction count of each callgrind dump ``out.1``, ``out.2``, ..."""
-    counts = []
-    for n in range(1, 10):
-        dump = out.with_name(f"{out.name}.{n}")
-        if not dump.exists():
-            break
-        lines = dump.read_text().splitlines()
-        counts.append(next(int(x.split()[1]) for x in lines if x.startswith("totals:")))
-    return counts
 
 
 def _callgrind(probe: str, args: list[str]) -> list[int]:

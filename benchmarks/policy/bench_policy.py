@@ -34,20 +34,22 @@ steady mix replayed on both) against a hit of an 8-item all-hit request through 
 cache; and that request's cost per item with ``tinylfu`` against ``lru``; chunks alternated,
 timed in CPU time of the calling thread (``time.thread_time``: a shared machine's load, which
 takes the CPU away between chunks, does not count).
-Run from the repository root: python -m benchmarks.policy.bench_policy [--quick]
+Run from the repository root: python -m benchmarks.policy.bench_policy [--quick] [--json OUT];
+``--check-real POLICY ... [--requests N]`` runs only that check, printing the real run's counts.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import math
 import random
 import statistics
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,8 @@ from embcache import EmbeddingCache, Item, Request, Status
 from embcache.core.eviction import choose_victims
 from embcache.core.policy import Policy, make_policy
 from embcache.driver.allocator import Block, RangeAllocator
+from tests.support import mixes
+from tests.support.rows import json_row
 
 MIXES = ("steady", "drift", "scan", "1GiB")
 CHOSEN = "tinylfu"
@@ -72,37 +76,12 @@ LRU_MARGIN = 3.0  # points of tokens saved over our LRU on the steady and scan m
 COSTED = (CHOSEN, "adaptive")  # the policies whose record + admit and hit request are timed
 
 
-@dataclass
-class Result:
-    """What one contender did on one mix."""
-
-    lookups: int = 0
-    hits: int = 0
-    lookup_tokens: int = 0
-    hit_tokens: int = 0
-    inserts: int = 0
-    failed: int = 0  # no run of free blocks and victims fits (or too few bytes idle)
-    refused: int = 0  # not admitted by the policy
-    evictions: int = 0
-    inserted_bytes: int = 0  # of the inserts that took a range
-    evicted_bytes: int = 0
-    seconds: float = 0.0
-
-    @property
-    def tokens_saved(self) -> float:
-        return 100 * self.hit_tokens / self.lookup_tokens
-
-    @property
-    def hit_ratio(self) -> float:
-        return 100 * self.hits / self.lookups
-
-
 # ---------------------------------------------------------------------------- mixes
-def make_mix(mix: str, quick: bool, seed: int = 7) -> frag.Workload:
+def make_mix(mix: str, quick: bool, seed: int = 7) -> mixes.Workload:
     """The requests of ``mix`` (one of ``MIXES``) over the fragmentation catalogue."""
     if mix == "1GiB":  # short enough to run whole even in quick mode
-        return frag.make_workload(False, seed)
-    base = frag.make_workload(quick, seed)
+        return mixes.make_workload(False, seed)
+    base = mixes.make_workload(quick, seed)
     universe = len(base.specs)
     specs = list(base.specs)
     weights = [1.0 / (rank + 1) ** 0.9 for rank in range(universe)]
@@ -114,9 +93,9 @@ def make_mix(mix: str, quick: bool, seed: int = 7) -> frag.Workload:
         if mix == "drift" and n % DRIFT_EVERY == 0:
             shuffler.shuffle(owner)
         if mix == "scan" and n % SCAN_EVERY == SCAN_EVERY - 1:
-            log_tokens = rng.uniform(math.log(frag.MIN_TOKENS), math.log(frag.MAX_TOKENS))
+            log_tokens = rng.uniform(math.log(mixes.MIN_TOKENS), math.log(mixes.MAX_TOKENS))
             dtype = specs[rng.randrange(universe)].dtype  # 70% bf16, as the catalogue
-            specs.append(frag.Spec(f"scan{n}", round(math.exp(log_tokens)), dtype))
+            specs.append(mixes.Spec(f"scan{n}", round(math.exp(log_tokens)), dtype))
             requests.append([len(specs) - 1])
             continue
         chosen: list[int] = []
@@ -126,7 +105,7 @@ def make_mix(mix: str, quick: bool, seed: int = 7) -> frag.Workload:
             if image not in chosen:
                 chosen.append(image)
         requests.append(chosen)
-    return frag.Workload(specs, requests, base.inflight)
+    return mixes.Workload(specs, requests, base.inflight)
 
 
 # ---------------------------------------------------------------------------- candidates
@@ -275,7 +254,7 @@ class Simulated:
 
     def __init__(self, capacity: int, policy: Policy, calls: list[tuple[Any, ...]] | None) -> None:
         self.inserted_bytes = self.evicted_bytes = 0
-        self.allocator = RangeAllocator(capacity, frag.ALIGN)
+        self.allocator = RangeAllocator(capacity, mixes.ALIGN)
         self.policy = policy
         self.order = policy.order()
         self.entries: dict[str, tuple[int, int]] = {}  # key -> (offset, size)
@@ -351,15 +330,15 @@ class Simulated:
 
 
 def simulate(
-    workload: frag.Workload,
+    workload: mixes.Workload,
     policy: Policy,
     calls: list[tuple[Any, ...]] | None = None,
     capacity: int = frag.POOL_BYTES,
-) -> Result:
+) -> mixes.Result:
     """Replay ``workload`` as ``bench_fragmentation.run_ours`` drives the cache (a pool of
     ``capacity`` bytes), with ``policy`` (the pins of a request go when it closes, in the order
     it looked the keys up, as the cache releases them)."""
-    result = Result()
+    result = mixes.Result()
     cache = Simulated(capacity, policy, calls)
     open_requests: deque[list[str]] = deque()
     started = time.perf_counter()
@@ -399,19 +378,19 @@ def simulate(
     return result
 
 
-def run_real(workload: frag.Workload, policy: str) -> Result:
+def run_real(workload: mixes.Workload, policy: str) -> mixes.Result:
     """Drive a real ``EmbeddingCache(policy=policy)`` as ``bench_fragmentation.run_ours`` does:
     each request looks its items up reserving the misses, inserts what it reserved (real
     copies of real-sized tensors) and stays open while the next ``inflight`` requests run."""
-    result = Result()
+    result = mixes.Result()
     sources = {
-        dtype: torch.empty(frag.MAX_TOKENS * frag.HIDDEN, dtype=dtype)
+        dtype: torch.empty(mixes.MAX_TOKENS * mixes.HIDDEN, dtype=dtype)
         for dtype in (torch.bfloat16, torch.float32)
     }
     started = time.perf_counter()
     with EmbeddingCache(
         frag.POOL_BYTES,
-        alignment=frag.ALIGN,
+        alignment=mixes.ALIGN,
         max_eviction_batch=frag.MAX_BATCH,
         pin_memory=False,
         io_workers=1,
@@ -434,7 +413,7 @@ def run_real(workload: frag.Workload, policy: str) -> Result:
                     reserved.append(spec)
             if reserved:
                 tensors = [
-                    sources[s.dtype][: s.tokens * frag.HIDDEN].view(s.tokens, frag.HIDDEN)
+                    sources[s.dtype][: s.tokens * mixes.HIDDEN].view(s.tokens, mixes.HIDDEN)
                     for s in reserved
                 ]
                 assert all(request.insert([s.key for s in reserved], tensors, publish=False))
@@ -454,7 +433,7 @@ def run_real(workload: frag.Workload, policy: str) -> Result:
     return result
 
 
-def checked_real(workload: frag.Workload, policy: str) -> Result:
+def checked_real(workload: mixes.Workload, policy: str) -> mixes.Result:
     """``run_real``, and the simulation of the same policy, which must agree with it exactly
     (hits, tokens saved, refusals, failures, evictions): the candidates run only simulated."""
     real = run_real(workload, policy)
@@ -468,9 +447,9 @@ def checked_real(workload: frag.Workload, policy: str) -> Result:
     return real
 
 
-def from_tally(tally: frag.Tally) -> Result:
-    """A baseline's tally as a ``Result``."""
-    return Result(
+def from_tally(tally: frag.Tally) -> mixes.Result:
+    """A baseline's tally as a ``mixes.Result``."""
+    return mixes.Result(
         lookups=tally.lookups,
         hits=tally.hits,
         lookup_tokens=tally.lookup_tokens,
@@ -484,7 +463,7 @@ def from_tally(tally: frag.Tally) -> Result:
     )
 
 
-def measure(quick: bool) -> dict[str, dict[str, Result]]:
+def measure(quick: bool) -> dict[str, dict[str, mixes.Result]]:
     """Results[mix][contender]: the baselines, then ``CONTENDERS``. ``REAL`` contenders run
     through the real cache (checked against the simulation); with ``quick``, every contender
     is simulated and the check runs on the first ``QUICK_CHECK`` requests of the scan mix."""
@@ -493,7 +472,7 @@ def measure(quick: bool) -> dict[str, dict[str, Result]]:
         check.requests[:] = check.requests[:QUICK_CHECK]
         for name in REAL:
             checked_real(check, name)
-    out: dict[str, dict[str, Result]] = {}
+    out: dict[str, dict[str, mixes.Result]] = {}
     for mix in MIXES:
         workload = make_mix(mix, quick)
         results = {mode: from_tally(frag.run_baseline(workload, mode)) for mode in frag.BASELINES}
@@ -611,7 +590,7 @@ def hit_request_row(quick: bool, entries: int = 1000, policy: str = CHOSEN) -> d
 
 
 # ---------------------------------------------------------------------------- rows
-def rows_of(results: dict[str, dict[str, Result]]) -> list[dict[str, Any]]:
+def rows_of(results: dict[str, dict[str, mixes.Result]]) -> list[dict[str, Any]]:
     """Target rows (the chosen policy's tokens saved against each baseline and our LRU, per
     mix) and context rows: the candidates' tokens saved, everyone's hit ratio against our
     LRU's, failed inserts and refusals where there are any (and always the chosen policy's):
@@ -690,7 +669,7 @@ def rows_of(results: dict[str, dict[str, Result]]) -> list[dict[str, Any]]:
     return rows
 
 
-def table(results: dict[str, dict[str, Result]]) -> str:
+def table(results: dict[str, dict[str, mixes.Result]]) -> str:
     """The whole table, contender x mix: tokens saved, hit ratio, failed inserts, refusals."""
     names = list(next(iter(results.values())))
     head = f"{'contender':28}" + "".join(f" | {mix:>27}" for mix in results)
@@ -759,17 +738,47 @@ def plot(plt: Any, rows: list[dict[str, Any]], out: Path) -> Path | None:
     return path
 
 
+def check_real(policies: Sequence[str], requests: int) -> dict[str, dict[str, Any]]:
+    """Each policy through the real cache and the simulation on the first ``requests``
+    requests of the quick scan mix (``checked_real``: raises if they depart): the real run's
+    counts, by policy."""
+    out = {}
+    for policy in policies:
+        workload = make_mix("scan", quick=True)
+        workload.requests[:] = workload.requests[:requests]
+        out[policy] = dataclasses.asdict(checked_real(workload, policy))
+    return out
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write DIR/policy.png")
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write the rows as a JSON list")
+    parser.add_argument(
+        "--check-real",
+        nargs="+",
+        metavar="POLICY",
+        help="only check the simulation against the real cache for these policies",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=QUICK_CHECK, help="requests of --check-real's run"
+    )
     args = parser.parse_args()
+    if args.check_real:
+        counts = check_real(args.check_real, args.requests)
+        print(json.dumps(counts, indent=1))
+        if args.json is not None:
+            args.json.write_text(json.dumps(counts, indent=1) + "\n")
+        raise SystemExit(0)
     results = measure(args.quick)
     print(table(results))
     print()
     costs = [row(args.quick, policy=p) for p in COSTED for row in (cost_row, hit_request_row)]
     rows = [*rows_of(results), *costs]
     print_rows(rows)
+    if args.json is not None:
+        args.json.write_text(json.dumps([json_row(r) for r in rows], indent=1) + "\n")
     if args.plot is not None:
         from benchmarks.common import require_matplotlib
 

@@ -25,7 +25,7 @@ contiguity: a contiguous pool evicts a whole window where a paged one evicts pag
 ``--tiny`` (the CI smoke test): two drift periods x two skews + steady + scan on the 4 MiB pool,
 one seed, 400 requests.
 Run from the repository root: python -m benchmarks.policy.bench_policy_grid [--tiny] [--plot DIR]
-[--jobs N] [--markdown OUT] (the runs are independent; N processes share them out;
+[--jobs N] [--markdown OUT] [--json OUT] (the runs are independent; N processes share them out;
 ``benchmarks/policy_grid.md`` is its markdown page).
 """
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import heapq
+import json
 import math
 import os
 import platform
@@ -52,8 +52,10 @@ from tqdm import tqdm
 from benchmarks.common import make_row, print_rows
 from benchmarks.micro import bench_fragmentation as frag
 from benchmarks.micro import bench_paged
-from benchmarks.policy.bench_policy import Result, from_tally, simulate
+from benchmarks.policy.bench_policy import from_tally, simulate
 from embcache.core.policy import make_policy
+from tests.support import mixes
+from tests.support.rows import json_row
 
 PERIODS = (100, 250, 500, 1000, 2000)
 SKEWS = (0.6, 0.8, 1.0, 1.2)
@@ -85,17 +87,6 @@ POOLS = (Pool("4MiB", 4 << 20, 14, 1024), Pool("1GiB", 1 << 30, None, bench_page
 
 
 @dataclass(frozen=True)
-class SmallSpec(frag.Spec):
-    """An entry of ``tokens`` x ``token_bytes`` bytes (the 4 MiB pool's catalogue)."""
-
-    token_bytes: int = 14
-
-    @property
-    def nbytes(self) -> int:
-        return self.tokens * self.token_bytes
-
-
-@dataclass(frozen=True)
 class Cell:
     """One mix on one pool: ``mix`` is ``drift``, ``steady`` or ``scan``."""
 
@@ -121,16 +112,16 @@ def cells(tiny: bool) -> list[Cell]:
     return out
 
 
-def spec(pool: Pool, key: str, rng: random.Random) -> frag.Spec:
+def spec(pool: Pool, key: str, rng: random.Random) -> mixes.Spec:
     """One image of the pool's catalogue: log-uniform tokens; 70% bf16 at real sizes."""
-    tokens = round(math.exp(rng.uniform(math.log(frag.MIN_TOKENS), math.log(frag.MAX_TOKENS))))
+    tokens = round(math.exp(rng.uniform(math.log(mixes.MIN_TOKENS), math.log(mixes.MAX_TOKENS))))
     dtype = torch.bfloat16 if rng.random() < 0.7 else torch.float32
     if pool.token_bytes is None:
-        return frag.Spec(key, tokens, dtype)
-    return SmallSpec(key, tokens, dtype, pool.token_bytes)
+        return mixes.Spec(key, tokens, dtype)
+    return mixes.SmallSpec(key, tokens, dtype, pool.token_bytes)
 
 
-def workload(cell: Cell, seed: int, requests: int) -> frag.Workload:
+def workload(cell: Cell, seed: int, requests: int) -> mixes.Workload:
     """The requests of ``cell`` drawn from ``seed``: Zipf(skew) over the catalogue, its ranking
     reshuffled every ``period`` requests (drift), or one new image every third request (scan)."""
     rng, shuffler = random.Random(seed), random.Random(seed + 1)
@@ -153,7 +144,7 @@ def workload(cell: Cell, seed: int, requests: int) -> frag.Workload:
             if image not in chosen:
                 chosen.append(image)
         out.append(chosen)
-    return frag.Workload(specs, out, inflight=4)
+    return mixes.Workload(specs, out, inflight=4)
 
 
 def _accumulate(weights: list[float]) -> Iterator[float]:
@@ -164,60 +155,8 @@ def _accumulate(weights: list[float]) -> Iterator[float]:
 
 
 # ---------------------------------------------------------------------------- the optimum
-def optimum(load: frag.Workload, capacity: int) -> Result:
-    """Belady on bytes (contiguity and pins ignored): on a miss, evict the entries whose next
-    lookup is furthest away until the candidate fits, unless the candidate's own next lookup is
-    further than theirs (then it is not cached). O(lookups log entries)."""
-    lookups = [index for request in load.requests for index in request]
-    never = len(lookups)
-    upcoming = [never] * len(lookups)
-    last: dict[int, int] = {}
-    for position in range(len(lookups) - 1, -1, -1):
-        upcoming[position] = last.get(lookups[position], never)
-        last[lookups[position]] = position
-    result = Result()
-    resident: dict[int, int] = {}  # image -> its next lookup
-    furthest: list[tuple[int, int]] = []  # (-next lookup, image); stale pairs skipped
-    used = 0
-    for position, index in enumerate(lookups):
-        item = load.specs[index]
-        size = frag.aligned(item.nbytes)
-        result.lookups += 1
-        result.lookup_tokens += item.tokens
-        following = upcoming[position]
-        if index in resident:
-            result.hits += 1
-            result.hit_tokens += item.tokens
-            resident[index] = following
-            heapq.heappush(furthest, (-following, index))
-            continue
-        result.inserts += 1
-        if following == never or size > capacity:
-            continue
-        while used + size > capacity:
-            later, victim = furthest[0]
-            if resident.get(victim) != -later:
-                heapq.heappop(furthest)
-                continue
-            if -later <= following:
-                break
-            heapq.heappop(furthest)
-            del resident[victim]
-            used -= frag.aligned(load.specs[victim].nbytes)
-            result.evictions += 1
-            result.evicted_bytes += frag.aligned(load.specs[victim].nbytes)
-        if used + size > capacity:
-            result.refused += 1
-            continue
-        resident[index] = following
-        heapq.heappush(furthest, (-following, index))
-        used += size
-        result.inserted_bytes += size
-    return result
-
-
 # ---------------------------------------------------------------------------- the grid
-def run_cell(cell: Cell, seed: int, requests: int) -> dict[str, Result]:
+def run_cell(cell: Cell, seed: int, requests: int) -> dict[str, mixes.Result]:
     """Every contender on one seed of ``cell``."""
     load = workload(cell, seed, requests)
     pool = cell.pool
@@ -227,7 +166,7 @@ def run_cell(cell: Cell, seed: int, requests: int) -> dict[str, Result]:
     out[PAGED] = from_tally(bench_paged.run_paged(load, pool.capacity, pool.page))
     for name in OURS:
         out[name] = simulate(load, make_policy(name), capacity=pool.capacity)
-    out[OPTIMUM] = optimum(load, pool.capacity)
+    out[OPTIMUM] = mixes.optimum(load, pool.capacity)
     return out
 
 
@@ -252,7 +191,7 @@ def measure(tiny: bool, jobs: int = 1) -> dict[Cell, Summary]:
     processes (a progress bar on stderr)."""
     requests, seeds = (400, SEEDS[:1]) if tiny else (REQUESTS, SEEDS)
     grid = cells(tiny)
-    runs: dict[Cell, list[dict[str, Result]]] = {cell: [] for cell in grid}
+    runs: dict[Cell, list[dict[str, mixes.Result]]] = {cell: [] for cell in grid}
     work = [(cell, seed) for cell in grid for seed in seeds]
     with contextlib.ExitStack() as stack:
         bar = stack.enter_context(tqdm(total=len(work), desc="policy grid", unit="run"))
@@ -278,7 +217,7 @@ def measure(tiny: bool, jobs: int = 1) -> dict[Cell, Summary]:
     return out
 
 
-def _churn(result: Result) -> float:
+def _churn(result: mixes.Result) -> float:
     return result.evicted_bytes / result.inserted_bytes if result.inserted_bytes else 0.0
 
 
@@ -426,6 +365,23 @@ def heat(rows: list[dict[str, Any]]) -> dict[str, dict[tuple[str, float], tuple[
     return {pool: {k: (v[0], v[1]) for k, v in cells_.items()} for pool, cells_ in out.items()}
 
 
+def as_json(grid: dict[Cell, Summary], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``--json``'s object: ``rows``; ``cells``, in the grid's order, each with its label, the
+    means of each contender (``saved``, ``churn``) and the default's ``margin``; and ``heat``,
+    pool -> ``[row label, skew, margin, optimum's margin]`` read back from the rows."""
+    return {
+        "rows": [json_row(r) for r in rows],
+        "cells": [
+            {"label": c.label, "saved": s.saved, "churn": s.churn, "margin": s.margin()}
+            for c, s in grid.items()
+        ],
+        "heat": {
+            pool: [[label, skew, *pair] for (label, skew), pair in values.items()]
+            for pool, values in heat(rows).items()
+        },
+    }
+
+
 def plot(plt: Any, rows: list[dict[str, Any]], out: Path) -> Path | None:
     """Heatmaps per pool, drift period x skew: the default's margin over the best baseline,
     and the optimum's margin over the default (points of tokens saved)."""
@@ -472,6 +428,9 @@ if __name__ == "__main__":
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write DIR/policy_grid.png")
     parser.add_argument("--jobs", type=int, default=1, help="processes running the cells")
     parser.add_argument("--markdown", type=Path, metavar="OUT", help="write the grid to OUT")
+    parser.add_argument(
+        "--json", type=Path, metavar="OUT", help="write the rows, each cell's means and the heat"
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     results = measure(args.tiny, args.jobs)
@@ -482,6 +441,8 @@ if __name__ == "__main__":
     print()
     rows = rows_of(results)
     print_rows(rows)
+    if args.json is not None:
+        args.json.write_text(json.dumps(as_json(results, rows), indent=1) + "\n")
     if args.plot is not None:
         from benchmarks.common import require_matplotlib
 

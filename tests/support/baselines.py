@@ -1,13 +1,18 @@
-"""Baselines that reproduce the naive designs embcache replaces, for side-by-side benchmarks."""
+"""Baselines that reproduce the naive designs embcache replaces, for side-by-side benchmarks,
+and the fragmented state the allocator baselines are compared in (``half_freed``)."""
 
 from __future__ import annotations
 
 import math
+import random
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from typing import Any
 
 import torch
 from sortedcontainers import SortedDict, SortedList
+
+from embcache.driver.allocator import RangeAllocator
 
 
 class NaiveAllocator:
@@ -185,3 +190,53 @@ class OriginalPRController:
         with self.lock:
             self.refs[key] -= 1
         return True
+
+
+class ScanLRUCache:
+    """Baseline: one recency list of all entries; eviction scans it from the head, skipping
+    pinned entries (O(pinned) per victim)."""
+
+    def __init__(self, capacity: int, alignment: int = 256) -> None:
+        self.allocator = RangeAllocator(capacity, alignment)
+        self.pool = torch.empty(capacity, dtype=torch.uint8)
+        self.entries: dict[str, tuple[int, int]] = {}
+        self.pins: Counter[str] = Counter()
+        self.recency: OrderedDict[str, None] = OrderedDict()  # every entry, oldest first
+
+    def insert(self, key: str, tensor: torch.Tensor) -> bool:
+        """Insert ``key`` pinned (the caller releases it); evict idle entries from the head."""
+        size = self.allocator.rounded(tensor.nbytes)
+        offset = self.allocator.allocate(size)
+        while offset is None:
+            victim = next((k for k in self.recency if not self.pins[k]), None)
+            if victim is None:
+                return False
+            del self.recency[victim]
+            self.allocator.free(self.entries.pop(victim)[0])
+            offset = self.allocator.allocate(size)
+        self.pool[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(
+            tensor
+        )
+        self.entries[key] = (offset, size)
+        self.recency[key] = None
+        self.pins[key] += 1
+        return True
+
+    def release(self, key: str) -> None:
+        self.pins[key] -= 1
+        if not self.pins[key]:
+            del self.pins[key]
+            self.recency.move_to_end(key)
+
+
+def half_freed(make: Any, live: int, seed: int, align: int = 256) -> Any:
+    """An allocator from ``make(capacity, align)`` filled by ``live`` blocks of 1..8 ``align``
+    units, then a random half of them freed (the same holes for every allocator class)."""
+    rng = random.Random(seed)
+    sizes = [align * rng.randint(1, 8) for _ in range(live)]
+    alloc = make(sum(sizes), align)
+    offsets = [alloc.allocate(s) for s in sizes]
+    for offset in rng.sample(offsets, live // 2):
+        assert offset is not None
+        alloc.free(offset)
+    return alloc

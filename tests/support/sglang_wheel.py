@@ -220,6 +220,70 @@ def image_modality() -> Any:
     return load_controller_module().Modality.IMAGE
 
 
+class SGLangPeer:
+    """SGLang's controller with pages of about ``page_bytes``, driven through its own methods as
+    its scheduler drives it: ``batch_is_exist``, ``prefetch``, ``get_pool_views`` and
+    ``release_pool_views``, and an insert as ``store_to_pool_async`` makes it."""
+
+    def __init__(self, pool_bytes: int, dim: int, dtype: torch.dtype, page_bytes: int) -> None:
+        self.module = load_controller_module()
+        self.controller = make_controller(pool_bytes, dim, dtype, page_bytes)
+        stop_io(self.controller)
+        self.pool = self.controller.vision_pool
+        self.image = image_modality()
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        """``batch_is_exist``, driven without an event loop: all keys must be local."""
+        coroutine = self.controller.batch_is_exist(keys)
+        try:
+            coroutine.send(None)
+        except StopIteration as done:
+            return list(done.value)
+        coroutine.close()
+        raise RuntimeError("batch_is_exist awaited the global store: drive local hits only")
+
+    def prefetch(self, request_id: str, keys: list[str], tokens: list[int]) -> None:
+        self.controller.prefetch(request_id, keys, tokens, self.image)
+
+    def progress(self, request_id: str) -> bool:
+        return bool(self.controller.check_prefetch_progress(request_id))
+
+    def get(self, keys: list[str]) -> list[Any]:
+        return list(self.controller.get_pool_views(keys))
+
+    def release(self, keys: list[str]) -> None:
+        self.controller.release_pool_views(keys)
+
+    def insert(self, key: str, tensor: torch.Tensor) -> bool:
+        """``store_to_pool_async`` + ``wait_store_to_pool`` for one CPU tensor; False when the
+        controller skips it (present, or no pages)."""
+        controller, pool, module = self.controller, self.pool, self.module
+        rows = tensor.view(pool.dtype).view(-1, pool.dim)
+        with controller.lock:
+            if key in controller.entries:
+                controller._lru_touch(key)
+                return False
+            runs = controller._allocate_with_eviction(pool, rows.shape[0])
+            if runs is None:
+                return False
+            entry = module.EmbeddingCacheEntry(
+                hash=key,
+                modality=self.image,
+                num_tokens=rows.shape[0],
+                dim=pool.dim,
+                page_runs=runs,
+                state=module.EntryState.FILLING,
+            )
+            controller.entries[key] = entry
+        controller._copy_embedding_page_runs(
+            src=rows, dst=pool.tensor, entry=entry, pool=pool, src_is_pool=False
+        )
+        with controller.lock:
+            if controller.entries.get(key) is entry and entry.state == module.EntryState.FILLING:
+                controller._mark_ready(entry)
+        return True
+
+
 if __name__ == "__main__":
     loaded = load_controller_module()
     print(f"{loaded.__name__} from {loaded.__file__}")
