@@ -421,6 +421,9 @@ def summary(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+FENCE = ("max_age_s", "min_interval_s", "check_interval_s")  # --fence's three values
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -434,6 +437,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=60.0, help="RSS baseline after this")
     parser.add_argument(
         "--segment-mib", type=int, default=16, help="memory this process lends to the store"
+    )
+    parser.add_argument(
+        "--fence",
+        type=float,
+        nargs=3,
+        default=None,
+        metavar=("MAX_AGE_S", "MIN_INTERVAL_S", "CHECK_INTERVAL_S"),
+        help="the cache's automatic fencing (FencePolicy; default: the cache's own)",
     )
     parser.add_argument("--seed", type=int, default=None, help="default: random, printed")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
@@ -454,6 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=seed,
         warmup_s=args.warmup_s,
         segment_mib=args.segment_mib,
+        policy=None
+        if args.fence is None
+        else FencePolicy(**dict(zip(FENCE, args.fence, strict=True))),
         progress=args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty()),
     )
     print(summary(result), flush=True)
