@@ -225,34 +225,39 @@ def test_neighbour_queries_match_the_block_list(sizes: list[int], freed: list[bo
 
 
 def corrupted(corrupt: str) -> str:
-    """The message of check_invariants after one corruption of the allocator's indexes."""
+    """The message of check_invariants after one corruption of the allocator's indexes (the
+    first invariant it breaks: a block removed also leaves ``allocated_bytes`` stale, checked
+    last)."""
     a = RangeAllocator(8 * 256, alignment=256)
     a.allocate(256)
     a.allocate(256)
     a.check_invariants()  # blocks: [0, 256) and [256, 512) allocated, [512, 2048) free
+    # private: check_invariants is tested on the allocator's own indexes, corrupted in place
+    free, allocated, end, by_size = a._free, a._allocated, a._end, a._free_by_size
     if corrupt == "size_index":
-        a._free_by_size.add(1)
+        by_size.add(1)
     elif corrupt == "end_index":
-        a._end[1024] = 512
+        end[1024] = 512
     elif corrupt == "free_and_allocated":
-        a._free[0] = 256
+        free[0] = 256
     elif corrupt == "not_coalesced":
-        a._free_by_size.clear()
-        a._free = {512: 1024, 1024: 2048}
-        a._end = {256: 0, 512: 256, 1024: 512, 2048: 1024}
-        a._free_by_size.update([2 * 8 + 2, 4 * 8 + 4])
+        by_size.clear()
+        free.clear()
+        free.update({512: 1024, 1024: 2048})
+        end.clear()
+        end.update({256: 0, 512: 256, 1024: 512, 2048: 1024})
+        by_size.update([2 * 8 + 2, 4 * 8 + 4])
     elif corrupt == "gap":
-        del a._allocated[0], a._end[256]
-        a._allocated_bytes -= 256
+        del allocated[0], end[256]
     elif corrupt == "unaligned":
-        a._allocated[0] = 240
-        a._end = {240: 0, 512: 256, 2048: 512}
-        a._allocated_bytes -= 16
+        allocated[0] = 240
+        end.clear()
+        end.update({240: 0, 512: 256, 2048: 512})
     elif corrupt == "short":
-        del a._free[512], a._end[2048]
-        a._free_by_size.clear()
+        del free[512], end[2048]
+        by_size.clear()
     elif corrupt == "allocated_bytes":
-        a._allocated_bytes += 256
+        a._allocated_bytes += 256  # private: the byte count itself, its own check
     with pytest.raises(InvariantError) as info:
         a.check_invariants()
     return str(info.value)

@@ -103,6 +103,16 @@ def cache() -> Iterator[EmbeddingCache]:
     c.close()
 
 
+def cache_lock(cache: EmbeddingCache) -> HierarchyLock:
+    """The cache's own lock: a test holds it as a bug inside the driver would."""
+    return cache._lock  # private: the lock-order checker is tested on the cache's own lock
+
+
+def allocator_lock(allocator: RangeAllocator) -> HierarchyLock:
+    """The allocator's own lock (level 2), which only its methods take."""
+    return allocator._lock  # private: the lock-order checker is tested on the allocator's lock
+
+
 def tensor(seed: int, n: int = 256) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int32) * 7919 + seed
 
@@ -110,7 +120,7 @@ def tensor(seed: int, n: int = 256) -> torch.Tensor:
 def assert_usable(cache: EmbeddingCache) -> None:
     """After a caught violation: this thread holds nothing, and the cache still works."""
     assert_unlocked("checking that a violation left no lock behind")
-    assert not cache._lock.locked()
+    assert not cache_lock(cache).locked()
     with cache.request("after") as request:
         assert request.insert(["after"], [tensor(1)], publish=False) == [True]
         assert [s.status.name for s in request.lookup([Item("after", (256,), torch.int32)])] == [
@@ -126,13 +136,12 @@ def assert_usable(cache: EmbeddingCache) -> None:
 def test_allocator_lock_then_cache_lock_is_refused(
     checking: None, cache: EmbeddingCache, allocator: RangeAllocator
 ) -> None:
-    allocator_lock = allocator._lock
-    with allocator_lock, pytest.raises(LockOrderError) as caught:
-        cache._lock.acquire()
+    with allocator_lock(allocator), pytest.raises(LockOrderError) as caught:
+        cache_lock(cache).acquire()
     message = str(caught.value)
     assert "taking cache lock (level 1) while holding allocator lock (level 2)" in message
     assert "increasing level order" in message
-    assert not cache._lock.locked(), "a refused acquisition must not take the lock"
+    assert not cache_lock(cache).locked(), "a refused acquisition must not take the lock"
     assert_usable(cache)
 
 
@@ -140,8 +149,7 @@ def test_cache_method_called_while_holding_the_allocator_lock_is_refused(
     checking: None, cache: EmbeddingCache, allocator: RangeAllocator
 ) -> None:
     """The same inversion through the public API: a cache call from under the allocator lock."""
-    allocator_lock = allocator._lock
-    with allocator_lock, pytest.raises(LockOrderError, match="while holding allocator"):
+    with allocator_lock(allocator), pytest.raises(LockOrderError, match="while holding allocator"):
         cache.stats()
     assert_usable(cache)
 
@@ -149,7 +157,7 @@ def test_cache_method_called_while_holding_the_allocator_lock_is_refused(
 def test_cache_lock_then_allocator_lock_is_the_allowed_order(
     checking: None, cache: EmbeddingCache, allocator: RangeAllocator
 ) -> None:
-    with cache._lock:
+    with cache_lock(cache):
         assert allocator.allocate(256) == 0  # takes level 2 under level 1
         allocator.free(0)
     assert_usable(cache)
@@ -159,7 +167,7 @@ def test_cache_lock_then_allocator_lock_is_the_allowed_order(
 def test_reentrant_acquisition_is_refused(
     checking: None, cache: EmbeddingCache, allocator: RangeAllocator, which: str
 ) -> None:
-    lock = cache._lock if which == "cache" else allocator._lock
+    lock = cache_lock(cache) if which == "cache" else allocator_lock(allocator)
     with lock, pytest.raises(LockOrderError) as caught:
         lock.acquire()
     level = 1 if which == "cache" else 2
@@ -174,7 +182,7 @@ def test_reentrant_cache_call_from_under_the_cache_lock_is_refused(
 ) -> None:
     """A controller bug that calls a public method while holding its own lock is a loud error,
     not a silent deadlock."""
-    with cache._lock, pytest.raises(LockOrderError, match="while holding cache lock"):
+    with cache_lock(cache), pytest.raises(LockOrderError, match="while holding cache lock"):
         cache.remove("k")
     assert_usable(cache)
 
@@ -182,7 +190,7 @@ def test_reentrant_cache_call_from_under_the_cache_lock_is_refused(
 def test_allocator_call_under_its_own_lock_is_refused(
     checking: None, cache: EmbeddingCache, allocator: RangeAllocator
 ) -> None:
-    with allocator._lock, pytest.raises(LockOrderError, match="allocator lock"):
+    with allocator_lock(allocator), pytest.raises(LockOrderError, match="allocator lock"):
         allocator.allocate(256)
     assert allocator.allocated_bytes == 0
     assert_usable(cache)
@@ -192,7 +200,7 @@ def test_store_call_under_the_cache_lock_is_refused(checking: None, cache: Embed
     store = cache.store
     assert isinstance(store, ProbeStore)
     store.put_object("k", raw(tensor(3)))
-    with cache._lock:
+    with cache_lock(cache):
         with pytest.raises(LockOrderError) as caught:
             store.get_into(["k"], [0], [1024])
         with pytest.raises(LockOrderError, match="store put_from while holding cache lock"):
@@ -209,7 +217,7 @@ def test_store_call_under_the_cache_lock_is_refused(checking: None, cache: Embed
 def test_store_call_under_the_allocator_lock_names_both_held_locks(
     checking: None, cache: EmbeddingCache, allocator: RangeAllocator
 ) -> None:
-    with cache._lock, allocator._lock, pytest.raises(LockOrderError) as caught:
+    with cache_lock(cache), allocator_lock(allocator), pytest.raises(LockOrderError) as caught:
         cache.store.fence()
     assert "store fence while holding cache lock, allocator lock" in str(caught.value)
     assert_usable(cache)
@@ -218,7 +226,9 @@ def test_store_call_under_the_allocator_lock_names_both_held_locks(
 def test_payload_copy_under_the_cache_lock_is_refused(
     checking: None, cache: EmbeddingCache
 ) -> None:
-    with cache._lock, pytest.raises(LockOrderError, match="payload copy while holding cache lock"):
+    refused = pytest.raises(LockOrderError, match="payload copy while holding cache lock")
+    with cache_lock(cache), refused:
+        # private: the copy helper's own guard (an insert would be refused at the lock first)
         cache._copy_in([])
     assert_usable(cache)
 
@@ -226,7 +236,7 @@ def test_payload_copy_under_the_cache_lock_is_refused(
 def test_wait_under_the_cache_lock_is_refused(checking: None, cache: EmbeddingCache) -> None:
     with cache.request("waiter") as request:
         with (
-            cache._lock,
+            cache_lock(cache),
             pytest.raises(LockOrderError, match="request wait while holding cache lock"),
         ):
             request.wait(0.0)
@@ -238,7 +248,7 @@ def test_wake_up_under_the_cache_lock_is_refused(checking: None, cache: Embeddin
     woke = Effects(None, wake=[RequestState("w")])  # a step's record that wakes a request
     outer = HierarchyLock(0, "test outer lock")  # (the funnel takes the cache lock itself)
     with outer, pytest.raises(LockOrderError, match="waking requests while holding test outer"):
-        cache._run(lambda: woke)
+        cache._run(lambda: woke)  # private: the funnel's own guard on wake-ups
     assert_usable(cache)
 
 
@@ -272,7 +282,7 @@ def test_store_that_takes_the_cache_lock_is_refused_when_called_under_it(
             view = request.embeddings()[0]
             assert view is not None and torch.equal(view, tensor(5))
         assert store.seen == [1]
-        with cache._lock, pytest.raises(LockOrderError, match="taking cache lock"):
+        with cache_lock(cache), pytest.raises(LockOrderError, match="taking cache lock"):
             store.get_into(["k"], [0], [1024])
         assert_usable(cache)
 
@@ -288,7 +298,7 @@ def test_checker_is_per_thread(
 
     def holder() -> None:
         try:
-            with cache._lock:
+            with cache_lock(cache):
                 held.set()
                 assert release.wait(WAIT_S)
         except BaseException as exc:
@@ -299,7 +309,7 @@ def test_checker_is_per_thread(
     try:
         assert held.wait(WAIT_S)
         assert_unlocked("store call in another thread")  # nothing raised: this thread holds none
-        with pytest.raises(LockOrderError), allocator._lock:
+        with pytest.raises(LockOrderError), allocator_lock(allocator):
             assert_unlocked("copy")
     finally:
         release.set()
@@ -333,15 +343,16 @@ def test_with_checking_off_violations_raise_nothing(
 ) -> None:
     store = cache.store
     assert isinstance(store, ProbeStore)
-    with allocator._lock:
-        cache._lock.acquire()  # inverted, but only one thread: no deadlock
-        cache._lock.release()
-    with cache._lock:
+    with allocator_lock(allocator):
+        cache_lock(cache).acquire()  # inverted, but only one thread: no deadlock
+        cache_lock(cache).release()
+    with cache_lock(cache):
         assert_unlocked("anything")
         store.exists(["k"])
         store.get_into([], [], [])
-        cache._copy_in([])  # (not _run: it takes the cache lock itself and would deadlock)
-    with cache.request("waiter") as request, cache._lock:
+        # private: the copy helper's own guard (not _run: it takes the cache lock, would deadlock)
+        cache._copy_in([])
+    with cache.request("waiter") as request, cache_lock(cache):
         assert request.wait(0.0)
     assert_usable(cache)
 

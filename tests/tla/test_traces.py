@@ -9,7 +9,8 @@ at the end need neither Java nor TLC.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -19,7 +20,7 @@ import torch
 from embcache import EmbeddingCache, Item, TransferOutcome
 from embcache.core.actions import Actions
 from embcache.core.lifecycle import ABSENT, QUARANTINED, READY
-from embcache.core.policy import RecencyOrder
+from embcache.core.policy import LruPolicy, Policy, RecencyOrder
 from embcache.driver.trace import TraceLog
 from embcache.testing import Fault, FaultInjectingStore
 from tests.tla.tla_modules import load_trace
@@ -61,25 +62,35 @@ def tensor(it: Item) -> torch.Tensor:
     return torch.zeros(it.shape, dtype=it.dtype)
 
 
+class Undrained(ThreadPoolExecutor):
+    """The I/O pool of a buggy cache, which may be inconsistent: ``close()`` does not drain it."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=cancel_futures)
+
+
 @pytest.fixture
 def traced() -> Iterator[Callable[..., tuple[EmbeddingCache, TraceLog]]]:
     caches: list[EmbeddingCache] = []
 
     def make(
-        units: int, store: FaultInjectingStore | None = None
+        units: int,
+        store: FaultInjectingStore | None = None,
+        *,
+        policy: Policy | str = "lru",
+        log: TraceLog | None = None,
     ) -> tuple[EmbeddingCache, TraceLog]:
-        log = TraceLog()
+        log = TraceLog() if log is None else log
         cache = EmbeddingCache(
             units * ALIGN, store=store, alignment=ALIGN, max_eviction_batch=2,
-            pin_memory=False, io_workers=1, trace=log,
+            pin_memory=False, trace=log, policy=policy, io_executor=Undrained(1),
         )  # fmt: skip
         caches.append(cache)
         return cache, log
 
     yield make
     for cache in caches:
-        cache._core.close()  # a buggy cache may be inconsistent: do not drain it
-        cache._io.shutdown(wait=False)
+        cache.close()  # takes nothing new, and leaves the transfers in flight undrained
 
 
 def rejected_at(log: TraceLog) -> Any:
@@ -107,10 +118,10 @@ def test_evicting_a_pinned_entry_is_rejected_at_the_evict(
     traced: Callable[..., tuple[EmbeddingCache, TraceLog]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The bug: a new pin leaves the entry in the LRU, and eviction does not check pins. A pin
-    # takes the entry out of the order (``discard``) once its holder is set, in ``lookup_all``
-    # and ``_add_holder`` alike: the planted order keeps it when its entry is pinned READY.
+    # takes the entry out of the order (``discard``) once its holder is set, wherever it pins:
+    # the planted order (the policy's, a public seam) keeps it when its entry is pinned READY.
     class PinBlindOrder(RecencyOrder):
-        entries: ClassVar[dict[str, Any]] = {}
+        entries: ClassVar[Mapping[str, Any]] = {}
 
         def discard(self, key: str) -> bool:
             entry = self.entries.get(key)
@@ -118,16 +129,19 @@ def test_evicting_a_pinned_entry_is_rejected_at_the_evict(
                 return False  # the bug: still evictable
             return super().discard(key)
 
+    class PinBlindPolicy(LruPolicy):
+        def order(self) -> RecencyOrder:
+            return PinBlindOrder()
+
     def evict(self: Actions, entry: Any) -> None:
         entry.state = ABSENT
         self._free(entry)
         self._emit("Evict", None, entry.key, entry)
 
     monkeypatch.setattr(Actions, "evict", evict)
-    cache, log = traced(1)
-    actions = cache._core._actions
-    actions._order = PinBlindOrder(actions._order)
-    PinBlindOrder.entries = actions._entries
+    cache, log = traced(1, policy=PinBlindPolicy())
+    # private: the planted order reads the core's live entries (a snapshot would be a copy)
+    PinBlindOrder.entries = cache._core.entries
     a, b = item("a"), item("b")
     with cache.request("r1") as r1:
         r1.insert(["a"], [tensor(a)], publish=False)
@@ -331,16 +345,15 @@ def test_a_publish_pin_keeps_the_slot_of_its_closed_request() -> None:
 def test_a_miss_with_the_wrong_reason_is_rejected_at_the_lookup(
     traced: Callable[..., tuple[EmbeddingCache, TraceLog]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The bug: a lookup of a doomed (busy) entry reports it as not found.
-    emit = Actions._emit
+    # The bug: a lookup of a doomed (busy) entry reports it as not found. Planted where the
+    # events leave the cache (its trace sink), so the trace is the one such a cache writes.
+    class Misreporting(TraceLog):
+        def append(self, event: dict[str, Any], /) -> None:
+            if event["action"] == "Lookup" and event.get("reason") == "busy":
+                event = {**event, "reason": "not_found"}
+            super().append(event)
 
-    def misreport(self: Actions, action: str, *args: Any, **fields: Any) -> None:
-        if action == "Lookup" and fields.get("reason") == "busy":
-            fields["reason"] = "not_found"
-        emit(self, action, *args, **fields)
-
-    monkeypatch.setattr(Actions, "_emit", misreport)
-    cache, log = traced(2)
+    cache, log = traced(2, log=Misreporting())
     a = item("a")
     with cache.request("r1") as r1:
         r1.insert(["a"], [tensor(a)], publish=False)
