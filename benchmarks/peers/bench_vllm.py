@@ -1,7 +1,7 @@
 """The vLLM connector's costs, each measured side by side with its baseline in one run.
 
 Side by side with vLLM 0.33.0's own ``ECCPUConnector`` (run from its wheel:
-``benchmarks.peers.vllm_cpu_connector`` says exactly what is replaced: its CUDA copy kernel
+``tests.support.vllm_cpu_connector`` says exactly what is replaced: its CUDA copy kernel
 ``swap_blocks_batch`` by a CPU copy, its streams and timing events by no-ops, on the worker
 side only; its scheduler side runs as shipped). Both connectors, each with 126 MB (our
 ``pool_bytes``, its ``ec_cpu_bytes``) and no other memory, go through vLLM's engine-step call
@@ -16,8 +16,9 @@ images of 64-2048 rows x 1024 fp16, two ranks. Rows:
   loop's own, measured with a scheduler that does nothing; the median of alternating
   repetitions). Target: ours <= 1.0x ECCPUConnector's. The same in callgrind instructions with
   ``--callgrind`` (``benchmarks/peers/vllm_engine_probe.py``).
-- what vLLM was told and got: items declared present, declared items a rank did not have
-  (vLLM's "Encoder cache miss", which kills the engine; target 0), items loaded;
+- what vLLM was told and got: the images requested, errors the engine met (target 0), items
+  declared present, declared items a rank did not have (vLLM's "Encoder cache miss", which
+  kills the engine; target 0), items loaded;
 - images vLLM did not encode, against an ideal LRU of the same bytes (no fragmentation, no
   pins; target: within 0.5 point), and with ``policy="adaptive"`` (target: more);
 - the worker's load rate in the run (``start_load_caches``, both ranks).
@@ -31,7 +32,8 @@ under 32 MB; chunks alternate; GB/s is the median; target 0.9 of raw). With CUDA
 to the GPU (synchronized); this machine has none, so the CUDA path is not measured here.
 
 The machine may be shared with other jobs: read the ratios, not the absolute numbers.
-Run from the repository root: python -m benchmarks.peers.bench_vllm [--quick | --callgrind]
+Run from the repository root: python -m benchmarks.peers.bench_vllm [--quick | --tiny | --callgrind]
+[--json OUT]
 """
 
 from __future__ import annotations
@@ -40,13 +42,14 @@ import argparse
 import contextlib
 import ctypes
 import ctypes.util
+import json
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +58,7 @@ import torch
 from benchmarks.common import make_row, print_rows, skipped_row
 from tests.support import vllm_wheel
 from tests.support.callgrind import dump_totals
+from tests.support.rows import json_row
 from tests.support.vllm_wheel import FakeRequest, vllm_config
 
 MB = 1 << 20
@@ -69,6 +73,10 @@ SCHEDULER_CHUNKS = {True: (10, 20), False: (40, 50)}  # (chunks, requests a chun
 WIDTH_SBS = 1024  # the side-by-side workload's embedding width (fp16)
 SBS_POOL = 126 * MB  # every cache's memory in the side-by-side run
 WORKLOAD = {"requests": 300, "images": 500}  # 1-4 images a request, Zipf(1), 64-2048 rows
+# --tiny (the test's smoke run): 40 requests over 16 images in 4 MB, one replay each; two
+# chunks of three for has_cache_item; 256 KiB items cycling through 1 MB for the worker's copy
+TINY = {"requests": 40, "images": 16, "reps": 1, "pool": 4 * MB, "chunks": (2, 3)}
+TINY_COPY = {"sizes": (256 * 1024,), "pool": 1 * MB}
 
 
 def workload(requests: int, images: int) -> list[FakeRequest]:
@@ -81,36 +89,11 @@ def workload(requests: int, images: int) -> list[FakeRequest]:
 def contender(
     name: str, pool_bytes: int, policy: str = "lru"
 ) -> tuple[Any, list[Any], contextlib.AbstractContextManager[None]]:
-    """A scheduler-role connector, one worker-role connector per rank (2 ranks) and a context
-    that runs the engine and shuts them down: ``embcache`` (``EmbcacheECConnector`` with
-    ``pool_bytes`` and ``policy``) or ``eccpu`` (vLLM's ``ECCPUConnector`` with
-    ``ec_cpu_bytes=pool_bytes``, ``benchmarks.peers.vllm_cpu_connector``)."""
-    from benchmarks.peers import vllm_cpu_connector
+    """``tests.support.vllm_cpu_connector.contender`` at the side-by-side width: ``embcache``
+    or ``eccpu``, its workers, and the context that runs and shuts them down."""
+    from tests.support import vllm_cpu_connector
 
-    vllm_wheel.install()
-    if name == "eccpu":
-        scheduler, workers = vllm_cpu_connector.make(pool_bytes, 2, WIDTH_SBS)
-    else:
-        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
-        from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
-
-        extra = {"pool_bytes": pool_bytes, "embed_width": WIDTH_SBS, "policy": policy}
-        make = ECConnectorFactory.create_connector
-        scheduler = make(vllm_config("ec_both", extra, 2), ECConnectorRole.SCHEDULER)
-        role = ECConnectorRole.WORKER
-        workers = [make(vllm_config("ec_both", extra, 2, r), role) for r in (0, 1)]
-
-    @contextlib.contextmanager
-    def running() -> Iterator[None]:
-        try:
-            with vllm_cpu_connector.cpu_streams():
-                yield
-        finally:
-            scheduler.shutdown()
-            for worker in workers:
-                worker.shutdown()
-
-    return scheduler, workers, running()
+    return vllm_cpu_connector.contender(name, pool_bytes, policy, WIDTH_SBS)
 
 
 def engine(scheduler: Any, workers: list[Any], **kwargs: Any) -> Any:
@@ -161,15 +144,16 @@ def _replay_cpu_ns(scheduler: Any, script: list[Any], check: bool = True) -> int
     return time.thread_time_ns() - start
 
 
-def side_by_side(requests: int, images: int, reps: int) -> dict[str, Any]:
-    """The engine runs (embcache lru, ECCPUConnector, embcache adaptive), then the
-    scheduler-only replays of the first two, alternating; see the module docstring."""
+def side_by_side(requests: int, images: int, reps: int, pool: int = SBS_POOL) -> dict[str, Any]:
+    """The engine runs (embcache lru, ECCPUConnector, embcache adaptive), each cache of
+    ``pool`` bytes, then the scheduler-only replays of the first two, alternating; see the
+    module docstring."""
     from tests.support import vllm_engine
 
     runs: dict[str, tuple[Any, list[Any]]] = {}
     torch.set_num_threads(1)  # a 2-thread copy waits for whichever thread is descheduled
     for name, policy in (("embcache", "lru"), ("eccpu", "lru"), ("embcache", "adaptive")):
-        scheduler, workers, running = contender(name, SBS_POOL, policy)
+        scheduler, workers, running = contender(name, pool, policy)
         record: list[Any] = []
         eng = engine(scheduler, workers, record=record)
         for request in workload(requests, images):
@@ -184,19 +168,22 @@ def side_by_side(requests: int, images: int, reps: int) -> dict[str, Any]:
     for rep in range(reps):
         for name in ("embcache", "eccpu") if rep % 2 == 0 else ("eccpu", "embcache"):
             report, record = runs[name]
-            scheduler, _, running = contender(name, SBS_POOL)
+            scheduler, _, running = contender(name, pool)
             with running:
                 spent = _replay_cpu_ns(scheduler, record)
             spent -= _replay_cpu_ns(NullScheduler(), record, check=False)
             cpu[name].append(spent / report.images / 1e3)
-    ideal = vllm_engine.ideal_lru(workload(requests, images), SBS_POOL, WIDTH_SBS)
+    ideal = vllm_engine.ideal_lru(workload(requests, images), pool, WIDTH_SBS)
     return {"runs": runs, "cpu_us": cpu, "ideal": ideal}
 
 
-def side_by_side_rows(quick: bool) -> list[dict[str, Any]]:
+def side_by_side_rows(quick: bool, tiny: bool = False) -> list[dict[str, Any]]:
     """The side-by-side rows of the module docstring."""
     requests = 60 if quick else WORKLOAD["requests"]
-    got = side_by_side(requests, WORKLOAD["images"], 3 if quick else 9)
+    if tiny:
+        got = side_by_side(TINY["requests"], TINY["images"], TINY["reps"], TINY["pool"])
+    else:
+        got = side_by_side(requests, WORKLOAD["images"], 3 if quick else 9)
     runs, cpu, ideal = got["runs"], got["cpu_us"], got["ideal"]
     ours, theirs, adaptive = (runs[k][0] for k in ("embcache", "eccpu", "embcache adaptive"))
     o, t = statistics.median(cpu["embcache"]), statistics.median(cpu["eccpu"])
@@ -207,6 +194,9 @@ def side_by_side_rows(quick: bool) -> list[dict[str, Any]]:
     return [
         row(f"{name} scheduler CPU/image", o, t, "us", o / t, "<= 1.0x", o / t <= 1.0),
         row(f"{name} in-engine wall/image", wall_o, wall_t, "us", wall_o / wall_t, "", None),
+        row(f"{name} images", ours.images, theirs.images, "items", 1.0, "", None),
+        row(f"{name} engine errors", len(ours.errors), len(theirs.errors), "items", 0.0, "0",
+            not ours.errors),
         row(f"{name} declared present", ours.declared, theirs.declared, "items", 1.0, "", None),
         row(f"{name} declared, missing", ours.missing, theirs.missing, "items", 0.0, "0",
             ours.missing == 0),
@@ -221,7 +211,7 @@ def side_by_side_rows(quick: bool) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def scheduler_rows(quick: bool) -> list[dict[str, Any]]:
+def scheduler_rows(quick: bool, tiny: bool = False) -> list[dict[str, Any]]:
     """``has_cache_item`` for a held item against a plain dict lookup."""
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
@@ -246,7 +236,7 @@ def scheduler_rows(quick: bool) -> list[dict[str, Any]]:
             for key in keys:
                 _ = key in plain
 
-        chunks, reps = SCHEDULER_CHUNKS[quick]
+        chunks, reps = TINY["chunks"] if tiny else SCHEDULER_CHUNKS[quick]
         ours_ns, base_ns = [], []
         for chunk in range(chunks):  # alternate which goes first
             pair = [(ours_ns, query), (base_ns, lookup)]
@@ -261,8 +251,11 @@ def scheduler_rows(quick: bool) -> list[dict[str, Any]]:
         sched.shutdown()
 
 
-def _load_rates(size: int, quick: bool, device: torch.device) -> tuple[float, float]:
-    """Median GB/s of ``start_load_caches``'s copy and of the raw copy, for ``size`` items."""
+def _load_rates(
+    size: int, quick: bool, device: torch.device, pool_bytes: int = POOL_BYTES
+) -> tuple[float, float]:
+    """Median GB/s of ``start_load_caches``'s copy and of the raw copy, for ``size`` items
+    cycling through ``pool_bytes``."""
     from embcache.integrations.vllm import EmbcacheECMetadata, Transfer
     from embcache.integrations.vllm.shm import SharedPool
     from embcache.integrations.vllm.worker import WorkerSide
@@ -271,7 +264,7 @@ def _load_rates(size: int, quick: bool, device: torch.device) -> tuple[float, fl
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    count = max(2, POOL_BYTES // size)
+    count = max(2, pool_bytes // size)
     shape = (size // 2 // WIDTH, WIDTH)
     pool = SharedPool(size * count)
     threads = torch.get_num_threads()
@@ -313,13 +306,14 @@ def _load_rates(size: int, quick: bool, device: torch.device) -> tuple[float, fl
         pool.close()
 
 
-def worker_rows(quick: bool) -> list[dict[str, Any]]:
+def worker_rows(quick: bool, tiny: bool = False) -> list[dict[str, Any]]:
     """The copy rows of the module docstring, one per item size."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sizes, pool = (TINY_COPY["sizes"], TINY_COPY["pool"]) if tiny else (SIZES, POOL_BYTES)
     rows = []
-    for size in SIZES:
-        o, b = _load_rates(size, quick, device)
-        name = f"vllm worker: load {size // MB} MB items to {device.type}"
+    for size in sizes:
+        o, b = _load_rates(size, quick or tiny, device, pool)
+        name = f"vllm worker: load {size / MB:g} MB items to {device.type}"
         target = f">= {TARGET}x raw"
         rows.append(make_row(name, o, b, "GB/s", o / b, target, o / b >= TARGET))
     return rows
@@ -338,14 +332,15 @@ def _steady_malloc() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-def run(quick: bool = False) -> list[dict[str, Any]]:
-    """Every row of the module docstring; skipped rows where vLLM's wheel cannot be had."""
+def run(quick: bool = False, tiny: bool = False) -> list[dict[str, Any]]:
+    """Every row of the module docstring; skipped rows where vLLM's wheel cannot be had.
+    ``tiny``: the sizes of ``TINY`` and ``TINY_COPY`` (a smoke run)."""
     try:
         vllm_wheel.install()
     except vllm_wheel.VLLMUnavailable as exc:
         return [skipped_row("vllm connector", str(exc))]
     _steady_malloc()
-    return side_by_side_rows(quick) + scheduler_rows(quick) + worker_rows(quick)
+    return side_by_side_rows(quick, tiny) + scheduler_rows(quick, tiny) + worker_rows(quick, tiny)
 
 
 def _callgrind(probe: str, args: list[str]) -> list[int]:
@@ -397,6 +392,11 @@ def callgrind_rows(count: int = 20) -> list[dict[str, Any]]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="a smoke run (TINY, TINY_COPY)")
     parser.add_argument("--callgrind", action="store_true", help="instruction counts instead")
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write the rows as a JSON list")
     options = parser.parse_args()
-    print_rows(callgrind_rows() if options.callgrind else run(options.quick))
+    result = callgrind_rows() if options.callgrind else run(options.quick, options.tiny)
+    print_rows(result)
+    if options.json is not None:
+        options.json.write_text(json.dumps([json_row(r) for r in result], indent=1) + "\n")

@@ -22,16 +22,19 @@ connector"). Exit status 1 when RSS grows by 5% or more, or the heap rises more 
 ``--heap-slack-kib`` above the warm-up's at any further tenth or the end, or the engine saw an
 error.
 
-Run: ``python -m benchmarks.soak.vllm_memory`` (1,000,000 items, 100,000 requests; minutes)
-or ``--items 20000 --requests 2000``.
+Run: ``python -m benchmarks.soak.vllm_memory [--json OUT]`` (1,000,000 items, 100,000 requests;
+minutes) or ``--items 20000 --requests 2000``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -120,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pool-mib", type=float, default=4.0, help="the connector's pool")
     parser.add_argument("--warmup", type=float, default=0.1, help="fraction of requests")
     parser.add_argument("--heap-slack-kib", type=float, default=256.0)
+    parser.add_argument("--json", type=Path, default=None, help="also write the row here")
     args = parser.parse_args(argv)
     traced_from_the_start("benchmarks.soak.vllm_memory", argv)
     if args.requests <= 0 or args.items < args.requests:
@@ -139,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{row.heap_by_tenth_kib} KiB"
     )
     print(f"containers at the end: {row.containers}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"pool_bytes": pool, **asdict(row)}, indent=1) + "\n")
     return 1 if row.failed(args.heap_slack_kib) or row.containers["errors"] else 0
 
 

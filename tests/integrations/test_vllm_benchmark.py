@@ -1,37 +1,54 @@
-"""``benchmarks/peers/bench_vllm.py`` runs both sides against their baselines on a tiny size: the
-side-by-side run with vLLM's ECCPUConnector (whose replay must answer as the run did), the
-``has_cache_item`` row and the worker's copy (what it measures is not judged)."""
+"""``benchmarks/peers/bench_vllm.py`` runs both sides against their baselines on its ``--tiny``
+size, in a child process: the side-by-side run with vLLM's ECCPUConnector (whose replay must
+answer as the run did), the ``has_cache_item`` row and the worker's copy (what it measures is
+not judged)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
-import pytest
-import torch
-
-from benchmarks.peers import bench_vllm as bench
 from tests.integrations.vllm_fixtures import vllm_base
+from tests.support.callgrind import dump_totals
+from tests.support.rows import check_row
 
 __all__ = ["vllm_base"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_benchmark_measures_both_sides(vllm_base: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bench, "SCHEDULER_CHUNKS", {True: (2, 3)})
-    rows = bench.scheduler_rows(quick=True)
-    assert [r["unit"] for r in rows] == ["ns/item"]
-    assert all(r["ours"] > 0 and r["baseline"] > 0 for r in rows)
-    monkeypatch.setattr(bench, "SBS_POOL", 4 << 20)
-    got = bench.side_by_side(40, 16, 1)  # replays check every answer against the run's
-    ours, theirs = got["runs"]["embcache"][0], got["runs"]["eccpu"][0]
-    assert ours.images == theirs.images > 40 and ours.missing == 0 and ours.errors == []
-    assert ours.declared == ours.loaded > 0 and all(v[0] > 0 for v in got["cpu_us"].values())
-    monkeypatch.setattr(bench, "POOL_BYTES", 1 << 20)
-    ours, raw = bench._load_rates(256 * 1024, True, torch.device("cpu"))
-    assert ours > 0 and raw > 0
+def test_the_benchmark_measures_both_sides(vllm_base: Any, tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    command = [sys.executable, "-m", "benchmarks.peers.bench_vllm", "--tiny", "--json", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # non-zero: the run raised (a replay answered otherwise than the run, or ours ended with a
+    # request open or an invariant broken)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    for row in rows:
+        check_row(row)
+    by_name = {row["name"]: row for row in rows}
+    assert len(by_name) == len(rows)
+    (scheduler,) = [r for r in rows if r["name"].startswith("vllm scheduler: ")]
+    assert scheduler["unit"] == "ns/item"
+    assert scheduler["ours"] > 0 and scheduler["baseline"] > 0
+
+    def side(name: str) -> tuple[float, float]:  # (ours, ECCPUConnector's) of a row
+        row = by_name[f"vllm vs ECCPUConnector: {name}"]
+        return row["ours"], row["baseline"]
+
+    images, errors = side("images"), side("engine errors")
+    assert images[0] == images[1] > 40 and side("declared, missing")[0] == 0 and errors[0] == 0
+    assert side("declared present")[0] == side("loaded")[0] > 0
+    assert all(v > 0 for v in side("scheduler CPU/image"))
+    (load,) = [r for r in rows if r["name"].startswith("vllm worker: load 0.25 MB items to ")]
+    assert load["ours"] > 0 and load["baseline"] > 0
 
 
 def test_callgrind_totals_are_read_from_each_dump_in_order(tmp_path: Any) -> None:
     out = tmp_path / "cg.out"
     for n, total in ((1, 1234), (2, 56)):
         (tmp_path / f"cg.out.{n}").write_text(f"events: Ir\nsummary: {total}\ntotals: {total}\n")
-    assert bench.dump_totals(out) == [1234, 56]
+    assert dump_totals(out) == [1234, 56]

@@ -1,4 +1,4 @@
-"""Every call order vLLM 0.33.0 has, through ``EmbcacheECConnector`` (issue 29): each test
+"""Every call order vLLM 0.33.0 has, through ``EmbcacheECConnector``: each test
 plays the scheduler's calls by hand in one of vLLM's orders, with ``check_invariants()`` after
 every call and every rank checking the bytes of every item the step reads.
 
@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.peers import bench_vllm
 from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
 from tests.integrations.vllm_replay import FakeRequest, LocalRank, StepWork, embedding
+from tests.support import vllm_cpu_connector
+from tests.support.vllm_engine import Engine as VLLMEngine
 from tests.support.vllm_wheel import SchedulerOutput
 
 __all__ = ["make_scheduler", "vllm_base"]
@@ -237,10 +238,11 @@ def test_regression_encode_allocations_before_loads_with_the_pool_full(
     allocation evicts the oldest unpinned entry. Ours pins at ``ensure_cache_available``, so
     nothing is missing; ECCPUConnector (run the same way) loses the item: vLLM's "Encoder
     cache miss", an engine-killing error."""
-    item = ROWS * bench_vllm.WIDTH_SBS * 2
-    sched, workers, running = bench_vllm.contender(contender, 4 * item)
+    width = 1024
+    item = ROWS * width * 2
+    sched, workers, running = vllm_cpu_connector.contender(contender, 4 * item, width=width)
     check = sched.check_invariants if contender == "embcache" else None
-    engine = bench_vllm.engine(sched, workers, admit=1, after_each_step=check)
+    engine = VLLMEngine(sched, workers, width, admit=1, after_each_step=check)
     keys = ["a", "c", "d", "e"]
     engine.add(FakeRequest("r1", keys, dict.fromkeys(keys, ROWS), 1))
     engine.add(FakeRequest("r2", ["a", "b"], {"a": ROWS, "b": ROWS}, 1))

@@ -1,4 +1,4 @@
-"""The vLLM connector's memory (issue 28; embcache/DESIGN.md, "Memory bounds", "vLLM
+"""The vLLM connector's memory (embcache/DESIGN.md, "Memory bounds", "vLLM
 connector"): every container of the scheduler role is bounded by the requests vLLM has open
 or by one step, and empties when they close; a connector configured as the README shows holds
 its budget however many distinct images pass; a short soak of both roles stays flat."""

@@ -1,5 +1,6 @@
 """vLLM 0.33.0's own ``ECCPUConnector`` (``vllm/distributed/ec_transfer/ec_connector/cpu/``),
-run from its wheel on a machine without CUDA, as the baseline of ``benchmarks/peers/bench_vllm.py``.
+run from its wheel on a machine without CUDA: the baseline of ``benchmarks/peers/bench_vllm.py``
+and the contender the call-order tests run beside ours (``contender``).
 
 ``install()`` executes these modules of the wheel, unchanged, after ``vllm_wheel.install()``:
 
@@ -183,3 +184,37 @@ def make(cpu_bytes: int, world: int, width: int) -> tuple[Any, list[Any]]:
         worker.connector_worker._acquire_event = NoOpEvent
         workers.append(worker)
     return scheduler, workers
+
+
+def contender(
+    name: str, pool_bytes: int, policy: str = "lru", width: int = 1024
+) -> tuple[Any, list[Any], contextlib.AbstractContextManager[None]]:
+    """A scheduler-role connector, one worker-role connector per rank (2 ranks) and a context
+    that runs the engine and shuts them down: ``embcache`` (``EmbcacheECConnector`` with
+    ``pool_bytes``, ``policy`` and ``embed_width=width``) or ``eccpu`` (vLLM's
+    ``ECCPUConnector`` with ``ec_cpu_bytes=pool_bytes``, ``make``)."""
+    vllm_wheel.install()
+    if name == "eccpu":
+        scheduler, workers = make(pool_bytes, 2, width)
+    else:
+        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+        from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+        extra = {"pool_bytes": pool_bytes, "embed_width": width, "policy": policy}
+        create = ECConnectorFactory.create_connector
+        config = vllm_wheel.vllm_config
+        scheduler = create(config("ec_both", extra, 2), ECConnectorRole.SCHEDULER)
+        role = ECConnectorRole.WORKER
+        workers = [create(config("ec_both", extra, 2, r), role) for r in (0, 1)]
+
+    @contextlib.contextmanager
+    def running() -> Iterator[None]:
+        try:
+            with cpu_streams():
+                yield
+        finally:
+            scheduler.shutdown()
+            for worker in workers:
+                worker.shutdown()
+
+    return scheduler, workers, running()
