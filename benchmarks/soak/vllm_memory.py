@@ -124,8 +124,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=0.1, help="fraction of requests")
     parser.add_argument("--heap-slack-kib", type=float, default=256.0)
     parser.add_argument("--json", type=Path, default=None, help="also write the row here")
+    parser.add_argument(
+        "--trace-soak-only",
+        action="store_true",
+        help="trace the heap from the soak's start, not the interpreter's (no second run under "
+        "-X tracemalloc: quicker, but a table the interpreter reallocates counts as growth)",
+    )
     args = parser.parse_args(argv)
-    traced_from_the_start("benchmarks.soak.vllm_memory", argv)
+    if not args.trace_soak_only:
+        traced_from_the_start("benchmarks.soak.vllm_memory", argv)
     if args.requests <= 0 or args.items < args.requests:
         parser.error("need --requests > 0 and --items >= --requests")
     if not 0 < args.warmup < 1:

@@ -5,13 +5,16 @@ its budget however many distinct images pass; a short soak of both roles stays f
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from benchmarks.soak import vllm_memory as soak_vllm_memory
 from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
 from tests.integrations.vllm_replay import WIDTH, FakeRequest, LocalRank, Replay, requests
 from tests.support.vllm_engine import Engine
@@ -19,6 +22,7 @@ from tests.support.vllm_engine import Engine
 __all__ = ["make_scheduler", "vllm_base"]
 pytestmark = pytest.mark.timeout(600)
 CFG = {"pool_bytes": 48 * 1024, "hold_timeout_s": 0.01}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def sizes(sched: Any) -> dict[str, int]:
@@ -117,11 +121,23 @@ def test_a_connector_as_the_readme_shows_holds_its_budget_with_10x_of_it_passing
             worker.shutdown()
 
 
-def test_a_short_soak_of_both_roles_leaves_memory_flat(vllm_base: Any) -> None:
-    """``benchmarks/soak/vllm_memory.py`` for 3,000 distinct items and 300 requests."""
-    row = soak_vllm_memory.run(items=3000, requests=300, pool=64 * 1024, warmup=0.2)
-    assert row.containers["errors"] == 0
-    assert {k: v for k, v in row.containers.items() if k not in ("entries", "errors")} == dict(
+def test_a_short_soak_of_both_roles_leaves_memory_flat(vllm_base: Any, tmp_path: Path) -> None:
+    """``benchmarks/soak/vllm_memory.py`` for 3,000 distinct items and 300 requests, in a child
+    process, its heap traced from the soak's start (tracing the imports too takes seconds)."""
+    out = tmp_path / "soak.json"
+    command = [sys.executable, "-m", "benchmarks.soak.vllm_memory", "--trace-soak-only"]
+    command += ["--items", "3000", "--requests", "300", "--pool-mib", str(64 / 1024)]
+    command += ["--warmup", "0.2", "--heap-slack-kib", "256", "--json", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.exists(), done.stderr[-4000:]  # the soak ran to its end
+    row = json.loads(out.read_text())
+    assert row["pool_bytes"] == 64 * 1024
+    # the exit status says whether RSS and the heap's every rise stayed flat, and no error
+    flat = row["rss_growth_pct"] < 5 and row["heap_rise_kib"] <= 256
+    assert done.returncode == (0 if flat and not row["containers"]["errors"] else 1)
+    containers = row["containers"]
+    assert containers["errors"] == 0
+    assert {k: v for k, v in containers.items() if k not in ("entries", "errors")} == dict(
         cache_requests=0,
         held=0,
         finishing=0,
@@ -131,4 +147,4 @@ def test_a_short_soak_of_both_roles_leaves_memory_flat(vllm_base: Any) -> None:
         step_transfers=0,
         engine_refs=0,
     )
-    assert row.rss_growth_pct < 5 and row.heap_growth_kib < 256, row
+    assert row["rss_growth_pct"] < 5 and row["heap_growth_kib"] < 256, row
