@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import os
 import subprocess
 import sys
 import time
@@ -35,7 +36,6 @@ from embcache.errors import (
     StoreConfigError,
 )
 from embcache.store.mooncake import MooncakeStore
-from embcache.store.mooncake_config import _ENV
 from embcache.testing import FaultInjectingStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -90,7 +90,8 @@ def snapshot(w: World) -> tuple[Any, ...]:
         w.allocator.free_blocks(),
         dict(w.store.calls),
         [w.store.object(k) for k in KEYS],
-        w.store._pool is w.cache.pool,  # the pool the store transfers into
+        # private: the pool the test double transfers into (embcache.testing keeps it private)
+        w.store._pool is w.cache.pool,
         w.pipeline.stats().calls,
     )
 
@@ -103,8 +104,8 @@ def check_invariants(w: World) -> None:
 
 @pytest.fixture
 def world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
-    for variable in _ENV.values():
-        monkeypatch.delenv(variable, raising=False)
+    for variable in [name for name in os.environ if name.startswith("MOONCAKE_")]:
+        monkeypatch.delenv(variable)
     store = FaultInjectingStore()
     cache = EmbeddingCache(1 << 16, store=store, pin_memory=False)
     with cache.request("setup") as setup:

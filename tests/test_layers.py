@@ -242,13 +242,19 @@ def private_uses(path: Path, names: set[str]) -> list[tuple[int, str]]:
 
 
 def unjustified(path: Path, uses: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """The uses whose line, or the line above, carries no ``# private: <why>`` comment."""
+    """The uses whose line, or the comment just above it (one or more ``#`` lines), carries
+    no ``# private: <why>``."""
     lines = path.read_text().splitlines()
 
     def noted(line: int) -> bool:
-        here = lines[line - 1]
-        above = lines[line - 2] if line >= 2 else ""
-        return PRIVATE_NOTE in here or above.strip().startswith(PRIVATE_NOTE)
+        if PRIVATE_NOTE in lines[line - 1]:
+            return True
+        above = line - 2
+        while above >= 0 and lines[above].strip().startswith("#"):
+            if lines[above].strip().startswith(PRIVATE_NOTE):
+                return True
+            above -= 1
+        return False
 
     return [(line, name) for line, name in uses if not noted(line)]
 
@@ -281,9 +287,16 @@ def test_a_planted_private_use_is_found(tmp_path: Path) -> None:
         "y = self._core\n"
         "monkeypatch.setattr(cache, '_io', None)\n"
         "patch('embcache.driver.cache._secret')\n"
+        "# private: a reason\n"
+        "# on two lines\n"
+        "z = getattr(cache, '_io')\n"
+        "# a comment that gives no reason\n"
+        "w = cache._core\n"
     )
     path = tmp_path / "test_x.py"
     path.write_text(source)
     uses = private_uses(path, {"_secret", "_core", "_io"})
-    assert uses == [(1, "_secret"), (3, "_core"), (5, "_io"), (6, "_secret")]
-    assert unjustified(path, uses) == [(1, "_secret"), (5, "_io"), (6, "_secret")]
+    assert uses == [(1, "_secret"), (3, "_core"), (5, "_io"), (6, "_secret"), (9, "_io"),
+                    (11, "_core")]  # fmt: skip
+    assert unjustified(path, uses) == [(1, "_secret"), (5, "_io"), (6, "_secret"),
+                                       (11, "_core")]  # fmt: skip

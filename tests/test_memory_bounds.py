@@ -183,8 +183,8 @@ def test_pool_views_and_strides_stay_at_their_bound() -> None:
     """10x the strides cache's 1024 distinct shapes, in three dtypes, pass through a cache:
     one pool view per dtype, at most ``MAX_BASES`` base views, and the strides cache (an
     ``lru_cache``) at its maxsize."""
-    # private: the strides cache is pool.py's own lru_cache, one per process: its bound is
-    # the helper's itself
+    # private: the strides cache is pool.py's own lru_cache (one per process): its bound is
+    # the helper's own
     from embcache.driver.pool import PoolViews, _strides
 
     _strides.cache_clear()

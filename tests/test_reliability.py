@@ -242,7 +242,7 @@ class Doubler(torch.nn.Module):
 
 
 def keep_single_view(self: EncodePipeline, request, plan, statuses):  # type: ignore[no-untyped-def]
-    """The bug of issue 16: with one held item, keep the pool view instead of copying it."""
+    """The bug: with one held item, keep the pool view instead of copying it."""
     local = ORIGINAL_COLLECT(self, request, plan, statuses)
     views = [v for v in request.embeddings() if v is not None]
     if len(views) == 1:
@@ -250,7 +250,7 @@ def keep_single_view(self: EncodePipeline, request, plan, statuses):  # type: ig
     return local
 
 
-ORIGINAL_COLLECT = EncodePipeline._collect
+ORIGINAL_COLLECT = EncodePipeline._collect  # private: the pipeline step the bug is planted in
 
 
 def run_harsh_pipeline(make_cache: Callable[..., EmbeddingCache]) -> list[torch.Tensor]:
@@ -281,7 +281,7 @@ def test_the_pipeline_reads_cached_rows_while_it_holds_them(
 def test_the_harness_catches_a_pipeline_that_keeps_a_view_past_its_request(
     make_cache: Callable[..., EmbeddingCache], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(EncodePipeline, "_collect", keep_single_view)
+    monkeypatch.setattr(EncodePipeline, "_collect", keep_single_view)  # private: the planted bug
     _, second = run_harsh_pipeline(make_cache)
     assert second.isnan().any(), "the poison harness missed a read after release"
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from embcache.errors import StoreUnavailableError
+
+# private: the two guards these tests pin are the module's own helpers
 from embcache.store.mooncake_master import MooncakeMaster, _free_ports, _listens
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(60)]
@@ -28,8 +30,9 @@ def test_free_ports_are_distinct_and_free() -> None:
 
 def test_a_started_master_listens_on_its_own_rpc_and_metadata_ports(tmp_path: Path) -> None:
     with MooncakeMaster(log_dir=tmp_path) as master:
+        # private: the master's process id (MooncakeMaster has no public one)
         assert master._process is not None
-        pid = master._process.pid
+        pid = master._process.pid  # private: as above
         assert len({master.rpc_port, master.http_port, master.metrics_port}) == 3
         assert _listens(pid, master.rpc_port)
         assert _listens(pid, master.http_port)
@@ -59,7 +62,7 @@ def test_without_proc_any_loopback_listener_counts(monkeypatch: pytest.MonkeyPat
     def no_proc(pid: int) -> set[str]:
         raise FileNotFoundError(f"/proc/{pid}/fd")
 
-    monkeypatch.setattr(mm, "_socket_inodes", no_proc)
+    monkeypatch.setattr(mm, "_socket_inodes", no_proc)  # private: /proc made unreadable
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()

@@ -392,13 +392,14 @@ def test_a_raising_binding_call_fails_its_items_unknown_and_nothing_else(
     mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clients: list[RaisingOnce] = []
+    # private: the store makes its client through _load_binding (no seam in MooncakeStore)
     real_factory = mooncake_module._load_binding()
 
     def factory() -> RaisingOnce:
         clients.append(RaisingOnce(real_factory()))
         return clients[-1]
 
-    monkeypatch.setattr(mooncake_module, "_load_binding", lambda: factory)
+    monkeypatch.setattr(mooncake_module, "_load_binding", lambda: factory)  # private: as above
     with make_store(mooncake_master) as store:
         worker = Worker(store, 1 << 20)
         key = unique("raising")
@@ -537,6 +538,7 @@ def test_bad_config_raises_before_import_or_network(
     monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, object], message: str
 ) -> None:
     monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
+    # private: proves the config is checked before Mooncake is imported
     monkeypatch.setattr(mooncake_module, "_load_binding", _no_binding)
     monkeypatch.setattr(mooncake_module, "reachable", _no_binding)
     with pytest.raises(StoreConfigError, match=message):
@@ -555,6 +557,7 @@ BAD_ENV = [
 def test_bad_environment_raises_naming_the_variable(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str
 ) -> None:
+    # private: proves the environment is checked before Mooncake is imported
     monkeypatch.setattr(mooncake_module, "_load_binding", _no_binding)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -67,7 +67,7 @@ def kill_and_restart(
         try:
             if stop.wait(seconds * rng.uniform(0.25, 0.4)):
                 return
-            with store._swap_lock:
+            with store._swap_lock:  # private: no client setup runs while the master dies
                 master.kill()
             events.append("killed")
             stop.wait(seconds * 0.2)
