@@ -102,7 +102,7 @@ class Engine:
 
 def seed(sched: Any, *keys: str) -> None:
     """Put ``keys`` in the cache, idle (the first one oldest)."""
-    cache = sched._scheduler.cache  # the test reaches in only to seed the cache
+    cache = sched.scheduler_side.cache  # seeded through the scheduler side's own cache
     for key in keys:
         with cache.request(f"seed-{key}") as r:
             r.insert([key], [embedding(key, ROWS)], publish=False)
@@ -115,7 +115,7 @@ def pressure(sched: Any, count: int = 8) -> None:
 
 
 def state(sched: Any, key: str) -> str:
-    return str(sched._scheduler.cache.entry_state(key).name)
+    return str(sched.scheduler_side.cache.entry_state(key).name)
 
 
 def closed(sched: Any) -> bool:
@@ -151,7 +151,7 @@ def test_request_finished_before_the_steps_acks(
     engine.finish(request)  # before the acks, as vLLM does
     assert sched.stats().open_requests == 1
     if "a" in keys:
-        assert sched._scheduler.cache.stats().pinned_entries >= 1
+        assert sched.scheduler_side.cache.stats().pinned_entries >= 1
         pressure(sched)
         assert state(sched, "a") == "READY"  # pinned through the pressure
     if "b" in keys:

@@ -26,18 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def sizes(sched: Any) -> dict[str, int]:
-    """Every container of the scheduler role, by name (the test reads them to bound them)."""
-    side = sched._scheduler
-    return {
-        "held": len(side._held),
-        "finishing": len(side._finishing),
-        "quarantined": len(side._quarantined),
-        "load_acks": len(side._load_acks),
-        "save_acks": len(side._save_acks),
-        "step_loads": len(side._step_loads),
-        "step_saves": len(side._step_saves),
-        "cache_requests": side.cache.stats().open_requests,
-    }
+    """Every container of the scheduler role, by name (``SchedulerSide.sizes``), and the
+    cache's open requests."""
+    side = sched.scheduler_side
+    return {**side.sizes(), "cache_requests": side.cache.stats().open_requests}
 
 
 def test_every_container_is_bounded_by_open_requests_and_empties_when_they_close(
@@ -60,9 +52,9 @@ def test_every_container_is_bounded_by_open_requests_and_empties_when_they_close
         lost = {0} if step % 53 == 5 else {1} if step % 37 == 7 else set()
         replay.step(drop_ack=lost.__contains__)
         now = sizes(sched)
-        side = sched._scheduler
         seen = {r.request_id for r in replay.running + replay.waiting}  # not finished
-        assert side._held.keys() <= seen | side._finishing.keys() | side._quarantined
+        holds = sched.scheduler_side.holds()  # held: running, or finishing or quarantined
+        assert {r for r, why in holds.items() if why == "running"} <= seen
         assert now["cache_requests"] == now["held"]
         assert now["step_loads"] == now["step_saves"] == 0  # per step: gone at build
         for name, size in now.items():
@@ -75,7 +67,7 @@ def test_every_container_is_bounded_by_open_requests_and_empties_when_they_close
         replay.deliver(acks)
     sched.check_invariants()
     assert sizes(sched) == dict.fromkeys(most, 0)
-    assert sched._scheduler.cache.stats().pinned_entries == 0
+    assert sched.scheduler_side.cache.stats().pinned_entries == 0
 
 
 def test_a_connector_as_the_readme_shows_holds_its_budget_with_10x_of_it_passing(
@@ -99,7 +91,7 @@ def test_a_connector_as_the_readme_shows_holds_its_budget_with_10x_of_it_passing
     item = 32 * WIDTH * 2
     count = 10 * pool // item
     try:
-        assert sched._scheduler.cache.store is None
+        assert sched.scheduler_side.cache.store is None
         assert sched.build_connector_meta(object()).pool.size == pool
         tracemalloc.start()
         for i in range(count // 4):
@@ -110,7 +102,7 @@ def test_a_connector_as_the_readme_shows_holds_its_budget_with_10x_of_it_passing
                 warm = tracemalloc.get_traced_memory()[0]
         grown = tracemalloc.get_traced_memory()[0] - warm
         tracemalloc.stop()
-        stats = sched._scheduler.cache.stats()
+        stats = sched.scheduler_side.cache.stats()
         assert engine.report.errors == [] and engine.report.images == count
         assert stats.entries * item <= pool and stats.open_requests == 0
         assert grown < pool // 8, f"heap grew {grown} bytes with {10 * pool} bytes passing"
