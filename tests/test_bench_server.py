@@ -1,37 +1,73 @@
 """The encode-server benchmark (``benchmarks/server/bench_server.py``) at a tiny size: its mixes are
 what they say, every contender answers with the encoder's bytes, and a run gives a row per
-contender and mix, JSON and a plot. Nothing here asserts a speed."""
+contender and mix, JSON and a plot. Nothing here asserts a speed. The benchmark runs in a child
+process (``python -m benchmarks.server.bench_server --size tiny``); the mixes are
+``tests/support/server_workload.py``'s."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from benchmarks.server import bench_server
-from benchmarks.server.contenders import Lane
-from benchmarks.server.fleet import run_fleet
-from benchmarks.server.workload import MAX_IMAGES, TOKENS, make_encoder, make_workload
+from tests.support.server_workload import MAX_IMAGES, MIXES, TOKENS, make_encoder, make_workload
 
-TINY = bench_server.SIZES["tiny"]
-CONTENDERS = set(bench_server.contender_names(TINY.best_policy))
+ROOT = Path(__file__).resolve().parents[1]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+SGLANG = "SGLang 0.5.23"
+
+
+def bench_server(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.server.bench_server args`` from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.server.bench_server", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def contenders(best_policy: str) -> set[str]:
+    """Every contender's name, the best policy's included."""
+    return {
+        "no cache",
+        SGLANG,
+        "original PR",
+        "embcache adapter lru",
+        f"embcache adapter {best_policy}",
+        f"embcache pipeline {best_policy}",
+    }
 
 
 @pytest.fixture(scope="module")
 def encoder() -> torch.nn.Module:
     torch.set_num_threads(1)
-    return make_encoder(TINY.hidden)
+    return make_encoder(32)  # the tiny size's width
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One tiny run of the verify, mixes and scale parts: its exit status, JSON and plot."""
+    out = tmp_path_factory.mktemp("server")
+    command = ["--size", "tiny", "--parts", "verify", "mixes", "scale"]
+    command += ["--json", str(out / "r.json")]
+    if HAS_MATPLOTLIB:
+        command += ["--plot", str(out / "r.png")]
+    done = bench_server(*command)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return {"result": json.loads((out / "r.json").read_text()), "out": out}
 
 
 def test_requests_hold_distinct_images_and_the_mixes_differ(encoder: torch.nn.Module) -> None:
-    work = make_workload(
-        encoder, hot=40, requests=200, zipf_s=0.9, seed=3, mixes=bench_server.MIXES
-    )
+    work = make_workload(encoder, hot=40, requests=200, zipf_s=0.9, seed=3, mixes=MIXES)
     hot = {id(i) for i in work.images[: work.hot]}
     assert {i.tokens for i in work.images} <= set(TOKENS)
     for requests in work.mixes.values():
@@ -48,50 +84,32 @@ def test_requests_hold_distinct_images_and_the_mixes_differ(encoder: torch.nn.Mo
     assert sum(late[k] for k in top) < sum(early[k] for k in top) / 2, "the hot set moved"
 
 
-def test_every_contender_answers_with_the_encoders_bytes(encoder: torch.nn.Module) -> None:
-    work = make_workload(encoder, hot=12, requests=16, zipf_s=0.9, seed=1, mixes=("steady",))
-    pool = int(0.5 * work.hot_bytes())
-    contenders, skipped = bench_server.make_contenders(
-        encoder, pool, TINY.best_policy, TINY.sglang_page_bytes
-    )
-    names = {c.name for c in contenders} | set(skipped)
-    assert names == CONTENDERS, names
-    lane = Lane()
-    failed: Counter[str] = Counter()
-    try:
-        for contender in contenders:
-            for n, images in enumerate(work.mixes["steady"] * 2):  # the second pass hits
-                try:
-                    served = contender.serve(f"r{n}", images, lane)
-                except RuntimeError as exc:  # SGLang's: a hit evicted before its read
-                    assert "not available" in str(exc)
-                    failed[contender.name] += 1
-                    continue
-                expected = torch.cat(encoder([i.pixels for i in images]))
-                assert torch.equal(served.embeddings, expected), contender.name
-                assert 0 <= served.cache_seconds <= served.seconds
-            contender.finish()
-            assert contender.failed_inserts() >= 0
-    finally:
-        lane.close()
-        for contender in contenders:
-            contender.close()  # embcache's check their invariants
-    assert set(failed) <= {bench_server.SGLANG}, failed
-    saved = [c for c in contenders if c.name != "no cache" and c.counts["read_bytes"] > 0]
-    assert len(saved) == len(contenders) - 1, "every cache served hits on the second pass"
+def test_every_contender_answers_with_the_encoders_bytes(tiny_run: dict[str, Any]) -> None:
+    """The verify part: a small steady mix served twice (the second pass hits) by every
+    contender, each answer compared with the encoder's output, every contender closed after
+    (embcache's check their invariants; a broken one fails the run)."""
+    result = tiny_run["result"]
+    verified, skipped = result["verify"]["contenders"], result["verify"]["skipped"]
+    names = set(verified) | set(skipped)
+    assert names == contenders(result["config"]["best_policy"]), names
+    for name, counts in verified.items():
+        assert counts["requests"] == 32 == counts["answered"] + counts["failed"], name
+        assert counts["differ"] == 0 and counts["bad_times"] == 0, (name, counts)
+        assert counts["failed_inserts"] >= 0
+    failed = {name for name, counts in verified.items() if counts["failed"]}
+    assert failed <= {SGLANG}, failed  # SGLang's: a hit evicted before its read
+    saved = [n for n, c in verified.items() if n != "no cache" and c["read_bytes"] > 0]
+    assert len(saved) == len(verified) - 1, "every cache served hits on the second pass"
 
 
-def test_a_tiny_run_gives_every_row_json_and_a_plot(tmp_path: Path) -> None:
-    code = bench_server.main(
-        ["--size", "tiny", "--parts", "mixes", "scale", "--json", str(tmp_path / "r.json")]
-        + (["--plot", str(tmp_path / "r.png")] if HAS_MATPLOTLIB else [])
-    )
-    assert code == 0
-    result = json.loads((tmp_path / "r.json").read_text())
-    measured = TINY.requests - TINY.requests // TINY.segments
-    for mix in bench_server.MIXES:
+def test_a_tiny_run_gives_every_row_json_and_a_plot(tiny_run: dict[str, Any]) -> None:
+    result = tiny_run["result"]
+    tiny = result["config"]
+    everyone = contenders(tiny["best_policy"])
+    measured = tiny["requests"] - tiny["requests"] // tiny["segments"]
+    for mix in MIXES:
         rows = result["mixes"][mix]
-        assert set(rows) | set(result["skipped"]) == CONTENDERS
+        assert set(rows) | set(result["skipped"]) == everyone
         for name, row in rows.items():
             assert row["requests"] + row["failed_requests"] == measured, (mix, name)
             assert row["requests_per_s"] > 0 and row["p50_ms"] <= row["p99_ms"]
@@ -101,24 +119,30 @@ def test_a_tiny_run_gives_every_row_json_and_a_plot(tmp_path: Path) -> None:
         assert rows["no cache"]["encoder_tokens_saved"] == 0
         assert rows["no cache"]["bytes_copied"] == 0
     for name, rows in result["scale"].items():
-        assert [r["pool_bytes"] for r in rows] == list(TINY.scale_pools), name
+        assert [r["pool_bytes"] for r in rows] == list(tiny["scale_pools"]), name
         entries = [r["entries"] for r in rows]
         assert entries == sorted(entries) and entries[0] < entries[-1], "bigger pools hold more"
         assert all(r["placeholders"] > 0 and r["requests"] > 0 for r in rows)
     assert result["machine"]["date"]
-    table = bench_server.headline(result).splitlines()
+    done = bench_server("--headline", str(tiny_run["out"] / "r.json"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    table = done.stdout.strip("\n").splitlines()
     assert len(table) == 2 + len(result["mixes"]["steady"])
     if HAS_MATPLOTLIB:
-        assert (tmp_path / "r.png").stat().st_size > 0
+        assert (tiny_run["out"] / "r.png").stat().st_size > 0
 
 
 @pytest.mark.mooncake
 @pytest.mark.timeout(600)
-def test_two_server_processes_share_one_mooncake_master() -> None:
-    result = run_fleet(TINY)
+def test_two_server_processes_share_one_mooncake_master(tmp_path: Path) -> None:
+    out = tmp_path / "fleet.json"
+    done = bench_server("--size", "tiny", "--parts", "fleet", "--json", str(out), timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    result, tiny = report["fleet"], report["config"]
     alone, shared = result["rows"]["alone"], result["rows"]["one mooncake_master"]
     for row in (alone, shared):
-        assert row["requests"] == TINY.requests and row["publishes_failed"] == 0
+        assert row["requests"] == tiny["requests"] and row["publishes_failed"] == 0
     assert alone["global_hits"] == 0
     assert shared["global_hits"] > 0 and shared["loads_failed"] == 0, shared
     assert set(result["skipped"]) == {"original PR", "SGLang 0.5.23"}

@@ -1,7 +1,7 @@
 """An encode server end to end: requests/s and latency with a real encoder, embcache vs the peers.
 
 Concurrent clients (threads, closed loop: each sends its next request when the last one is
-answered) replay one request trace (``benchmarks.server.workload``: 1 to 8 images a request,
+answered) replay one request trace (``tests.support.server_workload``: 1 to 8 images a request,
 Zipf over a catalog of 64- to 4096-token images, mixes steady, drifting and scan) against each
 contender (``benchmarks.server.contenders``): no cache, SGLang 0.5.23's controller (its own code,
 from the wheel) and embcache's SGLang adapter (``lru`` and the best policy) both driven through
@@ -51,19 +51,12 @@ from benchmarks.server.contenders import (
 )
 from benchmarks.server.fleet import run_fleet
 from benchmarks.server.scale import run_scale
-from benchmarks.server.workload import (
-    MIXES,
-    SIZES,
-    Config,
-    Image,
-    MeteredEncoder,
-    make_encoder,
-    make_workload,
-)
+from benchmarks.server.workload import SIZES, Config, MeteredEncoder
 from tests.support import sglang_wheel
+from tests.support.server_workload import MIXES, Image, make_encoder, make_workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("mixes", "scale", "fleet")
+PARTS = ("verify", "mixes", "scale", "fleet")
 SGLANG = "SGLang 0.5.23"
 
 
@@ -230,6 +223,50 @@ def measure(config: Config) -> dict[str, Any]:
                 contender.close()
     result["ratios"] = ratios(result["mixes"], config.best_policy)
     return result
+
+
+def verify(config: Config) -> dict[str, Any]:
+    """Every contender answers with the encoder's bytes: a small steady mix (12 hot images, 16
+    requests) served twice (the second pass hits) by every contender over a pool of half the
+    hot bytes, each answer compared with the encoder's output. Per contender: requests
+    answered, answers that differ, requests SGLang's controller failed (a hit evicted before
+    its read, "not available"; any other error raises), answers whose cache time is not within
+    [0, the request's time], failed inserts, bytes read from the pool. Each contender is closed
+    at the end (embcache's check their invariants then)."""
+    torch.set_num_threads(1)
+    encoder = make_encoder(config.hidden)
+    work = make_workload(encoder, hot=12, requests=16, zipf_s=0.9, seed=1, mixes=("steady",))
+    pool = int(0.5 * work.hot_bytes())
+    contenders, skipped = make_contenders(
+        encoder, pool, config.best_policy, config.sglang_page_bytes
+    )
+    out: dict[str, dict[str, Any]] = {}
+    lane = Lane()
+    try:
+        for contender in contenders:
+            counts = dict.fromkeys(("requests", "answered", "differ", "failed", "bad_times"), 0)
+            for n, images in enumerate(work.mixes["steady"] * 2):
+                counts["requests"] += 1
+                try:
+                    served = contender.serve(f"r{n}", images, lane)
+                except RuntimeError as exc:
+                    if "not available" not in str(exc):
+                        raise
+                    counts["failed"] += 1
+                    continue
+                counts["answered"] += 1
+                expected = torch.cat(encoder([i.pixels for i in images]))
+                counts["differ"] += not torch.equal(served.embeddings, expected)
+                counts["bad_times"] += not 0 <= served.cache_seconds <= served.seconds
+            contender.finish()
+            counts["failed_inserts"] = contender.failed_inserts()
+            counts["read_bytes"] = contender.counts["read_bytes"]
+            out[contender.name] = counts
+    finally:
+        lane.close()
+        for contender in contenders:
+            contender.close()
+    return {"contenders": out, "skipped": skipped}
 
 
 def ratios(mixes: dict[str, dict[str, dict[str, Any]]], best: str) -> dict[str, dict[str, Any]]:
@@ -402,8 +439,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--parts", nargs="+", choices=PARTS, default=list(PARTS),
-        help="mixes: the contenders side by side; scale: embcache at each pool size; "
-        "fleet: two server processes with and without one mooncake_master",
+        help="verify: every contender answers with the encoder's bytes; mixes: the contenders "
+        "side by side; scale: embcache at each pool size; fleet: two server processes with "
+        "and without one mooncake_master",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.headline:
@@ -416,7 +454,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.best_policy:
         config = replace(config, best_policy=args.best_policy)
     size = "quick" if args.quick else args.size
-    result: dict[str, Any] = {"machine": machine(), "size": size}
+    result: dict[str, Any] = {"machine": machine(), "size": size, "config": asdict(config)}
+    if "verify" in args.parts:
+        result["verify"] = verify(config)
     if "mixes" in args.parts:
         result.update(measure(config))
     if "scale" in args.parts:

@@ -36,16 +36,10 @@ import torch
 
 from benchmarks.peers.bench_sglang_adapter import NullGlobalStore
 from benchmarks.server.contenders import Lane, PipelineServer
-from benchmarks.server.workload import (
-    SIZES,
-    Config,
-    MeteredEncoder,
-    Workload,
-    make_encoder,
-    make_workload,
-)
+from benchmarks.server.workload import SIZES, Config, MeteredEncoder
 from embcache import GlobalStore
 from embcache.tools.encoders import TinyViT
+from tests.support.server_workload import Workload, make_encoder, make_workload
 
 PROCESSES = 2
 MIN_SEGMENT = 16 << 20  # Mooncake's least global segment

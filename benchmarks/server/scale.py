@@ -23,16 +23,9 @@ from typing import Any
 import torch
 
 from benchmarks.server.contenders import Contender, Lane, PipelineServer, adapter_server
-from benchmarks.server.workload import (
-    TOKEN_WEIGHTS,
-    TOKENS,
-    Config,
-    Image,
-    MeteredEncoder,
-    make_encoder,
-    make_workload,
-)
+from benchmarks.server.workload import Config, MeteredEncoder
 from embcache import EmbeddingCache, Item, Status
+from tests.support.server_workload import TOKEN_WEIGHTS, TOKENS, Image, make_encoder, make_workload
 
 PREFILL_BATCH = 64
 
