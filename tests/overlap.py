@@ -1,4 +1,4 @@
-"""Overlapping fences (issue 25), shared by the tests, the trace generator and the trace tests.
+"""Overlapping fences, shared by the tests, the trace generator and the trace tests.
 
 ``LimboStore`` holds each store fence until the test lets it through, and keeps UNKNOWN reads in
 flight: one lands garbage in its range when the first store fence that began after it returns.

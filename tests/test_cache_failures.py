@@ -1,4 +1,4 @@
-"""One test per failure of the design that ``EmbeddingCache`` replaces (issue 3).
+"""One test per failure of the design that ``EmbeddingCache`` replaces.
 
 Each test drives the cache only through its public API with an injectable ``FaultInjectingStore``,
 checks that the bytes a request reads are exactly the bytes that were stored, and ends with

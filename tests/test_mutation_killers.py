@@ -951,7 +951,7 @@ def test_a_store_answering_too_few_reads_ends_the_load_unknown() -> None:
         cache.close()
 
 
-# ------------------------------------------------------------------ one body per action (issue 31)
+# ------------------------------------------------------------------ one body per action
 # The hot actions (``Actions.lookup_all``, ``Actions.release_all``) have one body, traced or
 # not; each test runs both ways, so a bug planted in that body fails both. Checked by planting
 # (then reverting): a release that drops a pin as the last while another holder remains

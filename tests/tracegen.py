@@ -3,7 +3,7 @@
 Three sources: the Hypothesis state machine of ``tests/stateful/test_cache_model.py`` (every
 example's trace, fences begun and ended as separate steps), multi-threaded runs against an
 ``FaultInjectingStore`` whose faults make loads complete out of order, fail, raise and end UNKNOWN,
-with removes and fences in between, and the overlapping fences of issue 25 (two fences in
+with removes and fences in between, and overlapping fences (two fences in
 flight, a key freed by one and QUARANTINED again before the other ends).
 ``python -m tests.tracegen OUT_DIR --machine N --threaded M`` writes them as JSON lines.
 """

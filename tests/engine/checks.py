@@ -1,4 +1,4 @@
-"""The engine tier's checks (issue 30), each a function of a ``World`` and the ``Reference``
+"""The engine tier's checks, each a function of a ``World`` and the ``Reference``
 answers: the tests run them on engines with ``EmbcacheECConnector``, the self-test on engines
 with ``tests/engine/liar.py``'s ``LyingECConnector``, where each must raise AssertionError.
 

