@@ -33,7 +33,7 @@ HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 ENTRY_BYTES = 256  # the scan-LRU baseline's entries, as its benchmark sizes them
 
 
-def run_module(
+def run_benchmark(
     module: str, *args: str, timeout: float = 120, **kwargs: Any
 ) -> subprocess.CompletedProcess[str]:
     """``python -m module args`` from the repository root, its output captured."""
@@ -50,7 +50,7 @@ def run_module(
 @pytest.fixture(scope="module")
 def items() -> list[str]:
     """The suite's items as ``benchmarks.run --list`` prints them (``N title``)."""
-    done = run_module("benchmarks.run", "--list")
+    done = run_benchmark("benchmarks.run", "--list")
     assert done.returncode == 0, done.stderr[-4000:]
     lines = done.stdout.splitlines()
     assert [line.split()[0] for line in lines] == [str(n) for n in range(1, len(lines) + 1)]
@@ -180,7 +180,7 @@ def test_mooncake_row_is_skipped_without_a_master(tmp_path: Path) -> None:
         if folder and not (Path(folder) / "mooncake_master").exists()
     )
     out = tmp_path / "rows.json"
-    done = run_module(
+    done = run_benchmark(
         "benchmarks.run",
         "--quick",
         "--only",
@@ -204,7 +204,7 @@ def test_a_benchmark_that_raises_becomes_an_error_row(tmp_path: Path) -> None:
     fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     out, page = tmp_path / "rows.json", tmp_path / "RESULTS.md"
-    done = run_module(
+    done = run_benchmark(
         "benchmarks.run", "--quick", "--only", "7", "--json", str(out), "--markdown", str(page),
         env=env,
     )  # fmt: skip
@@ -323,7 +323,7 @@ def test_both_sides_of_the_instruction_count_do_their_work() -> None:
     side is set up, runs, and passes its check of the work done (hits, evictions, pins)."""
     from tests.support import sglang_wheel
 
-    done = run_module(
+    done = run_benchmark(
         "benchmarks.peers.bench_instructions", "--child", "--entries=64", "--low=1", "--high=3"
     )
     assert done.returncode == 0, done.stderr[-4000:]
@@ -378,7 +378,7 @@ def test_drifting_mix_reshuffles_popularity_between_phases() -> None:
 
 def test_cold_request_probe_times_every_step(tmp_path: Path) -> None:
     out = tmp_path / "steps.json"
-    done = run_module("benchmarks.micro.cold_request", "--rounds", "3", "--json", str(out))
+    done = run_benchmark("benchmarks.micro.cold_request", "--rounds", "3", "--json", str(out))
     assert done.returncode == 0, done.stderr[-4000:]
     steps = json.loads(out.read_text())
     for name in ("open", "lookup", "embeddings", "close"):
@@ -520,7 +520,7 @@ def test_tiny_grid_reports_every_cell(tmp_path: Path) -> None:
     """The CI smoke run of the grid: a target row per cell, the optimum's and the churn rows,
     and the heatmap's values read back from the rows."""
     out = tmp_path / "grid.json"
-    done = run_module("benchmarks.policy.bench_policy_grid", "--tiny", "--json", str(out))
+    done = run_benchmark("benchmarks.policy.bench_policy_grid", "--tiny", "--json", str(out))
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
     cells = result["cells"]

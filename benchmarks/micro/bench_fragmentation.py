@@ -1,4 +1,4 @@
-"""Realistic mix: contiguity-aware eviction against first fit with plain LRU (issue 3).
+"""Realistic mix: contiguity-aware eviction against first fit with plain LRU.
 
 Entries are vision-encoder outputs of 64..4096 tokens x 3584 hidden (log-uniform tokens; 70%
 bf16, 30% fp32: 0.45 MB to 58.7 MB) in a 1 GiB pool. Requests of 1-3 distinct images drawn
@@ -11,7 +11,8 @@ failed allocation can be checked against an independent oracle. The baselines re
 requests over ``tests.support.baselines.NaiveAllocator`` (first fit) with plain LRU eviction:
 - ``LRU-to-fit``: evict the oldest idle entry until the allocation succeeds or none is left;
 - ``LRU-to-bytes``: evict the oldest until enough bytes are free, then allocate once (the
-  design issue 3 replaces: evictions of non-adjacent entries, then the allocation fails anyway).
+  design contiguity-aware eviction replaces: evictions of non-adjacent entries, then the
+  allocation fails anyway).
 
 Reported against each baseline: allocation failures although a fitting run existed (a
 contiguous run of free blocks and idle entries, at most ``max_eviction_batch`` of them, that

@@ -1,12 +1,12 @@
-"""Eviction policies x request mixes: encoder tokens saved, against every baseline (issue 15).
+"""Eviction policies x request mixes: encoder tokens saved, against every baseline.
 
-Four mixes over the catalogue of ``benchmarks.micro.bench_fragmentation`` (log-uniform 64..4096
+Four mixes over the catalogue of ``tests.support.mixes`` (log-uniform 64..4096
 tokens x 3584 hidden, 70% bf16, 0.45 to 58.7 MB; a 1 GiB pool; requests of 1-3 distinct
 images, the last ``inflight`` requests held open):
 - ``steady``: Zipf(0.9) popularity, a long stream (6000 requests: the cache's steady state);
 - ``drift``: the same, with the popularity ranking reshuffled every 500 requests;
 - ``scan``: the steady stream, and every third request one new image never seen again;
-- ``1GiB``: the mix of ``bench_fragmentation`` itself (2000 requests, as issue 3 reported).
+- ``1GiB``: the mix of ``bench_fragmentation`` itself (its full 2000 requests).
 (``--quick``: the first three over the quick catalogue of 600 images, 1500 requests.)
 
 ``lru`` and ``tinylfu`` run through the real ``EmbeddingCache(policy=...)`` (real copies of
