@@ -19,9 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from embcache import EmbeddingCache, Item
-from embcache.core.effects import Effects
-from embcache.core.entries import RequestState
+from embcache import EmbeddingCache, Item, TransferOutcome
 from embcache.core.lifecycle import QUARANTINED, READY
 from embcache.driver.allocator import RangeAllocator
 from embcache.driver.locks import (
@@ -245,10 +243,17 @@ def test_wait_under_the_cache_lock_is_refused(checking: None, cache: EmbeddingCa
 
 
 def test_wake_up_under_the_cache_lock_is_refused(checking: None, cache: EmbeddingCache) -> None:
-    woke = Effects(None, wake=[RequestState("w")])  # a step's record that wakes a request
-    outer = HierarchyLock(0, "test outer lock")  # (the funnel takes the cache lock itself)
+    """A step that wakes a waiting request (a fill ending) called by a thread that holds a
+    lock: the funnel takes the cache lock itself, and refuses to wake anyone once it left it."""
+    item = Item("w", (256,), torch.int32)
+    filler, waiter = cache.request("filler"), cache.request("waiter")
+    assert filler.begin_fill([item]) != [None]
+    assert [s.status.name for s in waiter.lookup([item], prefetch=False)] == ["LOADING"]
+    outer = HierarchyLock(0, "test outer lock")
     with outer, pytest.raises(LockOrderError, match="waking requests while holding test outer"):
-        cache._run(lambda: woke)  # private: the funnel's own guard on wake-ups
+        filler.end_fill(["w"], [TransferOutcome.OK], publish=False)
+    waiter.close()
+    filler.close()
     assert_usable(cache)
 
 
