@@ -306,3 +306,62 @@ def test_a_planted_private_use_is_found(tmp_path: Path) -> None:
                     (11, "_core")]  # fmt: skip
     assert unjustified(path, uses) == [(1, "_secret"), (5, "_io"), (6, "_secret"),
                                        (11, "_core")]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- tests and benchmarks
+TESTS = Path(__file__).resolve().parent
+IMPORTERS = {"import_module", "__import__", "importorskip", "run_module"}
+
+
+def benchmark_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of the ``benchmarks`` package in ``path``: ``import``,
+    ``from ... import``, and a call of ``importlib.import_module``, ``__import__``,
+    ``pytest.importorskip`` or ``runpy.run_module`` with a literal module name."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Call) and node.args:
+            func, first = node.func, node.args[0]
+            called = getattr(func, "attr", None) or getattr(func, "id", None)
+            if called in IMPORTERS and isinstance(first, ast.Constant):
+                names = [str(first.value)]
+        found += [(node.lineno, n) for n in names if n.split(".")[0] == "benchmarks"]
+    return found
+
+
+def test_no_test_imports_the_benchmarks() -> None:
+    """Tests run a benchmark as ``python -m benchmarks...`` in a child process; what tests and
+    benchmarks share lives in ``tests/support`` (benchmarks import it, never the reverse)."""
+    found = [
+        f"{path.relative_to(TESTS.parent)}:{line}: {module}"
+        for path in sorted(TESTS.rglob("*.py"))
+        for line, module in benchmark_imports(path)
+    ]
+    assert not found, "tests importing the benchmarks:\n" + "\n".join(found)
+
+
+def test_a_planted_benchmark_import_is_found(tmp_path: Path) -> None:
+    source = (
+        "import benchmarks\n"
+        "from benchmarks.micro import bench_copy\n"
+        "import benchmarksish, json\n"
+        "def f():\n"
+        "    import benchmarks.run as r\n"
+        "    importlib.import_module('benchmarks.peers.bench_vllm')\n"
+        "    pytest.importorskip('benchmarks.common')\n"
+        "    subprocess.run([sys.executable, '-m', 'benchmarks.run'])\n"
+        "    from tests.support import baselines\n"
+    )
+    path = tmp_path / "test_x.py"
+    path.write_text(source)
+    assert benchmark_imports(path) == [
+        (1, "benchmarks"),
+        (2, "benchmarks.micro"),
+        (5, "benchmarks.run"),
+        (6, "benchmarks.peers.bench_vllm"),
+        (7, "benchmarks.common"),
+    ]
