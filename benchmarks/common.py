@@ -1,6 +1,6 @@
 """What the benchmarks share: making and printing rows (their format and check are in
-``tests/support/rows.py``), the section a run produces,
-filling a cache, traced bytes, and matplotlib.
+``tests/support/rows.py``), the section a run produces, filling a cache, traced bytes, and
+matplotlib.
 
 Every benchmark module imports from here and this module imports no other benchmark module, so
 the benchmarks' imports form no circle (``tests/test_benchmarks.py`` checks it). A helper two

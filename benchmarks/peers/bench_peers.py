@@ -2,16 +2,17 @@
 
 SGLang's ``EmbeddingCacheController`` runs from its wheel (``tests.support.sglang_wheel``; rows say
 skipped when the wheel cannot be had), with its IO thread stopped (no global store traffic is
-measured; its 1 ms poll would only steal the CPU from both sides). It is driven through its own
-methods: ``batch_is_exist``, ``prefetch``, ``check_prefetch_progress``, ``get_pool_views`` and
-``release_pool_views`` as its scheduler calls them, and for an insert the steps of
-``store_to_pool_async`` + ``wait_store_to_pool`` (which take CUDA tensors only) with a CPU
-tensor: under its lock ``_allocate_with_eviction`` and a FILLING ``EmbeddingCacheEntry``, the copy
-by its ``_copy_embedding_page_runs`` (its CPU path), then ``_mark_ready`` under its lock. The
-original PR's controller is ``tests.support.baselines.OriginalPRController``. Ours is
-``EmbeddingCache`` through its public API. Every comparison runs side by side in one process,
-in chunks that alternate between the contenders; medians. Ratios are peer time / our time
-(below 1: ours is slower), bytes are ours / peer's.
+measured; its 1 ms poll would only steal the CPU from both sides). It is driven
+(``tests.support.sglang_wheel.SGLangPeer``) through its own methods: ``batch_is_exist``,
+``prefetch``, ``check_prefetch_progress``, ``get_pool_views`` and ``release_pool_views`` as its
+scheduler calls them, and for an insert the steps of ``store_to_pool_async`` +
+``wait_store_to_pool`` (which take CUDA tensors only) with a CPU tensor: under its lock
+``_allocate_with_eviction`` and a FILLING ``EmbeddingCacheEntry``, the copy by its
+``_copy_embedding_page_runs`` (its CPU path), then ``_mark_ready`` under its lock. The original
+PR's controller is ``tests.support.baselines.OriginalPRController``. Ours is ``EmbeddingCache``
+through its public API. Every comparison runs side by side in one process, in chunks that alternate
+between the contenders; medians. Ratios are peer time / our time (below 1: ours is slower), bytes
+are ours / peer's.
 
 - ``evicting_sides``: the evicting insert of ``bench_eviction`` (uniform 256 B entries, the
   oldest half pinned) for SGLang with 256 B pages (one entry a page).

@@ -1,5 +1,8 @@
-"""What tests and benchmarks share: the peers' wheels (fetched and loaded at run time), vLLM's
-engine-step call order (``vllm_engine``) and the baselines. Imported as ``tests.support`` (the
-repository root is on ``sys.path``: the tests' conftest puts it there, ``python -m
-benchmarks...`` runs from it); never from ``benchmarks``.
+"""What tests and benchmarks share: the peers' wheels (fetched and loaded at run time, SGLang's
+controller driven as a peer: ``sglang_wheel``), vLLM's engine-step call order (``vllm_engine``)
+and its ``ECCPUConnector`` on CPU (``vllm_cpu_connector``), the baselines, the request mixes
+(``mixes``, ``server_workload``), the result row and its check (``rows``) and callgrind's output
+(``callgrind``). Imported as ``tests.support`` (the repository root is on ``sys.path``: the
+tests' conftest puts it there, ``python -m benchmarks...`` runs from it); never from
+``benchmarks``: a test runs a benchmark as ``python -m benchmarks...`` and reads its output.
 """
