@@ -46,7 +46,7 @@ T = TypeVar("T")
 Ranges = list[tuple[int, ItemLike] | None]
 
 
-class CacheCore(CoreQueries):
+class CacheCore(CoreQueries[Actions]):
     """The cache's state machine: request steps and read-only queries. Not thread-safe."""
 
     def __init__(
@@ -54,7 +54,7 @@ class CacheCore(CoreQueries):
         trace: bool = False, clock: Callable[[], float] = float, policy: Policy | None = None,
         record_freed: bool = False,
     ) -> None:  # fmt: skip
-        self._actions: Actions = Actions(
+        self._actions = Actions(
             capacity, alignment, max_eviction_batch, enable_eviction,
             trace=trace, clock=clock, policy=policy, record_freed=record_freed,
         )  # fmt: skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from embcache.core.allocator import BestFitAllocator
 from embcache.core.entries import Entry, RequestState
@@ -24,19 +24,18 @@ if TYPE_CHECKING:
 class StateQueries:
     """The read-only queries of ``Actions`` (its state's fields, declared here for typing)."""
 
-    if TYPE_CHECKING:
-        _allocator: BestFitAllocator
-        _entries: dict[str, Entry]
-        _requests: dict[str, RequestState]
-        _counts: Counter[str]
-        _quarantine: dict[str, float]
-        _pinned_since: dict[str, float]
-        _order: EvictionOrder
-        _evictable_bytes: int
-        _shapes: dict[tuple[int, ...], tuple[int, ...]]
-        _fencing: dict[int, tuple[Entry, ...]]
-        _events: list[dict[str, Any]] | None
-        _freed: list[tuple[int, int]] | None
+    _allocator: BestFitAllocator
+    _entries: dict[str, Entry]
+    _requests: dict[str, RequestState]
+    _counts: Counter[str]
+    _quarantine: dict[str, float]
+    _pinned_since: dict[str, float]
+    _order: EvictionOrder
+    _evictable_bytes: int
+    _shapes: dict[tuple[int, ...], tuple[int, ...]]
+    _fencing: dict[int, tuple[Entry, ...]]
+    _events: list[dict[str, Any]] | None
+    _freed: list[tuple[int, int]] | None
 
     @property
     def capacity(self) -> int:
@@ -147,11 +146,13 @@ class StateQueries:
         return quarantined > max_bytes or now - min(self._quarantine.values()) >= max_age
 
 
-class CoreQueries:
-    """The same queries on ``CacheCore``, answered by the actions it holds."""
+A = TypeVar("A", bound=StateQueries)
 
-    if TYPE_CHECKING:
-        _actions: StateQueries  # (``Actions``)
+
+class CoreQueries(Generic[A]):
+    """The same queries on ``CacheCore``, answered by the actions it holds (an ``A``)."""
+
+    _actions: A
 
     @property
     def capacity(self) -> int:
