@@ -1,7 +1,7 @@
 """What the core keeps per key, per request and per fence: ``Entry``, ``RequestState`` and
 ``FenceSnapshot``.
 
-Both are plain records, changed only by ``embcache.core.cache_core.CacheCore`` under its
+All are plain records, changed only by ``embcache.core.cache_core.CacheCore`` under its
 driver's lock.
 Items are duck-typed (``ItemLike``), so nothing here imports torch.
 """
@@ -32,35 +32,73 @@ class ItemLike(Protocol):
     def nbytes(self) -> int: ...
 
 
-@dataclass(eq=False, slots=True)
 class Entry:
     """One key's entry: what it holds (``key``, ``shape``, ``dtype``), where, and who uses it.
 
     Compact on purpose (100k entries are common): the item's fields are kept, not the item;
     the time its pins began lives in the core (``CacheCore.pinned_since``), for pinned entries
-    only; a load in flight is from the store exactly when no request must fill it."""
+    only; a load in flight is from the store exactly when no request must fill it. Written out
+    with ``__slots__`` rather than as a ``dataclass(slots=True)``, whose class swap the compiled
+    build (``docs/setup.md``) cannot follow; compared by identity."""
 
-    key: str
-    shape: tuple[int, ...]
-    dtype: Hashable
-    offset: int
-    size: int  # allocated bytes (rounded up to the alignment)
-    state: EntryState = LOADING
-    holders: frozenset[Holder] = NOBODY  # immutable values; every empty one is NOBODY
-    waiters: frozenset[str] = NOBODY
-    filler: str | None = None  # the request that must fill a LOADING entry not from the store
-    doomed: bool = False
-    tainted: bool = False  # a publish ended UNKNOWN: quarantine when the last pin goes
-    publishing: bool = False
+    __slots__ = (
+        "doomed",
+        "dtype",
+        "filler",
+        "holders",
+        "key",
+        "offset",
+        "publishing",
+        "shape",
+        "size",
+        "state",
+        "tainted",
+        "waiters",
+    )  # fmt: skip
+
+    def __init__(
+        self, key: str, shape: tuple[int, ...], dtype: Hashable, offset: int, size: int,
+        state: EntryState = LOADING, holders: frozenset[Holder] = NOBODY,
+        waiters: frozenset[str] = NOBODY, filler: str | None = None, doomed: bool = False,
+        tainted: bool = False, publishing: bool = False,
+    ) -> None:  # fmt: skip
+        self.key = key
+        self.shape = shape
+        self.dtype = dtype
+        self.offset = offset
+        self.size = size  # allocated bytes (rounded up to the alignment)
+        self.state = state
+        self.holders = holders  # immutable values; every empty one is NOBODY
+        self.waiters = waiters
+        self.filler = filler  # the request that must fill a LOADING entry not from the store
+        self.doomed = doomed
+        self.tainted = tainted  # a publish ended UNKNOWN: quarantine when the last pin goes
+        self.publishing = publishing
 
     @property
     def pins(self) -> int:
         return len(self.holders)
 
+    def copy(self) -> Entry:
+        """A copy with the same fields (they are immutable values: nothing is shared)."""
+        return Entry(
+            self.key, self.shape, self.dtype, self.offset, self.size, self.state, self.holders,
+            self.waiters, self.filler, self.doomed, self.tainted, self.publishing,
+        )  # fmt: skip
 
-@dataclass(eq=False, slots=True)
+    def __repr__(self) -> str:
+        return (
+            f"Entry(key={self.key!r}, shape={self.shape!r}, dtype={self.dtype!r}, "
+            f"offset={self.offset}, size={self.size}, state={self.state!r}, "
+            f"holders={self.holders!r}, waiters={self.waiters!r}, filler={self.filler!r}, "
+            f"doomed={self.doomed}, tainted={self.tainted}, publishing={self.publishing})"
+        )
+
+
+@dataclass(eq=False)
 class RequestState:
-    """A request's holds, waits, reservations and fallbacks, as the core sees them."""
+    """A request's holds, waits, reservations and fallbacks, as the core sees them (one per open
+    request: not slotted, as the compiled build cannot compile ``dataclass(slots=True)``)."""
 
     request_id: str
     items: list[ItemLike] = field(default_factory=list)
@@ -101,7 +139,7 @@ class RequestState:
         return self.fallbacks.get(item.key)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class FenceSnapshot:
     """What a fence in flight took at ``BeginFence``: its id and the QUARANTINED entries then.
 

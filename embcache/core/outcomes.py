@@ -41,7 +41,7 @@ class TransferOutcome(enum.Enum):
     UNKNOWN = "UNKNOWN"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class ItemStatus:
     """Status of one looked-up item; ``reason`` is set for MISS."""
 

@@ -66,6 +66,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
+from embcache.core.recency import RecencyOrder, ResidentOrder
 from embcache.core.sketch import DEPTH, MAX_COUNTER, Footprint, FrequencySketch, next_power_of_two
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 
@@ -106,22 +107,6 @@ class Policy(Protocol):
         """The entry of ``key`` was freed."""
 
 
-class RecencyOrder(OrderedDict[str, bool]):
-    """Evictable keys by the time they last became evictable, oldest first. Every method O(1).
-
-    An OrderedDict itself (values are True), so membership, iteration and length run in C:
-    the core asks them on every hit."""
-
-    def add(self, key: str) -> None:
-        """Put ``key`` at the tail (the newest). O(1)."""
-        self[key] = True
-        self.move_to_end(key)
-
-    def discard(self, key: str) -> bool:
-        """Take ``key`` out; whether it was there. O(1)."""
-        return self.pop(key, False)
-
-
 class LruPolicy:
     """Least recently used first; admits every insert (the seed's behaviour)."""
 
@@ -141,20 +126,6 @@ class LruPolicy:
 
     def forget(self, key: str) -> None:
         """Nothing kept per key."""
-
-
-class _ResidentOrder(RecencyOrder):
-    """A recency order that also notes every key it ever held in ``resident``."""
-
-    def __init__(self, resident: set[str]) -> None:
-        super().__init__()
-        self._resident = resident
-
-    def add(self, key: str) -> None:
-        """Put ``key`` at the tail and note it resident. O(1)."""
-        self._resident.add(key)
-        self[key] = True
-        self.move_to_end(key)
 
 
 def _int_knob(name: str, value: object) -> int:
@@ -240,7 +211,7 @@ class TinyLfuPolicy:
                 f"own (make_policy({self.name!r}))"
             )
         self._has_order = True
-        return _ResidentOrder(self._resident)
+        return ResidentOrder(self._resident)
 
     @property
     def sketch(self) -> FrequencySketch:

@@ -296,7 +296,7 @@ class EmbeddingCache(InPlaceFills):
         with self._lock:
             core = self._core
             return CacheSnapshot(
-                entries={key: replace(entry) for key, entry in core.entries.items()},
+                entries={key: entry.copy() for key, entry in core.entries.items()},
                 requests={r: _copy_request(rs) for r, rs in core.requests.items()},
                 eviction_order=core.eviction_order(),
                 evictable_bytes=core.evictable_bytes,

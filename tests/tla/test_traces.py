@@ -20,7 +20,8 @@ import torch
 from embcache import EmbeddingCache, Item, TransferOutcome
 from embcache.core.actions import Actions
 from embcache.core.lifecycle import ABSENT, QUARANTINED, READY
-from embcache.core.policy import LruPolicy, Policy, RecencyOrder
+from embcache.core.policy import LruPolicy, Policy
+from embcache.core.recency import RecencyOrder
 from embcache.driver.trace import TraceLog
 from embcache.testing import Fault, FaultInjectingStore
 from tests.tla.tla_modules import load_trace
