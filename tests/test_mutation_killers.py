@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -889,7 +890,7 @@ def test_transition_table_agrees_with_how_the_controller_uses_it() -> None:
     from embcache.core.lifecycle import TRANSITIONS
     from embcache.driver.cache import Entry
 
-    assert Entry.__dataclass_fields__["state"].default is LOADING
+    assert inspect.signature(Entry).parameters["state"].default is LOADING
     guard_only = {Step.LOOKUP_HIT, Step.LOOKUP_JOIN, Step.RELEASE_WAIT, Step.REMOVE_BUSY}
     guard_only |= {Step.PUBLISH}
     freeing = {Step.EVICT, Step.REMOVE_IDLE, Step.FENCE, Step.RELEASE_LAST_DOOMED}
