@@ -397,6 +397,11 @@ class AdaptivePolicy(TinyLfuPolicy):
         """What this policy keeps now. O(1)."""
         return Footprint(self._sketch.nbytes, len(self._resident), len(self._ghosts))
 
+    def ghost_keys(self) -> list[str]:
+        """The keys it remembers refusing or evicting for an admission (the ghosts
+        ``footprint().ghosts`` counts), oldest first: a copy. O(ghosts)."""
+        return list(self._ghosts)
+
     def bound(self, entries: int) -> Footprint:
         """``TinyLfuPolicy.bound``, and at most ``_ghost_bound()`` ghosts. O(1)."""
         ghosts = self.GHOSTS_PER_ENTRY * (self._horizon + 1) * max(entries, self._min_entries)
