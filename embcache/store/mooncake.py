@@ -113,11 +113,13 @@ class MooncakeStore:
     global store, default 0: none), ``local_buffer_size`` (``MOONCAKE_LOCAL_BUFFER_SIZE``,
     Mooncake's staging buffer, default 16 MiB; the pool itself is registered, not staged).
     ``key_prefix`` namespaces every key. ``connect_timeout_s`` bounds each reachability probe;
-    ``reconnect_interval_s`` spaces probes and connection attempts.
+    ``reconnect_interval_s`` spaces probes and connection attempts. ``client_factory`` makes
+    each Mooncake client (default: ``mooncake.store.MooncakeDistributedStore``); a wrapper of
+    it can observe or fail the binding's calls.
 
-    The constructor validates (``StoreConfigError``) and imports Mooncake
-    (``StoreUnavailableError``); it touches no network. Connecting is lazy (``connect`` forces
-    it). A transfer method never raises for a store failure: it returns codes.
+    The constructor validates (``StoreConfigError``) and, without ``client_factory``, imports
+    Mooncake (``StoreUnavailableError``); it touches no network. Connecting is lazy
+    (``connect`` forces it). A transfer method never raises for a store failure: it returns codes.
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class MooncakeStore:
         key_prefix: str = "embcache/",
         connect_timeout_s: float = 1.0,
         reconnect_interval_s: float = 1.0,
+        client_factory: Callable[[], _Client] | None = None,
     ) -> None:
         self._config = MooncakeConfig.resolve(
             master_address,
@@ -146,7 +149,7 @@ class MooncakeStore:
             connect_timeout_s=connect_timeout_s,
             reconnect_interval_s=reconnect_interval_s,
         )
-        self._new_client = _load_binding()
+        self._new_client = client_factory or _load_binding()
         self._lock = threading.Lock()
         self._drained = threading.Condition(self._lock)
         self._swap_lock = threading.Lock()

@@ -389,18 +389,16 @@ class RaisingOnce:
 
 @mooncake
 def test_a_raising_binding_call_fails_its_items_unknown_and_nothing_else(
-    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+    mooncake_master: MooncakeMaster,
 ) -> None:
     clients: list[RaisingOnce] = []
-    # private: the store makes its client through _load_binding (no seam in MooncakeStore)
-    real_factory = mooncake_module._load_binding()
+    real_factory = pytest.importorskip("mooncake.store").MooncakeDistributedStore
 
     def factory() -> RaisingOnce:
         clients.append(RaisingOnce(real_factory()))
         return clients[-1]
 
-    monkeypatch.setattr(mooncake_module, "_load_binding", lambda: factory)  # private: as above
-    with make_store(mooncake_master) as store:
+    with make_store(mooncake_master, client_factory=factory) as store:
         worker = Worker(store, 1 << 20)
         key = unique("raising")
         assert store.put_from([key], [0], [4096]) == [0]
@@ -530,7 +528,7 @@ BAD_CONFIGS = [
 
 
 def _no_binding() -> None:
-    raise AssertionError("validation must happen before importing Mooncake")
+    raise AssertionError("validation must happen before any network probe")
 
 
 @pytest.mark.parametrize(("kwargs", "message"), BAD_CONFIGS)
@@ -538,8 +536,8 @@ def test_bad_config_raises_before_import_or_network(
     monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, object], message: str
 ) -> None:
     monkeypatch.delenv("MOONCAKE_MASTER", raising=False)
-    # private: proves the config is checked before Mooncake is imported
-    monkeypatch.setattr(mooncake_module, "_load_binding", _no_binding)
+    # importing Mooncake fails: the config is checked before it
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
     monkeypatch.setattr(mooncake_module, "reachable", _no_binding)
     with pytest.raises(StoreConfigError, match=message):
         MooncakeStore(**kwargs)  # type: ignore[arg-type]
@@ -557,8 +555,8 @@ BAD_ENV = [
 def test_bad_environment_raises_naming_the_variable(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str
 ) -> None:
-    # private: proves the environment is checked before Mooncake is imported
-    monkeypatch.setattr(mooncake_module, "_load_binding", _no_binding)
+    # importing Mooncake fails: the environment is checked before it
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(StoreConfigError, match=message):
