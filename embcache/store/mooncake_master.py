@@ -31,7 +31,7 @@ from typing import ClassVar
 from embcache.errors import StoreUnavailableError
 from embcache.store.mooncake_config import reachable
 
-__all__ = ["MooncakeMaster", "find_master_binary", "master_binary"]
+__all__ = ["MooncakeMaster", "find_master_binary", "listens", "master_binary"]
 
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 5.0
@@ -81,8 +81,9 @@ def _socket_inodes(pid: int) -> set[str]:
     return inodes
 
 
-def _listens(pid: int, port: int) -> bool:
-    """Whether process ``pid`` itself has a listening TCP socket on ``port``.
+def listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` itself has a listening TCP socket on ``port`` (what ``start``
+    waits for: a port that answers may be another process's).
 
     On Linux from ``/proc`` (a socket of the process, in state LISTEN, on that port); without
     ``/proc``, whether a loopback connection succeeds (whoever listens).
@@ -159,6 +160,12 @@ class MooncakeMaster:
         }
 
     @property
+    def pid(self) -> int | None:
+        """The process id of the master started last, None before ``start`` and after
+        ``kill``/``stop``."""
+        return None if self._process is None else self._process.pid
+
+    @property
     def running(self) -> bool:
         """Whether the process is alive."""
         return self._process is not None and self._process.poll() is None
@@ -183,7 +190,7 @@ class MooncakeMaster:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + READY_TIMEOUT_S
         pid = self._process.pid
-        while not (_listens(pid, self.rpc_port) and _serves_metadata(self.metadata_server)):
+        while not (listens(pid, self.rpc_port) and _serves_metadata(self.metadata_server)):
             if not self.running:
                 raise StoreUnavailableError(f"mooncake_master exited at start:\n{self.log_tail()}")
             if time.monotonic() > deadline:

@@ -7,39 +7,41 @@ returned, the master exited a second later, and every client call of the test fa
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
 import pytest
 
 from embcache.errors import StoreUnavailableError
-
-# private: the two guards these tests pin are the module's own helpers
-from embcache.store.mooncake_master import MooncakeMaster, _free_ports, _listens
+from embcache.store.mooncake_master import MooncakeMaster, listens
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(60)]
 
 
-def test_free_ports_are_distinct_and_free() -> None:
-    ports = _free_ports(64)
-    assert len(set(ports)) == len(ports)
-    for port in ports:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", port))
+def test_a_masters_ports_are_distinct_and_free() -> None:
+    for _ in range(32):  # not started: the ports are chosen by the constructor
+        master = MooncakeMaster(binary="mooncake_master")
+        ports = [master.rpc_port, master.http_port, master.metrics_port]
+        assert len(set(ports)) == len(ports)
+        for port in ports:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", port))
+        master.stop()
 
 
 def test_a_started_master_listens_on_its_own_rpc_and_metadata_ports(tmp_path: Path) -> None:
     with MooncakeMaster(log_dir=tmp_path) as master:
-        # private: the master's process id (MooncakeMaster has no public one)
-        assert master._process is not None
-        pid = master._process.pid  # private: as above
+        pid = master.pid
+        assert pid is not None
         assert len({master.rpc_port, master.http_port, master.metrics_port}) == 3
-        assert _listens(pid, master.rpc_port)
-        assert _listens(pid, master.http_port)
+        assert listens(pid, master.rpc_port)
+        assert listens(pid, master.http_port)
         with socket.socket() as other:
             other.bind(("127.0.0.1", 0))
             other.listen()
-            assert not _listens(pid, other.getsockname()[1]), "another process's listener"
+            assert not listens(pid, other.getsockname()[1]), "another process's listener"
+    assert master.pid is None, "no process after stop"
 
 
 def test_start_refuses_a_master_whose_rpc_port_another_process_holds(tmp_path: Path) -> None:
@@ -57,15 +59,17 @@ def test_start_refuses_a_master_whose_rpc_port_another_process_holds(tmp_path: P
 
 
 def test_without_proc_any_loopback_listener_counts(monkeypatch: pytest.MonkeyPatch) -> None:
-    import embcache.store.mooncake_master as mm
+    real_listdir = os.listdir
 
-    def no_proc(pid: int) -> set[str]:
-        raise FileNotFoundError(f"/proc/{pid}/fd")
+    def no_proc(path: str) -> list[str]:
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real_listdir(path)
 
-    monkeypatch.setattr(mm, "_socket_inodes", no_proc)  # private: /proc made unreadable
+    monkeypatch.setattr(os, "listdir", no_proc)  # /proc made unreadable
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        assert _listens(1, port), "whoever listens counts without /proc"
-    assert not _listens(1, port), "nobody listens any more"
+        assert listens(1, port), "whoever listens counts without /proc"
+    assert not listens(1, port), "nobody listens any more"
