@@ -87,6 +87,11 @@ class FaultInjectingStore:
         with self._lock:
             return self._objects.get(key)
 
+    @property
+    def pool(self) -> torch.Tensor | None:
+        """The buffer registered with ``register_buffer`` (a cache's pool), None before. O(1)."""
+        return self._pool
+
     # -- GlobalStore --
     def register_buffer(self, buffer: torch.Tensor) -> None:
         """Register the pool (a contiguous uint8 CPU tensor)."""
