@@ -90,8 +90,7 @@ def snapshot(w: World) -> tuple[Any, ...]:
         w.allocator.free_blocks(),
         dict(w.store.calls),
         [w.store.object(k) for k in KEYS],
-        # private: the pool the test double transfers into (embcache.testing keeps it private)
-        w.store._pool is w.cache.pool,
+        w.store.pool is w.cache.pool,  # the pool the test double transfers into
         w.pipeline.stats().calls,
     )
 

@@ -106,6 +106,11 @@ def cache_lock(cache: EmbeddingCache) -> HierarchyLock:
     return cache._lock  # private: the lock-order checker is tested on the cache's own lock
 
 
+def copy_nothing(cache: EmbeddingCache) -> None:
+    """The payload copy's own lock-order guard, run on no copies."""
+    cache._copy_in([])  # private: the copy helper's own guard is what these tests check
+
+
 def allocator_lock(allocator: RangeAllocator) -> HierarchyLock:
     """The allocator's own lock (level 2), which only its methods take."""
     return allocator._lock  # private: the lock-order checker is tested on the allocator's lock
@@ -226,8 +231,7 @@ def test_payload_copy_under_the_cache_lock_is_refused(
 ) -> None:
     refused = pytest.raises(LockOrderError, match="payload copy while holding cache lock")
     with cache_lock(cache), refused:
-        # private: the copy helper's own guard (an insert would be refused at the lock first)
-        cache._copy_in([])
+        copy_nothing(cache)  # an insert would be refused at the lock first
     assert_usable(cache)
 
 
@@ -355,8 +359,7 @@ def test_with_checking_off_violations_raise_nothing(
         assert_unlocked("anything")
         store.exists(["k"])
         store.get_into([], [], [])
-        # private: the copy helper's own guard (not _run: it takes the cache lock, would deadlock)
-        cache._copy_in([])
+        copy_nothing(cache)  # not a step: it takes the cache lock, and would deadlock
     with cache.request("waiter") as request, cache_lock(cache):
         assert request.wait(0.0)
     assert_usable(cache)

@@ -241,23 +241,25 @@ class Doubler(torch.nn.Module):
         return [x * 2 for x in inputs]
 
 
-def keep_single_view(self: EncodePipeline, request, plan, statuses):  # type: ignore[no-untyped-def]
+class ViewKeepingPipeline(EncodePipeline):
     """The bug: with one held item, keep the pool view instead of copying it."""
-    local = ORIGINAL_COLLECT(self, request, plan, statuses)
-    views = [v for v in request.embeddings() if v is not None]
-    if len(views) == 1:
-        return type(local)(local.statuses, local.mask, local.reasons, views[0])
-    return local
+
+    def _collect(self, request, plan, statuses):  # type: ignore[no-untyped-def]
+        # private: the pipeline step the bug is planted in
+        local = super()._collect(request, plan, statuses)
+        views = [v for v in request.embeddings() if v is not None]
+        if len(views) == 1:
+            return type(local)(local.statuses, local.mask, local.reasons, views[0])
+        return local
 
 
-ORIGINAL_COLLECT = EncodePipeline._collect  # private: the pipeline step the bug is planted in
-
-
-def run_harsh_pipeline(make_cache: Callable[..., EmbeddingCache]) -> list[torch.Tensor]:
+def run_harsh_pipeline(
+    make_cache: Callable[..., EmbeddingCache], pipeline_class: type[EncodePipeline] = EncodePipeline
+) -> list[torch.Tensor]:
     """A cached item read by a pipeline whose cache poisons and evicts after every request."""
     cache = make_cache(1 << 16, poison_freed=True)
     evict_idle_after_close(cache)
-    pipeline = EncodePipeline(cache, Doubler())
+    pipeline = pipeline_class(cache, Doubler())
     x = torch.arange(32, dtype=torch.float32).reshape(2, 16)
     item = Item("img", (2, 16), torch.float32)
     first = pipeline.encode("r1", [item], [x])  # a miss: encoded, inserted and published
@@ -279,10 +281,9 @@ def test_the_pipeline_reads_cached_rows_while_it_holds_them(
 
 
 def test_the_harness_catches_a_pipeline_that_keeps_a_view_past_its_request(
-    make_cache: Callable[..., EmbeddingCache], monkeypatch: pytest.MonkeyPatch
+    make_cache: Callable[..., EmbeddingCache],
 ) -> None:
-    monkeypatch.setattr(EncodePipeline, "_collect", keep_single_view)  # private: the planted bug
-    _, second = run_harsh_pipeline(make_cache)
+    _, second = run_harsh_pipeline(make_cache, ViewKeepingPipeline)
     assert second.isnan().any(), "the poison harness missed a read after release"
 
 

@@ -311,7 +311,7 @@ class EmbeddingCache(InPlaceFills):
         that waited on a load), ``async_waiters`` (their pending ``wait_async`` futures),
         ``fences_in_flight``, ``shapes`` (interned shapes), ``trace_batches`` (trace events
         handed in and not yet delivered), ``typed_views`` and ``view_bases`` (the pool's
-        views). O(open requests)."""
+        views) and ``strides`` (the process-wide strides cache). O(open requests)."""
         with self._lock:
             sizes = {
                 "wakeups": len(self._wakeups),

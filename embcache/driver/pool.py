@@ -73,8 +73,13 @@ class PoolViews:
 
     def sizes(self) -> dict[str, int]:
         """``typed_views``: one pool view per dtype seen; ``view_bases``: the base views
-        (at most ``MAX_BASES``). O(1)."""
-        return {"typed_views": len(self._typed), "view_bases": len(self._bases)}
+        (at most ``MAX_BASES``); ``strides``: the process-wide cache of row-major strides by
+        shape (at most 1024). O(1)."""
+        return {
+            "typed_views": len(self._typed),
+            "view_bases": len(self._bases),
+            "strides": _strides.cache_info().currsize,
+        }
 
     def view(self, offset: int, item: ItemLike | Entry) -> torch.Tensor:
         """``item``'s bytes at ``offset`` as a tensor of its shape and dtype (zero-copy): a
