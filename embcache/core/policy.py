@@ -39,7 +39,7 @@ drops that far (the mean rises as counts build up; each halving restarts the run
 Rejected: W-TinyLFU (a window of new entries dueling main's oldest): with byte-sized victims
 chosen by contiguity it kept too little of the filter's refusals (+4 points on steady, not +10).
 
-Design notes on ``adaptive`` (measured on ``benchmarks/policy/bench_policy_grid.py``). The spec lets a
+Design notes on ``adaptive`` (``benchmarks/policy/bench_policy_grid.py``). The spec lets a
 policy choose where an entry enters the order and whether to admit, nothing else: an entry
 never moves while it is in the order. So Caffeine's window (a segment whose overflow moves to
 main, demoting main's protected entries) cannot be an order here; ours is a share of the
@@ -54,8 +54,8 @@ evicted for a window admission looked up again regrets its share against the win
 are the candidates' bytes, which ``admit`` is given; victims share their candidate's bytes.
 The share stays within [0.02, 0.98] so that both answers keep being measured. Ghosts (the keys
 whose regret is pending) are pruned once per period, and bounded at 2 x (horizon + 1) x
-max(resident, ``min_entries``), the oldest dropped (the memory bound): admissions asked with no lookup
-(request-less inserts) end no period. On the grid they peak below 1.4 per resident entry, so
+max(resident, ``min_entries``), the oldest dropped (a memory bound): admissions asked with no
+lookup (request-less inserts) end no period. On the grid they peak below 1.4 per resident entry, so
 the bound never drops one there.
 """
 

@@ -2,7 +2,7 @@
 ``adaptive`` admit by (``embcache.core.policy``), and ``Footprint``, what a policy keeps per key
 (DESIGN.md, "Memory bounds"). Pure: no clock, no thread, no I/O; the caller holds the lock.
 
-Design notes (the memory bound). The sketch replaced exact counts in a dict keyed by every key of the
+Design notes. The sketch replaced exact counts in a dict keyed by every key of the
 sample window: the dict was faster (a record 0.2 us against 0.6 us, best of 9 on the 2-core
 machine; 3,450 against 8,540 instructions under callgrind) but kept a key and a count per key
 seen. Measured on the policy grid against the exact counts: with 4 counters per lookup (the
