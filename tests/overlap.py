@@ -29,15 +29,10 @@ class LimboStore(FaultInjectingStore):
 
     def __init__(self) -> None:
         super().__init__(delay_seconds=0.0)
-        self.pool: torch.Tensor | None = None
         self.limbo: list[tuple[int, int]] = []  # (offset, size) of reads still in flight
         self.gates: list[threading.Event] = []  # one per fence call, in call order
         self.open = False  # once set, fences no longer wait
         self._cv = threading.Condition()
-
-    def register_buffer(self, buffer: torch.Tensor) -> None:
-        super().register_buffer(buffer)
-        self.pool = buffer
 
     def get_into(
         self, keys: Sequence[str], offsets: Sequence[int], sizes: Sequence[int]
