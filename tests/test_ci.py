@@ -34,9 +34,50 @@ def test_the_readme_shows_the_set_up_and_the_test_command_ci_runs() -> None:
     assert "python -m embcache demo" in setup and " python " not in f" {setup} ", "no bare python"
     assert tests == "bash .ci/test"
     run = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert tests in run, ".ci/run runs exactly the README's test command"
-    assert "bash .ci/test --engine || status=1" in run, ".ci/run runs the engine tier"
-    assert "bash .ci/fresh_clone || status=1" in run
+    assert run[-1] == "bash .ci/fresh_clone --engine", ".ci/run is the fresh clone's run"
+    fresh = (ROOT / ".ci" / "fresh_clone").read_text()
+    for line in (
+        "setup=$(readme_line 1)",  # the README's set-up command, from its first bash block
+        "tests=$(readme_line 2)",  # and exactly its test command, the line after
+        'system_env "README set-up command" "$setup"',
+        'system_env "README test command" "$tests"',
+        '[ $engine = 1 ] && system_env "engine tier" "bash .ci/test --engine"',
+    ):
+        assert line in fresh.splitlines() or f"    {line}" in fresh.splitlines(), line
+
+
+def test_the_fresh_clone_runs_the_readme_commands_in_the_system_environment(
+    tmp_path: Path,
+) -> None:
+    """``.ci/fresh_clone`` on a stand-in repository: it runs the README's two commands, in
+    order, from a clone of HEAD, with PATH cut down to the system's and no other variable but
+    HOME (and CI when set); --engine adds the engine tier; a failing step fails the run."""
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    (repo / ".ci" / "fresh_clone").write_text((ROOT / ".ci" / "fresh_clone").read_text())
+    log = tmp_path / "log"
+    (repo / ".ci" / "install").write_text(f'echo "install $PATH ${{VIRTUAL_ENV:-}}" >> {log}\n')
+    (repo / ".ci" / "test").write_text(f'echo "test $* ${{CI:-}}" >> {log}\n[ "$1" != --engine ]\n')
+    (repo / "README.md").write_text(
+        "# x\n```bash\nbash .ci/install && true  # set up\nbash .ci/test  # test\n```\n"
+    )
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True, timeout=30)
+    subprocess.run([*git, "-C", str(repo), "add", "-A"], check=True, timeout=30)
+    subprocess.run([*git, "-C", str(repo), "commit", "-qm", "x"], check=True, timeout=30)
+
+    def run(*args: str) -> int:
+        log.write_text("")
+        env = {**os.environ, "VIRTUAL_ENV": "/somewhere", "CI": "yes"}
+        done = subprocess.run(
+            ["bash", ".ci/fresh_clone", *args], cwd=repo, env=env, timeout=60, check=False
+        )
+        return done.returncode
+
+    assert run() == 0
+    assert log.read_text().splitlines() == ["install /usr/sbin:/usr/bin:/sbin:/bin ", "test  yes"]
+    assert run("--engine") == 1, "the engine step failed, so the run fails"
+    assert log.read_text().splitlines()[1:] == ["test  yes", "test --engine yes"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
