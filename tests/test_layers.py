@@ -310,24 +310,34 @@ TESTS = Path(__file__).resolve().parent
 IMPORTERS = {"import_module", "__import__", "importorskip", "run_module"}
 
 
-def benchmark_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every import of the ``benchmarks`` package in ``path``: ``import``,
-    ``from ... import``, and a call of ``importlib.import_module``, ``__import__``,
-    ``pytest.importorskip`` or ``runpy.run_module`` with a literal module name."""
-    found: list[tuple[int, str]] = []
+def absolute_imports(path: Path) -> list[tuple[int, str, tuple[str, ...]]]:
+    """(line, module, names) of every absolute import in ``path``, wherever it stands:
+    ``import a.b`` is ``a.b`` with no names, ``from a import b, c`` is ``a`` with ``(b, c)``, and
+    a call of ``importlib.import_module``, ``__import__``, ``pytest.importorskip`` or
+    ``runpy.run_module`` with a literal module name is that name with no names."""
+    found: list[tuple[int, str, tuple[str, ...]]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names: list[str] = []
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            found += [(node.lineno, alias.name, ()) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names = [node.module or ""]
+            found.append((node.lineno, node.module or "", tuple(a.name for a in node.names)))
         elif isinstance(node, ast.Call) and node.args:
             func, first = node.func, node.args[0]
             called = getattr(func, "attr", None) or getattr(func, "id", None)
             if called in IMPORTERS and isinstance(first, ast.Constant):
-                names = [str(first.value)]
-        found += [(node.lineno, n) for n in names if n.split(".")[0] == "benchmarks"]
+                found.append((node.lineno, str(first.value), ()))
     return found
+
+
+def benchmark_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of the ``benchmarks`` package in ``path``: ``import``,
+    ``from ... import``, and a call of ``importlib.import_module``, ``__import__``,
+    ``pytest.importorskip`` or ``runpy.run_module`` with a literal module name."""
+    return [
+        (line, module)
+        for line, module, _ in absolute_imports(path)
+        if module.split(".")[0] == "benchmarks"
+    ]
 
 
 def test_no_test_imports_the_benchmarks() -> None:
@@ -361,4 +371,64 @@ def test_a_planted_benchmark_import_is_found(tmp_path: Path) -> None:
         (5, "benchmarks.run"),
         (6, "benchmarks.peers.bench_vllm"),
         (7, "benchmarks.common"),
+    ]
+
+
+def imports_of_tests_outside_support(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path`` of a ``tests`` module outside
+    ``tests.support``, in every form ``benchmark_imports`` reads; ``from tests import x`` is
+    ``tests.x``."""
+    found: list[tuple[int, str]] = []
+    for line, module, names in absolute_imports(path):
+        targets = [f"{module}.{name}" for name in names] if module == "tests" else [module]
+        found += [
+            (line, target)
+            for target in targets
+            if target.split(".")[0] == "tests" and target.split(".")[:2] != ["tests", "support"]
+        ]
+    return sorted(found)
+
+
+def test_no_benchmark_imports_tests_outside_support() -> None:
+    """Benchmarks import from ``tests`` only ``tests.support``, and ``tests/support`` imports
+    from ``tests`` only itself, so a benchmark reaches no other test module through it either:
+    what a benchmark needs of the tests (a workload, a replay of a peer's calls) moves into
+    ``tests/support``."""
+    files = sorted((TESTS.parent / "benchmarks").rglob("*.py"))
+    files += sorted((TESTS / "support").rglob("*.py"))
+    assert len(files) > 10, files  # the walk found the benchmarks
+    found = [
+        f"{path.relative_to(TESTS.parent)}:{line}: {module}"
+        for path in files
+        for line, module in imports_of_tests_outside_support(path)
+    ]
+    assert not found, "imports of tests outside tests.support:\n" + "\n".join(found)
+
+
+def test_a_planted_tests_import_in_a_benchmark_is_found(tmp_path: Path) -> None:
+    source = (
+        "import tests.stress.workload\n"
+        "from tests.integrations import mmencoder\n"
+        "from tests import helpers, support\n"
+        "from tests.support import baselines\n"
+        "import tests.support.rows, testsish, json\n"
+        "def f():\n"
+        "    from tests.supportish import x\n"
+        "    importlib.import_module('tests.integrations.mmencoder')\n"
+        "    __import__('tests.support.mixes')\n"
+        "    pytest.importorskip('tests.helpers')\n"
+        "    from tests import *\n"
+        "    subprocess.run([sys.executable, '-m', 'tests.tracegen'])\n"
+        "    from .stress import Workload\n"
+    )
+    path = tmp_path / "bench_x.py"
+    path.write_text(source)
+    assert imports_of_tests_outside_support(path) == [
+        (1, "tests.stress.workload"),
+        (2, "tests.integrations"),
+        (3, "tests.helpers"),
+        (7, "tests.supportish"),
+        (8, "tests.integrations.mmencoder"),
+        (10, "tests.helpers"),
+        (11, "tests.*"),
     ]

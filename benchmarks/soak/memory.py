@@ -14,7 +14,7 @@ by its end (its pages count in RSS as objects land in them).
   tier): ``lookup``, ``insert`` of the misses, ``embeddings()``;
 - ``pipeline``: ``EncodePipeline.encode`` over the same cache, with a trivial encoder;
 - ``sglang``: the SGLang adapter (``EmbeddingCacheController``) through MMEncoder's own call
-  sequence (``tests/integrations/mmencoder.py``: ``batch_is_exist``, ``prefetch``, polls,
+  sequence (``tests/support/sglang_mmencoder.py``: ``batch_is_exist``, ``prefetch``, polls,
   pool views, ``store_to_pool_async`` + ``wait_store_to_pool`` + ``insert_batch``), on a real
   ``mooncake_master`` on loopback (SGLang always gives the adapter a Mooncake store; its
   master evicts by its own budget). Needs the ``mooncake`` extra and ``mooncake_master``.
@@ -237,10 +237,10 @@ def sglang_front_end(
     from embcache.integrations.sglang import EmbeddingCacheController
     from embcache.store.mooncake import MooncakeStore, quiet_native_logging
     from embcache.store.mooncake_master import MooncakeMaster
-    from tests.integrations import mmencoder
+    from tests.support import sglang_mmencoder
 
     quiet_native_logging()
-    encoder = mmencoder.Encoder()
+    encoder = sglang_mmencoder.Encoder()
     with contextlib.ExitStack() as stack:
         master = stack.enter_context(MooncakeMaster())
         for name, value in MooncakeMaster.CLIENT_ENVIRONMENT.items():
@@ -252,14 +252,14 @@ def sglang_front_end(
         controller = EmbeddingCacheController(
             store,
             max_pool_size_gb=pool / (1 << 30),
-            hidden_dims={mmencoder.Modality.IMAGE: mmencoder.DIM},
-            dtype=mmencoder.DTYPE,
+            hidden_dims={sglang_mmencoder.Modality.IMAGE: sglang_mmencoder.DIM},
+            dtype=sglang_mmencoder.DTYPE,
         )
         stack.callback(controller.close)
 
         def step(i: int) -> None:
             numbers = keys_of(i, per_request)
-            served = mmencoder.serve(
+            served = sglang_mmencoder.serve(
                 controller, 0, 1, f"r{i}", [f"img-{n}" for n in numbers],
                 [rows(n) for n in numbers], encoder,
             )  # fmt: skip

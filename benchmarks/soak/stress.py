@@ -1,6 +1,6 @@
 """Soak: the stress workload for a long time against a flaky Mooncake store whose master dies.
 
-What runs. The random multi-threaded workload of ``tests/stress/workload.py`` (8 request
+What runs. The random multi-threaded workload of ``tests/support/stress_workload.py`` (8 request
 threads, a monitor calling ``check_invariants()`` every 2 ms) on an ``EmbeddingCache`` whose
 global store is a real ``mooncake_master`` on loopback, reached through ``FlakyStore``: a
 wrapper that, at random, delays a call, raises from it, or turns single results into FAILED,
@@ -47,7 +47,7 @@ from embcache.driver.fencing import FencePolicy
 from embcache.driver.global_store import TransferOutcome
 from embcache.store.mooncake import MooncakeStore, quiet_native_logging
 from embcache.store.mooncake_master import MooncakeMaster, find_master_binary
-from tests.stress.workload import Mix, Workload
+from tests.support.stress_workload import Mix, Workload
 
 UNIT = 1024
 POOL_UNITS = 40

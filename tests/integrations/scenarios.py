@@ -21,7 +21,8 @@ from embcache.integrations.sglang import EmbeddingCacheController
 from embcache.integrations.sglang_legacy import LegacyEmbeddingCacheController
 from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import raw, wait_until
-from tests.integrations.mmencoder import (
+from tests.integrations.tp import Rank, Scenario
+from tests.support.sglang_mmencoder import (
     DIM,
     DTYPE,
     Encoder,
@@ -31,7 +32,6 @@ from tests.integrations.mmencoder import (
     serve,
     serve_legacy,
 )
-from tests.integrations.tp import Rank, Scenario
 
 GB = 1 << 30
 POOL = 64 << 10  # bytes: one token is DIM * 2 = 32 bytes

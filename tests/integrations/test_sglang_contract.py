@@ -1,5 +1,5 @@
 """MMEncoder's exact call sequence, on 2 gloo ranks, against embcache's SGLang controllers
-(scenarios in ``scenarios.py``, the replay in ``mmencoder.py``)."""
+(scenarios in ``scenarios.py``, the replay in ``tests/support/sglang_mmencoder.py``)."""
 
 from __future__ import annotations
 

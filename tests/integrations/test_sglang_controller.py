@@ -16,7 +16,7 @@ from embcache.errors import InvalidArgumentError
 from embcache.integrations.sglang import EmbeddingCacheController
 from embcache.testing import FaultInjectingStore
 from tests.helpers import raw, wait_until
-from tests.integrations.mmencoder import DIM, DTYPE, Modality, embedding
+from tests.support.sglang_mmencoder import DIM, DTYPE, Modality, embedding
 
 IMAGE = Modality.IMAGE
 
@@ -276,7 +276,7 @@ def test_concurrent_requests_over_shared_keys_serve_the_right_bytes(
     import random
     import threading
 
-    from tests.integrations.mmencoder import Encoder, serve
+    from tests.support.sglang_mmencoder import Encoder, serve
 
     ctl = EmbeddingCacheController(
         store, max_pool_size_gb=(2 << 10) / (1 << 30), hidden_dims={IMAGE: DIM}, dtype=DTYPE

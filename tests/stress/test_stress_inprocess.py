@@ -1,6 +1,6 @@
 """Stress: 8 request threads, a monitor and a chaos thread against one cache and one
-``FaultInjectingStore`` whose faults change at random (see ``workload.py`` for the workload and the
-end-state checks).
+``FaultInjectingStore`` whose faults change at random (see ``tests/support/stress_workload.py``
+for the workload and the end-state checks).
 
 ``EMBCACHE_STRESS_SECONDS`` bounds the run (default 3); ``EMBCACHE_STRESS_SEED`` replays a seed
 (the seed is printed, and named in every failure). The pool is small (40 units for 24 keys of
@@ -19,8 +19,8 @@ import pytest
 from embcache import EmbeddingCache
 from embcache.driver.fencing import FencePolicy
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import wait_until
-from tests.stress.workload import Mix, Workload, raw
+from tests.helpers import raw, wait_until
+from tests.support.stress_workload import Mix, Workload
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(120)]
 

@@ -1,5 +1,6 @@
-"""Stress against a real ``mooncake_master`` (loopback TCP): the workload of ``workload.py``
-with a ``MooncakeStore``, and the master killed and restarted once mid-run.
+"""Stress against a real ``mooncake_master`` (loopback TCP): the workload of
+``tests/support/stress_workload.py`` with a ``MooncakeStore``, and the master killed and
+restarted once mid-run.
 
 While the master is down every store call fails its items (FAILED, or UNKNOWN for a call that
 was in flight: quarantined until a fence); requests fall back and nothing hangs. After the
@@ -26,7 +27,7 @@ import torch
 from embcache import EmbeddingCache, Item, Status
 from embcache.store.mooncake import MooncakeStore
 from tests.stress.conftest import MooncakeMaster
-from tests.stress.workload import Mix, Workload, make_payload
+from tests.support.stress_workload import Mix, Workload, make_payload
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.stress, pytest.mark.timeout(120)]
 

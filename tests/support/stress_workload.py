@@ -1,10 +1,11 @@
-"""The random multi-threaded request workload shared by the stress tests.
+"""The random multi-threaded request workload of the stress tests (``tests/stress/``) and the
+stress soak (``benchmarks/soak/stress.py``).
 
 ``Workload`` runs ``threads`` request threads against one ``EmbeddingCache`` for a bounded
-time, while a monitor thread calls ``check_invariants()`` and a chaos thread (given by the test)
-makes the store misbehave. Each request thread has its own seeded RNG and picks, at random:
-lookups (with or without prefetch and reservation) of one to four items, waits with short
-timeouts, inserts of its reservations and of fresh keys (published or not), leaving a
+time, while a monitor thread calls ``check_invariants()`` and a chaos thread (given by the
+caller) makes the store misbehave. Each request thread has its own seeded RNG and picks, at
+random: lookups (with or without prefetch and reservation) of one to four items, waits with
+short timeouts, inserts of its reservations and of fresh keys (published or not), leaving a
 reservation unfilled, leaving by an exception, removes (also of keys it holds), ``clear`` and
 ``fence``.
 
@@ -36,7 +37,6 @@ import torch
 
 from embcache import EmbeddingCache, Item, Request, Status
 from embcache.core.lifecycle import READY
-from tests.helpers import raw
 
 WAIT_S = 10.0
 WAIT_TIMEOUTS = (0.0, 0.0005, 0.002, 0.01)
@@ -52,6 +52,11 @@ def make_payload(item: Item) -> torch.Tensor:
     words = np.arange(item.nbytes // 4, dtype=np.uint32) * np.uint32(2654435761)
     words += np.uint32(checksum(item))
     return torch.from_numpy(words.view(np.uint8).copy()).view(item.dtype).view(item.shape)
+
+
+def stored_bytes(payload: torch.Tensor) -> bytes:
+    """The bytes a store holds for ``payload`` (a contiguous tensor of ``make_payload``)."""
+    return payload.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 class Abandon(Exception):
@@ -372,7 +377,7 @@ class Workload:
             stored = read(key)
             if stored is not None:
                 allowed = {
-                    raw(self.payloads[self.canonical[key]]),
-                    raw(self.payloads[self.variant[key]]),
+                    stored_bytes(self.payloads[self.canonical[key]]),
+                    stored_bytes(self.payloads[self.variant[key]]),
                 }
                 assert stored in allowed, f"store object {key} is corrupt; {self.where()}"
