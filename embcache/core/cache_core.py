@@ -446,10 +446,11 @@ class CacheCore(CoreQueries[Actions]):
         actions = self._actions
         rs.lookup_pending = rs.served = None
         wake: list[RequestState] = []
-        for key in sorted(rs.reserved):
-            outcome = TransferOutcome.UNKNOWN if key in rs.filling else TransferOutcome.FAILED
-            wake += actions.end_load(self._entries[key], outcome, Reason.ABANDONED)
-        rs.filling.clear()
+        if rs.reserved:
+            for key in sorted(rs.reserved):
+                outcome = TransferOutcome.UNKNOWN if key in rs.filling else TransferOutcome.FAILED
+                wake += actions.end_load(self._entries[key], outcome, Reason.ABANDONED)
+            rs.filling.clear()
         if rs.waits:
             actions.release_all(rs, sorted(rs.waits))
         actions.release_all(rs, rs.release_order())

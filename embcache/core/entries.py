@@ -98,21 +98,43 @@ class Entry:
 @dataclass(eq=False)
 class RequestState:
     """A request's holds, waits, reservations and fallbacks, as the core sees them (one per open
-    request: not slotted, as the compiled build cannot compile ``dataclass(slots=True)``)."""
+    request: not slotted, as the compiled build cannot compile ``dataclass(slots=True)``). Made
+    with its id alone: every container starts empty (one is opened per request, so the
+    ``__init__`` is written out: a dataclass's default factories cost twice as much)."""
 
     request_id: str
-    items: list[ItemLike] = field(default_factory=list)
-    holds: dict[str, None] = field(default_factory=dict)  # the keys it pins, in pin order
-    waits: set[str] = field(default_factory=set)
-    reserved: set[str] = field(default_factory=set)
-    filling: set[str] = field(default_factory=set)  # reserved, handed out to an outside writer
-    fallbacks: dict[str, Reason] = field(default_factory=dict)
+    items: list[ItemLike] = field(init=False)
+    holds: dict[str, None] = field(init=False)  # the keys it pins, in pin order
+    waits: set[str] = field(init=False)
+    reserved: set[str] = field(init=False)
+    filling: set[str] = field(init=False)  # reserved, handed out to an outside writer
+    fallbacks: dict[str, Reason] = field(init=False)
     # A lookup between its two passes: its items, their statuses so far, and ``reserve``.
-    lookup_pending: tuple[list[ItemLike], list[ItemStatus], bool] | None = None
+    lookup_pending: tuple[list[ItemLike], list[ItemStatus], bool] | None = field(init=False)
     # What ``served`` answers, set by a first lookup whose items all hit (and only then):
     # until the request closes, its items and their pinned ranges cannot change (a later
     # lookup, the request's end or the cache's close sets it back to None).
-    served: list[tuple[int, ItemLike] | None] | None = None
+    served: list[tuple[int, ItemLike] | None] | None = field(init=False)
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.items = []
+        self.holds = {}
+        self.waits = set()
+        self.reserved = set()
+        self.filling = set()
+        self.fallbacks = {}
+        self.lookup_pending = None
+        self.served = None
+
+    def copy(self) -> RequestState:
+        """A copy whose containers are its own (the items in them are shared)."""
+        rs = RequestState(self.request_id)
+        rs.items, rs.holds, rs.waits = list(self.items), dict(self.holds), set(self.waits)
+        rs.reserved, rs.filling = set(self.reserved), set(self.filling)
+        rs.fallbacks, rs.lookup_pending = dict(self.fallbacks), self.lookup_pending
+        rs.served = None if self.served is None else list(self.served)
+        return rs
 
     def pending(self) -> bool:
         """Whether it waits on a load that someone else fills (a store read or another's insert)."""
@@ -122,6 +144,8 @@ class RequestState:
         """The keys it pins, in the order it looked them up, then the others (its own inserts)
         in the order it pinned them: released in this order, the last looked up ends newest."""
         holds = self.holds
+        if not self.items:  # (a request that only inserted: its pins in the order it took them)
+            return list(holds)
         order = [key for key in dict.fromkeys([item.key for item in self.items]) if key in holds]
         if len(order) < len(holds):  # it also pins keys it inserted without looking them up
             looked = set(order)

@@ -9,7 +9,7 @@ the cache lock already serializes.
 from __future__ import annotations
 
 from embcache.core.allocator import BestFitAllocator, Block, align_up
-from embcache.driver.locks import ALLOCATOR_LEVEL, HierarchyLock
+from embcache.driver.locks import ALLOCATOR_LEVEL, new_lock
 
 __all__ = ["Block", "RangeAllocator", "align_up"]
 
@@ -19,7 +19,7 @@ class RangeAllocator(BestFitAllocator):
 
     def __init__(self, capacity: int, alignment: int = 256) -> None:
         super().__init__(capacity, alignment)
-        self._lock = HierarchyLock(ALLOCATOR_LEVEL, "allocator lock")
+        self._lock = new_lock(ALLOCATOR_LEVEL, "allocator lock")
 
     @property
     def largest_free_block(self) -> int:

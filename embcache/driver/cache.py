@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -53,7 +53,7 @@ from embcache.driver.fencing import FencePolicy, Fencer
 from embcache.driver.fills import InPlaceFills
 from embcache.driver.global_store import GlobalStore, get_outcome, put_outcome
 from embcache.driver.item import Item, check_key
-from embcache.driver.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
+from embcache.driver.locks import CACHE_LEVEL, assert_unlocked, new_lock
 from embcache.driver.poison import poison, poison_requested
 from embcache.driver.pool import PoolViews, make_pool, payload_nbytes
 from embcache.driver.request import Request
@@ -175,7 +175,7 @@ class EmbeddingCache(InPlaceFills):
         self._store = store
         self._views = PoolViews(self._pool)
         self._view = self._views.view
-        self._lock = HierarchyLock(CACHE_LEVEL, "cache lock")
+        self._lock = new_lock(CACHE_LEVEL, "cache lock")
         if store is not None:
             store.register_buffer(self._pool)
         self._io: IOExecutor = (
@@ -297,7 +297,7 @@ class EmbeddingCache(InPlaceFills):
             core = self._core
             return CacheSnapshot(
                 entries={key: entry.copy() for key, entry in core.entries.items()},
-                requests={r: _copy_request(rs) for r, rs in core.requests.items()},
+                requests={r: rs.copy() for r, rs in core.requests.items()},
                 eviction_order=core.eviction_order(),
                 evictable_bytes=core.evictable_bytes,
                 allocator=copy.deepcopy(core.allocator),
@@ -497,16 +497,3 @@ class EmbeddingCache(InPlaceFills):
     def __repr__(self) -> str:
         return f"EmbeddingCache(capacity={self.capacity}, entries={len(self._core.entries)})"
 
-
-def _copy_request(rs: RequestState) -> RequestState:
-    """A copy of ``rs`` whose containers are its own (``EmbeddingCache.snapshot``)."""
-    return replace(
-        rs,
-        items=list(rs.items),
-        holds=dict(rs.holds),
-        waits=set(rs.waits),
-        reserved=set(rs.reserved),
-        filling=set(rs.filling),
-        fallbacks=dict(rs.fallbacks),
-        served=None if rs.served is None else list(rs.served),
-    )

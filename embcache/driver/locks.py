@@ -5,9 +5,10 @@ outbox's lock (held only to queue or pick a batch of trace events). A thread may
 lock of a strictly higher level than every lock it already holds, and must hold no lock at all
 while it does blocking work (a store call, a payload copy, an encoder call, a callback, a wait).
 
-Checking is off by default: ``HierarchyLock`` then costs one global read over a plain
-``threading.Lock``. The test suite turns it on (``EMBCACHE_LOCK_CHECK=1`` or
-``enable_lock_checking()``) and every violation raises ``LockOrderError``.
+Checking is off by default: ``new_lock`` then makes a plain ``threading.Lock`` (taking it runs
+no Python code), and ``HierarchyLock`` costs one global read over one. The test suite turns it
+on (``EMBCACHE_LOCK_CHECK=1`` or ``enable_lock_checking()``) and every violation raises
+``LockOrderError``; a lock ``new_lock`` made while checking was off stays unchecked.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ def assert_unlocked(what: str) -> None:
     if _checking and _held_stack():
         names = ", ".join(lock.name for lock in _held_stack())
         raise LockOrderError(f"{what} while holding {names}: release every lock first")
+
+
+def new_lock(level: int, name: str) -> HierarchyLock | threading.Lock:
+    """A non-reentrant lock at ``level``: a ``HierarchyLock`` while checking is on, else a
+    plain ``threading.Lock`` (the same calls: ``with``, ``acquire``, ``release``, ``locked``)."""
+    return HierarchyLock(level, name) if _checking else threading.Lock()
 
 
 class HierarchyLock:

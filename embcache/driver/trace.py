@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from embcache.driver.locks import TRACE_LEVEL, HierarchyLock
+from embcache.driver.locks import TRACE_LEVEL, new_lock
 
 
 class TraceSink(Protocol):
@@ -54,7 +54,7 @@ class TraceOutbox:
 
     def __init__(self, sink: TraceSink) -> None:
         self._sink = sink
-        self._lock = HierarchyLock(TRACE_LEVEL, "trace lock")
+        self._lock = new_lock(TRACE_LEVEL, "trace lock")
         self._next = 1  # the seq of the next event to deliver
         self._waiting: dict[int, list[dict[str, Any]]] = {}  # first seq -> batch
         self._delivering = False
