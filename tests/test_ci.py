@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("install", "test", "run", "fresh_clone", "engine_env")
+SCRIPTS = ("install", "test", "run", "fresh_clone", "engine_env", "compile", "compiled")
 WHOLE_TLC_RUN = "tests/tla/test_tla.py::test_models_pass_and_mutants_are_rejected"
 
 pytestmark = pytest.mark.timeout(180)

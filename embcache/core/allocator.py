@@ -18,7 +18,8 @@ same allocator behind its own lock.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 from sortedcontainers import SortedList
 
@@ -28,6 +29,15 @@ from embcache.errors import (
     InvariantError,
     NotAllocatedError,
 )
+
+_T = TypeVar("_T")
+
+try:
+    from mypy_extensions import mypyc_attr
+except ImportError:  # installed with mypy; only the compiled build (mypyc) reads the decorator
+
+    def mypyc_attr(*attrs: str, **kwattrs: object) -> Callable[[_T], _T]:
+        return lambda cls: cls
 
 
 class Block(NamedTuple):
@@ -41,7 +51,8 @@ class Block(NamedTuple):
 _new_block = tuple.__new__  # Block(...) without the namedtuple's Python-level __new__ (hot path)
 
 
-def _check_int(name: str, value: object) -> int:
+def check_int(name: str, value: object) -> int:
+    """``value``, or ``InvalidTypeError`` naming ``name`` when it is not an int (bool is not)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     return value
@@ -58,6 +69,7 @@ def align_up(nbytes: int, alignment: int) -> int:
     return (nbytes + alignment - 1) & ~(alignment - 1)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the compiled core: RangeAllocator extends it
 class BestFitAllocator:
     """Best-fit allocator of aligned byte ranges in ``[0, capacity)``; no lock (see above).
 
@@ -66,8 +78,8 @@ class BestFitAllocator:
     """
 
     def __init__(self, capacity: int, alignment: int = 256) -> None:
-        _check_int("capacity", capacity)
-        _check_int("alignment", alignment)
+        check_int("capacity", capacity)
+        check_int("alignment", alignment)
         if alignment <= 0 or alignment & (alignment - 1):
             raise InvalidArgumentError(f"alignment must be a power of two > 0, got {alignment}")
         if capacity <= 0:
@@ -158,7 +170,7 @@ class BestFitAllocator:
         post: self.allocated_bytes == __old__.self.allocated_bytes - __return__
         """
         if type(offset) is not int:
-            _check_int("offset", offset)
+            check_int("offset", offset)
         shift, units = self._shift, self._units
         free, ends, by_size = self._free, self._end, self._free_by_size
         end = self._allocated.pop(offset, None)
@@ -187,7 +199,7 @@ class BestFitAllocator:
 
         raises: NotAllocatedError, InvalidTypeError
         """
-        _check_int("offset", offset)
+        check_int("offset", offset)
         end = self._allocated.get(offset)
         if end is None:
             raise NotAllocatedError(self._not_allocated_message(offset))
@@ -261,7 +273,7 @@ class BestFitAllocator:
             fail("allocated_bytes differs from the sum of allocated blocks")
 
     def _check_size(self, nbytes: int) -> None:
-        _check_int("nbytes", nbytes)
+        check_int("nbytes", nbytes)
         if nbytes <= 0:
             raise InvalidArgumentError(f"nbytes must be > 0, got {nbytes}")
         if nbytes > self._capacity:

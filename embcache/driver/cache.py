@@ -41,7 +41,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from embcache.core.allocator import BestFitAllocator
+from embcache.core.allocator import BestFitAllocator, check_int
 from embcache.core.cache_core import CacheCore
 from embcache.core.effects import Effects
 from embcache.core.entries import Entry, FenceSnapshot, RequestState
@@ -136,6 +136,8 @@ class EmbeddingCache(InPlaceFills):
         io_executor: IOExecutor | None = None,
         new_event: Callable[[], threading.Event] = threading.Event,
     ) -> None:
+        check_int("capacity", capacity_bytes)  # here, not in the core: see RangeAllocator
+        check_int("alignment", alignment)
         for name, value in (("max_eviction_batch", max_eviction_batch), ("io_workers", io_workers)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidTypeError(f"{name} must be an int, got {value!r}")
