@@ -171,18 +171,18 @@ class TinyLfuPolicy:
     SMOOTHING = 0.3  # weight of the newest block in the running mean
     COUNTERS_PER_LOOKUP = 4  # sketch width per lookup of a sample (2: -0.35 point on a cell)
 
-    def __init__(
+    def __init__(  # object: checked here, also when compiled (see make_policy)
         self,
-        sample_factor: int = 10,
-        min_entries: int = 16,
-        max_count: int = 15,
-        shift_block: int = 50,
-        shift_drop: float = 0.6,
+        sample_factor: object = 10,
+        min_entries: object = 16,
+        max_count: object = 15,
+        shift_block: object = 50,
+        shift_drop: object = 0.6,
     ) -> None:
         self._sample_factor = _int_knob("sample_factor", sample_factor)
         self._min_entries = _int_knob("min_entries", min_entries)
         self._max_count = _int_knob("max_count", max_count)
-        if max_count > MAX_COUNTER:
+        if self._max_count > MAX_COUNTER:
             raise InvalidArgumentError(
                 f"max_count must be <= {MAX_COUNTER} (a counter is a byte), got {max_count}"
             )
@@ -190,7 +190,7 @@ class TinyLfuPolicy:
         self._shift_drop = _fraction_knob("shift_drop", shift_drop)
         self._resident: set[str] = set()
         self._has_order = False
-        self._sketch = FrequencySketch(1, max_count)
+        self._sketch = FrequencySketch(1, self._max_count)
         self._block_lookups = 0
         self._block_sum = 0
         self._running_mean: float | None = None
@@ -321,18 +321,18 @@ class AdaptivePolicy(TinyLfuPolicy):
     name = "adaptive"
     GHOSTS_PER_ENTRY = 2  # the grid's runs peak below 1.4 ghosts per resident entry
 
-    def __init__(
+    def __init__(  # object: checked here, also when compiled (see make_policy)
         self,
-        sample_factor: int = 10,
-        min_entries: int = 16,
-        max_count: int = 15,
-        shift_block: int = 50,
-        shift_drop: float = 0.6,
-        window: float = 0.5,
-        step: float = 0.1,
-        low: float = 0.02,
-        high: float = 0.98,
-        horizon: int = 1,
+        sample_factor: object = 10,
+        min_entries: object = 16,
+        max_count: object = 15,
+        shift_block: object = 50,
+        shift_drop: object = 0.6,
+        window: object = 0.5,
+        step: object = 0.1,
+        low: object = 0.02,
+        high: object = 0.98,
+        horizon: object = 1,
     ) -> None:
         super().__init__(sample_factor, min_entries, max_count, shift_block, shift_drop)
         self._low = _range_knob("low", low, 1.0)
@@ -447,8 +447,13 @@ POLICIES: dict[str, Callable[..., Policy]] = {
 }
 
 
-def make_policy(name: str = "lru", **knobs: Any) -> Policy:
-    """A new policy called ``name`` (one of ``POLICIES``) with its ``knobs``."""
+def make_policy(name: object = "lru", **knobs: Any) -> Policy:
+    """A new policy called ``name`` (one of ``POLICIES``) with its ``knobs``.
+
+    ``name`` and the policies' knobs are typed ``object`` and checked inside: compiled by mypyc
+    (docs/setup.md, "A compiled core"), a parameter typed ``int`` or ``str`` rejects anything
+    else with a plain ``TypeError`` and turns a bool into an int before our checks could raise
+    ``InvalidTypeError``."""
     if not isinstance(name, str):
         raise InvalidTypeError(f"policy name must be a str, got {type(name).__name__} {name!r}")
     factory = POLICIES.get(name)
