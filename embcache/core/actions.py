@@ -180,9 +180,9 @@ class Actions(StateQueries):
         """
         existing = self._entries.get(item.key)
         transition(ABSENT if existing is None else existing.state, Step.BEGIN_LOAD)
-        if item.nbytes > self.capacity:
-            return self._alloc_failed(rs, item, Reason.TOO_LARGE)
         nbytes, align = item.nbytes, self._align
+        if nbytes > self.capacity:
+            return self._alloc_failed(rs, item, Reason.TOO_LARGE)
         if type(nbytes) is int and nbytes > 0:
             size = (nbytes + align - 1) & -align  # the allocator's rounding, with no calls
         else:
