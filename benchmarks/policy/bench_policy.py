@@ -48,7 +48,7 @@ import math
 import random
 import statistics
 import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,7 @@ from embcache.core.eviction import choose_victims
 from embcache.core.policy import Policy, make_policy
 from embcache.driver.allocator import Block, RangeAllocator
 from tests.support import mixes
+from tests.support.baselines import Pins
 from tests.support.rows import json_row
 
 MIXES = ("steady", "drift", "scan", "1GiB")
@@ -259,7 +260,7 @@ class Simulated:
         self.order = policy.order()
         self.entries: dict[str, tuple[int, int]] = {}  # key -> (offset, size)
         self.by_offset: dict[int, str] = {}
-        self.pins: Counter[str] = Counter()
+        self.pins = Pins()
         self.evictable_bytes = 0
         self.evictions = 0
         self.calls = calls
@@ -271,16 +272,13 @@ class Simulated:
             self.calls.append((key,))
         if key not in self.entries:
             return False
-        if not self.pins[key]:
+        if self.pins.pin(key):
             self.order.discard(key)
             self.evictable_bytes -= self.entries[key][1]
-        self.pins[key] += 1
         return True
 
     def release(self, key: str) -> None:
-        self.pins[key] -= 1
-        if not self.pins[key]:
-            del self.pins[key]
+        if self.pins.release(key):
             self.order.add(key)
             self.evictable_bytes += self.entries[key][1]
 
@@ -315,7 +313,7 @@ class Simulated:
         self.inserted_bytes += size
         self.entries[key] = (offset, size)
         self.by_offset[offset] = key
-        self.pins[key] += 1
+        self.pins.pin(key)
         return None
 
     def evict(self, key: str) -> None:
