@@ -2,6 +2,13 @@
 
     python -m benchmarks.run [--quick] [--json OUT] [--plots DIR] [--markdown OUT] [--only N ...]
     python -m benchmarks.run --list
+    python -m benchmarks.run --calls CALLS.json
+
+``--calls`` runs several benchmark command lines, one after another, in this one process (the
+tests' way of paying for torch's import once): CALLS.json is a list of ``{"argv": [MODULE,
+ARG, ...], "env": {NAME: VALUE}, "out": DIR}``; each runs as ``python -m MODULE ARG ...`` would
+(``runpy``, with those variables set), its stdout, stderr and exit status going to DIR's
+``stdout``, ``stderr`` and ``status`` files.
 
 Each benchmark measures ours and a baseline side by side in the same run and reports the ratio,
 because these machines are noisy: no row compares against an absolute time. The items are
@@ -37,17 +44,19 @@ benchmark raised (its row says so), else 0, whatever the numbers: a missed targe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
 import os
 import platform
+import runpy
 import shutil
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -329,6 +338,64 @@ def run_items(
     return sections
 
 
+@contextlib.contextmanager
+def _redirected(out: Path, env: dict[str, str]) -> Iterator[None]:
+    """File descriptors 1 and 2 to ``out/stdout`` and ``out/stderr`` (a child process's and C
+    code's output included), with ``env`` set; all put back after."""
+    saved_env = dict(os.environ)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fds = [os.dup(1), os.dup(2)]
+    try:
+        with open(out / "stdout", "wb") as stdout, open(out / "stderr", "wb") as stderr:
+            os.dup2(stdout.fileno(), 1)
+            os.dup2(stderr.fileno(), 2)
+            os.environ.update(env)
+            try:
+                yield
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+    finally:
+        os.dup2(saved_fds[0], 1)
+        os.dup2(saved_fds[1], 2)
+        for fd in saved_fds:
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def _call(argv: list[str]) -> int:
+    """``python -m argv[0] argv[1:]`` in this process; its exit status, as Python's would be."""
+    saved_argv = sys.argv
+    sys.argv = list(argv)  # runpy sets argv[0] to the module's file, as ``-m`` does
+    try:
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except BaseException:  # as the interpreter would: the traceback, status 1
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.argv = saved_argv
+    return 0
+
+
+def run_calls(path: Path) -> int:
+    """Each command line of ``path`` (``--calls``) in turn; 0, whatever their exit statuses."""
+    for call in json.loads(path.read_text()):
+        out = Path(call["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        with _redirected(out, dict(call.get("env", {}))):
+            status = _call([str(arg) for arg in call["argv"]])
+        (out / "status").write_text(f"{status}\n")
+        print(f"{' '.join(call['argv'])}: exit status {status}", file=sys.stderr, flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Run the embcache benchmarks (ours vs a baseline, side by side)."
@@ -346,7 +413,16 @@ def main(argv: list[str] | None = None) -> int:
         help=f"run only these items (1-{len(ITEMS)})",
     )
     parser.add_argument("--list", action="store_true", help="print the items (N title) and exit")
+    parser.add_argument(
+        "--calls",
+        type=Path,
+        metavar="FILE",
+        help="run the benchmark command lines of FILE (JSON) in this process, each as "
+        "python -m would, and exit (see the module's docstring)",
+    )
     args = parser.parse_args(argv)
+    if args.calls is not None:
+        return run_calls(args.calls)
     if args.list:
         for number, title, _ in ITEMS:
             print(f"{number} {title}")

@@ -1,9 +1,10 @@
 """Reference models of ``embcache.core.policy``: lists and plain loops, each line obviously right.
 
 The eviction order is a list (oldest first); counts are a count-min sketch kept as a list of
-rows of ints, each key's counter in row ``r`` at ``(hash + r * step) % width``; the running mean
-of the shift detector is recomputed from the list of block means every time; ghosts are a list,
-oldest first.
+rows of ints, each key's counter in row ``r`` at ``(hash + r * step) % width``, except those of
+resident keys looked up while resident: exact, in a dict, written back when forgotten; the
+running mean of the shift detector is recomputed from the list of block means every time; ghosts
+are a list, oldest first.
 """
 
 from __future__ import annotations
@@ -85,6 +86,11 @@ class ModelSketch:
         for row, c in zip(self.rows, self.columns(key), strict=True):
             row[c] = max(row[c], after)
 
+    def raise_to(self, key: str, count: int) -> None:
+        """No counter of the key below ``count``."""
+        for row, c in zip(self.rows, self.columns(key), strict=True):
+            row[c] = max(row[c], count)
+
     def halve(self) -> None:
         self.rows = [[c // 2 for c in row] for row in self.rows]
 
@@ -117,6 +123,8 @@ class ModelTinyLfu:
         self.shift_block = shift_block
         self.shift_drop = shift_drop
         self.resident: set[str] = set()  # keys ever added to the order, not forgotten since
+        # resident keys looked up since they became resident -> their exact counts
+        self.counts: dict[str, int] = {}
         self.sketch = ModelSketch(max_count)
         self.start_sample()
 
@@ -139,14 +147,20 @@ class ModelTinyLfu:
         return ModelOrder(self.resident)
 
     def estimate(self, key: str) -> int:
+        if key in self.counts:
+            return self.counts[key]
         return self.sketch.estimate(key)
 
     def record(self, key: str) -> None:
         before = self.estimate(key)
-        self.sketch.add(key)
+        if key in self.resident:
+            self.counts[key] = min(before + 1, self.max_count)
+        else:
+            self.sketch.add(key)
         self.lookups += 1
         if self.lookups == self.sample:
             self.sketch.halve()
+            self.counts = {k: c // 2 for k, c in self.counts.items()}
             self.start_sample()
             return
         if self.shift_drop == 0:
@@ -158,6 +172,7 @@ class ModelTinyLfu:
         self.block = []
         if self.block_means and mean < self.shift_drop * self.running_mean():
             self.sketch.clear()
+            self.counts = {}
             self.start_sample()
         else:
             self.block_means.append(mean)
@@ -173,6 +188,8 @@ class ModelTinyLfu:
 
     def forget(self, key: str) -> None:
         self.resident.discard(key)
+        if key in self.counts:
+            self.sketch.raise_to(key, self.counts.pop(key))
 
 
 class ModelAdaptive(ModelTinyLfu):

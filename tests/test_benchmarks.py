@@ -15,7 +15,9 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,24 +35,187 @@ HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 ENTRY_BYTES = 256  # the scan-LRU baseline's entries, as its benchmark sizes them
 
 
-def run_benchmark(
-    module: str, *args: str, timeout: float = 120, **kwargs: Any
-) -> subprocess.CompletedProcess[str]:
-    """``python -m module args`` from the repository root, its output captured."""
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **kwargs,
+# ---------------------------------------------------------------------------- the children
+# The module's benchmark runs start together, at its first test, in two child processes: the
+# whole ``--quick`` suite, and every other run one after another in one more process
+# (``python -m benchmarks.run --calls``: each command line as ``python -m`` would run it, with
+# its own variables, output and exit status), which pays for torch's import once and runs on
+# the second core while the suite runs. Only the runs the selected tests use are started.
+def path_without_a_master() -> str:
+    """PATH without the folders that hold a ``mooncake_master``."""
+    return os.pathsep.join(
+        folder
+        for folder in os.environ.get("PATH", "").split(os.pathsep)
+        if folder and not (Path(folder) / "mooncake_master").exists()
     )
 
 
+def fake_master(folder: Path) -> str:
+    """PATH with a ``mooncake_master`` in ``folder`` first that exits at once, saying boom."""
+    fake = folder / "bin" / "mooncake_master"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("#!/bin/sh\necho boom >&2\nexit 3\n")
+    fake.chmod(0o755)
+    return f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+CALLS = (
+    "listed",
+    "skipped_mooncake",
+    "raising_mooncake",
+    "instruction_child",
+    "cold_request",
+    "tiny_grid",
+)
+
+
+def calls(out: Path) -> dict[str, dict[str, Any]]:
+    """The runs of the ``--calls`` process by the fixture that gives each: its command line
+    (``python -m`` 's arguments; ``{out}`` is its folder, where it writes) and the variables it
+    runs with. A folder in ``out`` holds the fake master."""
+    return {
+        "listed": {"command": "benchmarks.run --list"},
+        "skipped_mooncake": {
+            "command": "benchmarks.run --quick --only 7 --json {out}/rows.json",
+            "env": {"PATH": path_without_a_master()},
+        },
+        "raising_mooncake": {
+            "command": "benchmarks.run --quick --only 7 --json {out}/rows.json "
+            "--markdown {out}/RESULTS.md",
+            "env": {"PATH": fake_master(out / "raising_mooncake")},
+        },
+        "instruction_child": {
+            "command": "benchmarks.peers.bench_instructions --child --entries=64 --low=1 --high=3",
+        },
+        "cold_request": {
+            "command": "benchmarks.micro.cold_request --rounds 3 --json {out}/steps.json",
+        },
+        "tiny_grid": {
+            "command": "benchmarks.policy.bench_policy_grid --tiny --json {out}/grid.json",
+        },
+    }
+
+
+class Children:
+    """The module's two child processes; each result is waited for when a test first needs it,
+    within the time each run had on its own when it was a process of its own (120 s each, 280
+    s for the suite)."""
+
+    def __init__(self, out: Path, quick: bool, wanted: list[str]) -> None:
+        self.out = out
+        self.processes: dict[str, tuple[subprocess.Popen[bytes], float]] = {}
+        if quick:
+            command = ["benchmarks.run", "--quick", "--json", str(out / "quick" / "rows.json")]
+            command += ["--markdown", str(out / "quick" / "RESULTS.md")]
+            if HAS_MATPLOTLIB:
+                command += ["--plots", str(out / "quick" / "plots")]
+            self._start("quick", command, 280)
+        if wanted:
+            table = calls(out)
+            assert list(table) == list(CALLS)
+            batch = []
+            for name in wanted:
+                call = table[name]
+                folder = out / name
+                argv = [arg.replace("{out}", str(folder)) for arg in call["command"].split()]
+                batch.append({"argv": argv, "env": call.get("env", {}), "out": str(folder)})
+            (out / "calls.json").write_text(json.dumps(batch, indent=1))
+            command = ["benchmarks.run", "--calls", str(out / "calls.json")]
+            self._start("calls", command, 120 * len(wanted))
+
+    def _start(self, name: str, argv: list[str], timeout: float) -> None:
+        folder = self.out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "stdout", "wb") as stdout, open(folder / "stderr", "wb") as stderr:
+            process = subprocess.Popen(
+                [sys.executable, "-m", *argv], cwd=ROOT, stdout=stdout, stderr=stderr
+            )
+        self.processes[name] = (process, time.monotonic() + timeout)
+
+    def _wait(self, name: str) -> None:
+        process, deadline = self.processes[name]
+        try:
+            process.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+
+    def result(self, name: str) -> subprocess.CompletedProcess[str]:
+        """A run's exit status, stdout and stderr, as ``subprocess.run`` would give them."""
+        folder = self.out / name
+        if name == "quick":
+            self._wait("quick")
+            status = self.processes["quick"][0].returncode
+        else:
+            self._wait("calls")
+            calls_done = self.out / "calls" / "stderr"
+            assert (folder / "status").exists(), calls_done.read_text()[-4000:]
+            status = int((folder / "status").read_text())
+        return subprocess.CompletedProcess(
+            [], status, (folder / "stdout").read_text(), (folder / "stderr").read_text()
+        )
+
+    def close(self) -> None:
+        for process, _ in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
 @pytest.fixture(scope="module")
-def items() -> list[str]:
+def children(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Children]:
+    mine = [i for i in request.session.items if getattr(i, "module", None) is request.module]
+    uses = {name for item in mine for name in getattr(item, "fixturenames", ())}
+    wanted = [name for name in CALLS if name in uses]
+    started = Children(tmp_path_factory.mktemp("bench"), "quick_run" in uses, wanted)
+    yield started
+    started.close()
+
+
+@pytest.fixture(scope="module")
+def listed(children: Children) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.run --list``."""
+    return children.result("listed")
+
+
+@pytest.fixture(scope="module")
+def skipped_mooncake(children: Children) -> dict[str, Any]:
+    """``benchmarks.run --quick --only 7 --json OUT`` with no ``mooncake_master`` on PATH."""
+    return {"done": children.result("skipped_mooncake"), "out": children.out / "skipped_mooncake"}
+
+
+@pytest.fixture(scope="module")
+def raising_mooncake(children: Children) -> dict[str, Any]:
+    """``benchmarks.run --quick --only 7 --json OUT --markdown PAGE`` with a ``mooncake_master``
+    first on PATH that exits at once."""
+    return {"done": children.result("raising_mooncake"), "out": children.out / "raising_mooncake"}
+
+
+@pytest.fixture(scope="module")
+def instruction_child(children: Children) -> subprocess.CompletedProcess[str]:
+    """``benchmarks.peers.bench_instructions --child --entries=64 --low=1 --high=3``."""
+    return children.result("instruction_child")
+
+
+@pytest.fixture(scope="module")
+def cold_request(children: Children) -> dict[str, Any]:
+    """``benchmarks.micro.cold_request --rounds 3 --json OUT``."""
+    return {"done": children.result("cold_request"), "out": children.out / "cold_request"}
+
+
+@pytest.fixture(scope="module")
+def tiny_grid(children: Children) -> dict[str, Any]:
+    """``benchmarks.policy.bench_policy_grid --tiny --json OUT``."""
+    return {"done": children.result("tiny_grid"), "out": children.out / "tiny_grid"}
+
+
+@pytest.fixture(scope="module")
+def items(listed: subprocess.CompletedProcess[str]) -> list[str]:
     """The suite's items as ``benchmarks.run --list`` prints them (``N title``)."""
-    done = run_benchmark("benchmarks.run", "--list")
+    done = listed
     assert done.returncode == 0, done.stderr[-4000:]
     lines = done.stdout.splitlines()
     assert [line.split()[0] for line in lines] == [str(n) for n in range(1, len(lines) + 1)]
@@ -58,23 +223,9 @@ def items() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def quick_run(children: Children) -> dict[str, Any]:
     """One ``--quick`` run of the whole suite as CI runs it: a script, from the repo root."""
-    out = tmp_path_factory.mktemp("bench")
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks.run",
-        "--quick",
-        "--json",
-        str(out / "rows.json"),
-        "--markdown",
-        str(out / "RESULTS.md"),
-    ]
-    if HAS_MATPLOTLIB:
-        command += ["--plots", str(out / "plots")]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=280)
-    return {"done": done, "out": out}
+    return {"done": children.result("quick"), "out": children.out / "quick"}
 
 
 def test_quick_run_completes(quick_run: dict[str, Any], items: list[str]) -> None:
@@ -173,41 +324,19 @@ def test_infinite_ratio_is_null_in_json() -> None:
     json.dumps(row, allow_nan=False)
 
 
-def test_mooncake_row_is_skipped_without_a_master(tmp_path: Path) -> None:
-    path = os.pathsep.join(
-        folder
-        for folder in os.environ.get("PATH", "").split(os.pathsep)
-        if folder and not (Path(folder) / "mooncake_master").exists()
-    )
-    out = tmp_path / "rows.json"
-    done = run_benchmark(
-        "benchmarks.run",
-        "--quick",
-        "--only",
-        "7",
-        "--json",
-        str(out),
-        env={**os.environ, "PATH": path},
-    )
+def test_mooncake_row_is_skipped_without_a_master(skipped_mooncake: dict[str, Any]) -> None:
+    done, out = skipped_mooncake["done"], skipped_mooncake["out"] / "rows.json"
     assert done.returncode == 0, done.stderr[-4000:]  # no item raised
     (row,) = json.loads(out.read_text())
     check_row(row)
     assert "skipped" in row["name"] and row["met"] is None and row["ours"] is None
 
 
-def test_a_benchmark_that_raises_becomes_an_error_row(tmp_path: Path) -> None:
+def test_a_benchmark_that_raises_becomes_an_error_row(raising_mooncake: dict[str, Any]) -> None:
     """A ``mooncake_master`` on PATH that exits at once: the mooncake item raises, and the run
     goes on to give its error row, the table's MISSED, the error in RESULTS.md, exit status 1."""
-    fake = tmp_path / "bin" / "mooncake_master"
-    fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\necho boom >&2\nexit 3\n")
-    fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    out, page = tmp_path / "rows.json", tmp_path / "RESULTS.md"
-    done = run_benchmark(
-        "benchmarks.run", "--quick", "--only", "7", "--json", str(out), "--markdown", str(page),
-        env=env,
-    )  # fmt: skip
+    done = raising_mooncake["done"]
+    out, page = raising_mooncake["out"] / "rows.json", raising_mooncake["out"] / "RESULTS.md"
     assert done.returncode == 1, done.stderr[-4000:]
     (row,) = json.loads(out.read_text())
     check_row(row)
@@ -318,14 +447,14 @@ def test_instruction_count_is_the_difference_over_the_extra_operations() -> None
     assert per_op == {"ours hit": 1_000.0, "sglang hit": 500.0}
 
 
-def test_both_sides_of_the_instruction_count_do_their_work() -> None:
+def test_both_sides_of_the_instruction_count_do_their_work(
+    instruction_child: subprocess.CompletedProcess[str],
+) -> None:
     """The counted process's own run, outside valgrind (the toggles do nothing there): every
     side is set up, runs, and passes its check of the work done (hits, evictions, pins)."""
     from tests.support import sglang_wheel
 
-    done = run_benchmark(
-        "benchmarks.peers.bench_instructions", "--child", "--entries=64", "--low=1", "--high=3"
-    )
+    done = instruction_child
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     sides = ["ours hit", "ours evicting insert", "ours request-less insert"]
@@ -376,9 +505,8 @@ def test_drifting_mix_reshuffles_popularity_between_phases() -> None:
     assert len(set(top)) > 1, "the favourite image never changed between phases"
 
 
-def test_cold_request_probe_times_every_step(tmp_path: Path) -> None:
-    out = tmp_path / "steps.json"
-    done = run_benchmark("benchmarks.micro.cold_request", "--rounds", "3", "--json", str(out))
+def test_cold_request_probe_times_every_step(cold_request: dict[str, Any]) -> None:
+    done, out = cold_request["done"], cold_request["out"] / "steps.json"
     assert done.returncode == 0, done.stderr[-4000:]
     steps = json.loads(out.read_text())
     for name in ("open", "lookup", "embeddings", "close"):
@@ -516,11 +644,10 @@ def test_grid_optimum_evicts_the_entry_needed_furthest_ahead() -> None:
     assert (result.hits, result.refused, result.evictions) == (2, 0, 1)
 
 
-def test_tiny_grid_reports_every_cell(tmp_path: Path) -> None:
+def test_tiny_grid_reports_every_cell(tiny_grid: dict[str, Any]) -> None:
     """The CI smoke run of the grid: a target row per cell, the optimum's and the churn rows,
     and the heatmap's values read back from the rows."""
-    out = tmp_path / "grid.json"
-    done = run_benchmark("benchmarks.policy.bench_policy_grid", "--tiny", "--json", str(out))
+    done, out = tiny_grid["done"], tiny_grid["out"] / "grid.json"
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
     cells = result["cells"]

@@ -103,3 +103,49 @@ def test_bad_input_is_refused_and_changes_nothing() -> None:
     cache.close()
     with pytest.raises(ClosedError):
         cache.insert(["a"], [slot(1)])
+
+
+UNIT = 256  # the alignment: every entry below is a whole number of units
+
+
+@pytest.mark.parametrize(
+    ("layout", "removed", "units"),
+    [
+        ("1111", "", 1),  # the victim's range exactly: no allocator call at all
+        ("211", "1", 2),  # the same, with a free block after the victim (left as it was)
+        ("121", "0", 2),  # a free block before the victim: the span starts there
+        ("211", "", 1),  # a victim larger than the insert: the rest of its range is freed
+    ],
+)
+def test_an_evicting_insert_leaves_the_allocator_as_freeing_and_allocating_would(
+    layout: str, removed: str, units: int
+) -> None:
+    """An insert that must evict one idle entry: the pool ends exactly as if the victim's
+    range had been freed and the new one allocated best-fit (same offset, same free and
+    allocated blocks), whether or not the victim's range passes straight to the new entry.
+    ``layout``: entry sizes in units, inserted (and idle) in order, the first the LRU victim;
+    ``removed``: the indexes of the entries removed first, leaving free blocks."""
+    capacity = sum(int(size) for size in layout) * UNIT
+    with EmbeddingCache(capacity, alignment=UNIT, pin_memory=False, auto_fence=None) as cache:
+        keys = [f"e{i}" for i in range(len(layout))]
+        for key, size in zip(keys, layout, strict=True):
+            tensor = payload((int(size) * UNIT // 2,), torch.bfloat16, int(size))
+            assert cache.insert([key], [tensor]) == [True]
+        for i in removed:
+            assert cache.remove(keys[int(i)])
+        before = cache.snapshot()
+        victim = before.entries[before.eviction_order[0]]
+        expected = before.allocator  # a copy: free the victim, then allocate best-fit
+        expected.free(victim.offset)
+        offset = expected.allocate(units * UNIT)
+        tensor = payload((units * UNIT // 2,), torch.bfloat16, 7)
+        assert cache.insert(["new"], [tensor]) == [True]
+        with cache.request("check") as request:  # the new entry holds its own bytes
+            request.lookup([Item("new", tuple(tensor.shape), tensor.dtype)])
+            assert raw(request.embeddings()[0]) == raw(tensor)
+        after = cache.snapshot()
+        assert victim.key not in after.entries
+        assert after.entries["new"].offset == offset
+        assert after.allocator.allocations() == expected.allocations()
+        assert after.allocator.free_blocks() == expected.free_blocks()
+        cache.check_invariants()

@@ -240,6 +240,41 @@ def test_tinylfu_counts_saturate_and_halve_every_sample() -> None:
     assert (policy.estimate("a"), policy.estimate("b")) == (2, 2)
 
 
+def test_tinylfu_counts_a_resident_key_exactly_whatever_its_counters_say() -> None:
+    """A resident key's count is exact from its first lookup as a resident: lookups of other
+    keys that land on all its counters (planted here) raise its estimate no more, so a
+    candidate looked up more often than it is admitted."""
+    policy = TinyLfuPolicy(shift_drop=0)
+    order = policy.order()
+    policy.record("a")  # a miss
+    order.add("a")  # loaded: resident
+    policy.record("a")  # its exact count starts at its estimate, 1, and counts this lookup
+    for _ in range(9):
+        policy.sketch.add("a")  # as colliding keys would raise its counters
+    policy.record("a")
+    assert policy.estimate("a") == 3 and policy.sketch.estimate("a") == 10
+    for _ in range(4):
+        policy.record("b")
+    assert policy.admit("b", 1, ["a"])
+
+
+def test_tinylfu_writes_a_forgotten_keys_count_back_into_the_sketch() -> None:
+    """A resident key's lookups leave the sketch alone (one dict store a hit); when its entry
+    is freed, its exact count goes back into its counters, so a later miss sees it."""
+    policy = TinyLfuPolicy(shift_drop=0)
+    order = policy.order()
+    policy.record("a")
+    order.add("a")
+    for _ in range(4):
+        policy.record("a")
+    assert policy.estimate("a") == 5 and policy.sketch.estimate("a") == 1
+    order.discard("a")
+    policy.forget("a")
+    assert policy.estimate("a") == policy.sketch.estimate("a") == 5
+    policy.record("a")
+    assert policy.estimate("a") == 6
+
+
 def test_tinylfu_sample_grows_with_the_resident_entries() -> None:
     policy = TinyLfuPolicy(sample_factor=1, min_entries=1, shift_drop=0)
     order = policy.order()

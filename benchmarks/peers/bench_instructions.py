@@ -21,6 +21,11 @@ Each side runs a warm-up, then ``low`` operations, then ``high``; the cost of on
   SGLang's: the steps of ``store_to_pool_async`` + ``wait_store_to_pool`` for a CPU tensor
   (``benchmarks.peers.bench_peers.sglang_evicting_side``, its own code from the wheel).
 
+With ``--bytecodes`` it counts, without valgrind, what the interpreter runs per operation of
+the same sides: bytecodes (``sys.settrace`` opcode events), Python functions entered and C
+functions called (``sys.setprofile``), exact and repeatable; the rows say how much more Python
+work ours does than SGLang's, whatever each bytecode costs.
+
 Rows are ``{name, ours, baseline, unit, ratio, target, met}`` in thousands of instructions per
 operation; the ratio is SGLang's count / ours (below 1: ours executes more), target >= 1.0x.
 Needs valgrind (``apt-get install valgrind``); the sglang wheel as ``tests.support.sglang_wheel``.
@@ -40,6 +45,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -153,6 +159,86 @@ def sglang_evicting(entries: int) -> tuple[Op, Callable[[int], None]]:
     return bench_peers.sglang_evicting_side(entries, tensor), lambda done: None
 
 
+# ---------------------------------------------------------------------------- bytecodes
+def sides_of(entries: int, ops: int) -> tuple[dict[str, tuple[Op, Callable[[int], None]]], str]:
+    """Every side, set up for ``ops`` operations; and why SGLang's are missing ("" if not)."""
+    rng = random.Random(entries)
+    batches = [rng.sample([f"img{i}" for i in range(entries)], BATCH) for _ in range(ops)]
+    why = bench_peers.sglang_missing()
+    sides: dict[str, tuple[Op, Callable[[int], None]]] = {
+        "ours hit": ours_hit(entries, batches),
+        "ours evicting insert": ours_evicting(entries, request_less=False),
+        "ours request-less insert": ours_evicting(entries, request_less=True),
+    }
+    if why is None:
+        sides["sglang hit"] = sglang_hit(entries, batches)
+        sides["sglang evicting insert"] = sglang_evicting(entries)
+    return sides, why or ""
+
+
+def python_work(op: Op, first: int, ops: int) -> dict[str, float]:
+    """Bytecodes, Python functions entered and C functions called per call of ``op(n)``, for
+    ``n`` in ``first .. first + ops - 1``."""
+    counts = {"bytecodes": 0, "python calls": 0, "C calls": 0}
+
+    def trace(frame: Any, event: str, arg: object) -> Any:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            counts["bytecodes"] += 1
+        return trace
+
+    def profile(frame: Any, event: str, arg: object) -> None:
+        if event == "call":
+            counts["python calls"] += 1
+        elif event == "c_call":
+            counts["C calls"] += 1
+
+    sys.settrace(trace)
+    sys.setprofile(profile)
+    try:
+        for n in range(first, first + ops):
+            op(n)
+    finally:
+        sys.settrace(None)
+        sys.setprofile(None)
+    counts["C calls"] -= 2  # the calls that turn the counting off: sys.settrace, sys.setprofile
+    return {name: count / ops for name, count in counts.items()}
+
+
+def bytecode_rows(entries: int = 1_000, ops: int = 50) -> list[Row]:
+    """Per operation, ours against SGLang's: bytecodes, Python calls and C calls, for the hit
+    and the evicting insert in a request and by ``cache.insert``."""
+    sides, why = sides_of(entries, WARMUP + ops)
+    work = {}
+    for name, (op, check) in sides.items():
+        for n in range(WARMUP):
+            op(n)
+        work[name] = python_work(op, WARMUP, ops)
+        check(WARMUP + ops)
+    pool = f"{entries} entries"
+    compared = {
+        f"{BATCH}-item all-hit request, {pool}": ("ours hit", "sglang hit"),
+        f"evicting insert in a request, {pool}, half pinned": (
+            "ours evicting insert",
+            "sglang evicting insert",
+        ),
+        f"evicting cache.insert, {pool}, half pinned": (
+            "ours request-less insert",
+            "sglang evicting insert",
+        ),
+    }
+    out = []
+    for what, (our_side, peer_side) in compared.items():
+        for unit in ("bytecodes", "python calls", "C calls"):
+            name = f"{unit}, {what}, vs SGLang"
+            if peer_side not in work:
+                out.append(skipped_row(name, why, ""))
+                continue
+            ours, peer = work[our_side][unit], work[peer_side][unit]
+            out.append(make_row(name, ours, peer, "per op", peer / ours, "", None))
+    return out
+
+
 # ---------------------------------------------------------------------------- the counted process
 def toggle() -> None:
     torch._C._valgrind_toggle()
@@ -165,18 +251,7 @@ def toggle_and_dump() -> None:
 def child(entries: int, low: int, high: int) -> None:
     """Under callgrind: set every side up, then count each: warm-up, ``low`` ops (dump),
     ``high`` ops (dump). Prints the sides in dump order, or why SGLang's are skipped."""
-    rng = random.Random(entries)
-    ops = WARMUP + low + high
-    batches = [rng.sample([f"img{i}" for i in range(entries)], BATCH) for _ in range(ops)]
-    why = bench_peers.sglang_missing()
-    sides: dict[str, tuple[Op, Callable[[int], None]]] = {
-        "ours hit": ours_hit(entries, batches),
-        "ours evicting insert": ours_evicting(entries, request_less=False),
-        "ours request-less insert": ours_evicting(entries, request_less=True),
-    }
-    if why is None:
-        sides["sglang hit"] = sglang_hit(entries, batches)
-        sides["sglang evicting insert"] = sglang_evicting(entries)
+    sides, why = sides_of(entries, WARMUP + low + high)
     order = []
     for name, (op, check) in sides.items():
         for n in range(WARMUP):
@@ -191,7 +266,7 @@ def child(entries: int, low: int, high: int) -> None:
             start += count
             order.append(name)
         check(start)
-    print(json.dumps({"order": order, "sglang_missing": why}))
+    print(json.dumps({"order": order, "sglang_missing": why or None}))
 
 
 def count(entries: int, low: int, high: int) -> tuple[dict[str, float], str | None]:
@@ -276,6 +351,11 @@ if __name__ == "__main__":
     parser.add_argument("--high", type=int, default=110, help="operations of the second count")
     parser.add_argument("--tiny", action="store_true", help="64 entries, 1 and 3 operations")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the rows as a JSON list")
+    parser.add_argument(
+        "--bytecodes",
+        action="store_true",
+        help="count bytecodes, Python calls and C calls per operation instead (no valgrind)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny:
@@ -283,7 +363,10 @@ if __name__ == "__main__":
     if args.child:
         child(args.entries, args.low, args.high)
         sys.exit(0)
-    result = rows(args.entries, args.low, args.high)
+    if args.bytecodes:
+        result = bytecode_rows(args.entries, 5 if args.tiny else 50)
+    else:
+        result = rows(args.entries, args.low, args.high)
     print_rows(result)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -30,7 +30,8 @@ lookup, not S3-FIFO's lazy CLOCK, which needs an order that changes while it is 
 Metrics: encoder tokens saved (tokens of the items served from the cache / all item tokens),
 hit ratio, failed inserts (no run of free space and victims fits), refusals (not admitted).
 Cost: what the policy's record + admit add to LRU's per looked-up item (the calls of the
-steady mix replayed on both) against a hit of an 8-item all-hit request through the real
+steady mix replayed on both, with the order's add and discard and forget, so that the keys the
+cache holds are resident) against a hit of an 8-item all-hit request through the real
 cache; and that request's cost per item with ``tinylfu`` against ``lru``; chunks alternated,
 timed in CPU time of the calling thread (``time.thread_time``: a shared machine's load, which
 takes the CPU away between chunks, does not count).
@@ -48,7 +49,7 @@ import math
 import random
 import statistics
 import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ from embcache.core.eviction import choose_victims
 from embcache.core.policy import Policy, make_policy
 from embcache.driver.allocator import Block, RangeAllocator
 from tests.support import mixes
+from tests.support.baselines import Pins
 from tests.support.rows import json_row
 
 MIXES = ("steady", "drift", "scan", "1GiB")
@@ -250,7 +252,9 @@ CONTENDERS: dict[str, Callable[[], Any]] = {
 # ---------------------------------------------------------------------------- simulation
 class Simulated:
     """The cache's entries, pins and eviction order over the real allocator and victim rule;
-    ``policy`` decides the order and admission. ``calls`` logs record/admit when not None."""
+    ``policy`` decides the order and admission. ``calls`` logs, when not None, the policy's
+    calls: record ``(key,)``, admit ``(key, nbytes, victims)``, and ``(step, key)`` for the
+    order's add and discard and the policy's forget (what makes keys resident)."""
 
     def __init__(self, capacity: int, policy: Policy, calls: list[tuple[Any, ...]] | None) -> None:
         self.inserted_bytes = self.evicted_bytes = 0
@@ -259,7 +263,7 @@ class Simulated:
         self.order = policy.order()
         self.entries: dict[str, tuple[int, int]] = {}  # key -> (offset, size)
         self.by_offset: dict[int, str] = {}
-        self.pins: Counter[str] = Counter()
+        self.pins = Pins()
         self.evictable_bytes = 0
         self.evictions = 0
         self.calls = calls
@@ -271,17 +275,21 @@ class Simulated:
             self.calls.append((key,))
         if key not in self.entries:
             return False
-        if not self.pins[key]:
+        if self.pins.pin(key):
             self.order.discard(key)
+            self.log("discard", key)
             self.evictable_bytes -= self.entries[key][1]
-        self.pins[key] += 1
         return True
 
+    def log(self, step: str, key: str) -> None:
+        """Note an order or forget call of the policy's, when logging."""
+        if self.calls is not None:
+            self.calls.append((step, key))
+
     def release(self, key: str) -> None:
-        self.pins[key] -= 1
-        if not self.pins[key]:
-            del self.pins[key]
+        if self.pins.release(key):
             self.order.add(key)
+            self.log("add", key)
             self.evictable_bytes += self.entries[key][1]
 
     def begin_load(self, key: str, nbytes: int) -> str | None:
@@ -315,17 +323,19 @@ class Simulated:
         self.inserted_bytes += size
         self.entries[key] = (offset, size)
         self.by_offset[offset] = key
-        self.pins[key] += 1
+        self.pins.pin(key)
         return None
 
     def evict(self, key: str) -> None:
         offset, size = self.entries.pop(key)
         self.order.discard(key)
+        self.log("discard", key)
         self.evictable_bytes -= size
         self.evicted_bytes += size
         del self.by_offset[offset]
         self.allocator.free(offset)
         self.policy.forget(key)
+        self.log("forget", key)
         self.evictions += 1
 
 
@@ -488,19 +498,24 @@ def measure(quick: bool) -> dict[str, dict[str, mixes.Result]]:
 
 # ---------------------------------------------------------------------------- cost
 def replay(policy: Any, calls: list[tuple[Any, ...]]) -> float:
-    """Seconds to make ``calls`` (record: ``(key,)``, admit: ``(key, nbytes, victims)``)."""
+    """Seconds to make ``calls`` (``Simulated``'s log) on ``policy`` and its own order."""
+    order = policy.order()
     record, admit = policy.record, policy.admit
+    steps = {"add": order.add, "discard": order.discard, "forget": policy.forget}
     started = time.thread_time()
     for call in calls:
         if len(call) == 1:
             record(call[0])
-        else:
+        elif len(call) == 3:
             admit(*call)
+        else:
+            steps[call[0]](call[1])
     return time.thread_time() - started
 
 
 def cost_row(quick: bool, policy: str = CHOSEN) -> dict[str, Any]:
-    """What ``policy``'s record + admit add to LRU's (the same calls replayed on both),
+    """What ``policy``'s record + admit add to LRU's (the same calls replayed on both, with
+    the order's add and discard and forget, so that the keys the cache holds are resident),
     per looked-up item, against a hit's cost per item in an 8-item all-hit request through
     the real cache. Chunks alternate; medians."""
     calls: list[tuple[Any, ...]] = []

@@ -180,9 +180,9 @@ class Actions(StateQueries):
         """
         existing = self._entries.get(item.key)
         transition(ABSENT if existing is None else existing.state, Step.BEGIN_LOAD)
-        if item.nbytes > self.capacity:
-            return self._alloc_failed(rs, item, Reason.TOO_LARGE)
         nbytes, align = item.nbytes, self._align
+        if nbytes > self.capacity:
+            return self._alloc_failed(rs, item, Reason.TOO_LARGE)
         if type(nbytes) is int and nbytes > 0:
             size = (nbytes + align - 1) & -align  # the allocator's rounding, with no calls
         else:
@@ -293,12 +293,13 @@ class Actions(StateQueries):
         if not self._pinned_since:  # a dict keeps the table of its largest burst: start afresh
             self._pinned_since = {}
 
-    def evict(self, entry: Entry) -> None:
-        """Evict(k): free an idle READY entry chosen by the eviction rule."""
+    def evict(self, entry: Entry, *, keep_range: bool = False) -> None:
+        """Evict(k): free an idle READY entry chosen by the eviction rule. ``keep_range``: its
+        range stays allocated, for the caller to give at once to the entry it evicted for."""
         if entry.pins or entry.doomed or entry.key not in self._order:
             raise InvariantError(f"eviction of {entry.key!r}, which is not evictable")
         entry.state = transition(entry.state, Step.EVICT)
-        self._free(entry)
+        self._free(entry, keep_range)
         self._counts["evictions"] += 1
         self._counts["evicted_bytes"] += entry.size
         if self._events is not None:
@@ -413,8 +414,15 @@ class Actions(StateQueries):
             start = window.offset
         if not self._policy.admit(key, size, [victim.key for victim in victims]):
             return Reason.NOT_ADMITTED
+        # One victim of exactly ``size`` with no free block before it: freeing its range and
+        # allocating ``size`` would give that very range back and leave the allocator as it
+        # was (no other free block fits, or the allocation above would have succeeded), so the
+        # range passes to the new entry without either call.
+        same = len(victims) == 1 and victims[0].size == size and victims[0].offset == start
         for victim in victims:
-            self.evict(victim)
+            self.evict(victim, keep_range=same)
+        if same:
+            return start
         offset = allocator.allocate(size)
         if offset != start:
             raise InvariantError(f"eviction freed a span at {start}; the allocator gave {offset}")
@@ -457,8 +465,9 @@ class Actions(StateQueries):
         self._order.add(entry.key)
         self._evictable_bytes += entry.size
 
-    def _free(self, entry: Entry) -> None:
-        self._allocator.free(entry.offset)
+    def _free(self, entry: Entry, keep_range: bool = False) -> None:
+        if not keep_range:
+            self._allocator.free(entry.offset)
         del self._entries[entry.key]
         if self._order.discard(entry.key):
             self._evictable_bytes -= entry.size

@@ -397,7 +397,7 @@ class CacheCore(CoreQueries[Actions]):
 
     def _plan_fills(self, rs: RequestState, items: Sequence[ItemLike]) -> list[Fill]:
         entries = self._entries
-        for item in items:
+        for item in items if rs.reserved else ():  # (nothing reserved: nothing to check)
             if item.key in rs.reserved:
                 expected = entries[item.key]
                 if not matches(expected, item):

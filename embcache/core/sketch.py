@@ -2,14 +2,17 @@
 ``adaptive`` admit by (``embcache.core.policy``), and ``Footprint``, what a policy keeps per key
 (DESIGN.md, "Memory bounds"). Pure: no clock, no thread, no I/O; the caller holds the lock.
 
-Design notes. The sketch replaced exact counts in a dict keyed by every key of the
-sample window: the dict was faster (a record 0.2 us against 0.6 us, best of 9 on the 2-core
-machine; 3,450 against 8,540 instructions under callgrind) but kept a key and a count per key
-seen. Measured on the policy grid against the exact counts: with 4 counters per lookup (the
-policy's ``COUNTERS_PER_LOOKUP``) no cell lost more than 0.11 point (none with two of three hash
-seeds); with 1 or 2 per lookup cells lost up to 1.3 and 0.35 points, and with 2 rows of 8 per
-lookup (0.25 us a record) up to 0.5. Counters take a byte, not a nibble: packing two a byte cost
-60% more per record for half the bytes.
+Design notes. Exact counts in a dict keyed by every key of a sample window cost a record about
+0.2 us against the sketch's 0.6 us (best of 9 on the 2-core machine; 3,450 against 8,540
+instructions under callgrind) but keep a key and a count per key seen; so the policies count
+here only the keys that are not resident, and count resident keys (at most the entries held)
+exactly in a dict, which makes a hit's record a dict lookup and store (an 8-item all-hit
+request at about 1.1x lru's, where a sketch update per hit made it 1.3x). Measured on the
+policy grid against exact counts for every key: with 4 counters per lookup (the policy's
+``COUNTERS_PER_LOOKUP``) no cell lost more than 0.11 point (none with two of three hash seeds);
+with 1 or 2 per lookup cells lost up to 1.3 and 0.35 points, and with 2 rows of 8 per lookup
+(0.25 us a record) up to 0.5. Counters take a byte, not a nibble: packing two a byte cost 60%
+more per record for half the bytes.
 """
 
 from __future__ import annotations
@@ -112,6 +115,18 @@ class FrequencySketch:
             if c3 == before:
                 r3[i3] = after
         return before
+
+    def raise_to(self, key: str, count: int) -> None:
+        """Every counter of ``key`` at least ``count`` (at most ``max_count``): its estimate is
+        then at least ``count``. O(1)."""
+        h, mask = hash(key), self.mask
+        index = h & mask
+        b = ((h >> 32) & mask) | 1
+        count = min(count, self.max_count)
+        for row in self.rows:
+            if row[index] < count:
+                row[index] = count
+            index = (index + b) & mask
 
     def halve(self) -> None:
         """Every counter halved (rounded down), in C. O(width)."""

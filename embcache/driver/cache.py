@@ -225,7 +225,7 @@ class EmbeddingCache(InPlaceFills):
         inserts do when it closes; a key present or being loaded is left alone (False)."""
         if isinstance(keys, str) or len(keys) != len(tensors):
             raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
-        items = [Item.of(check_key(k), t) for k, t in zip(keys, tensors, strict=True)]
+        items = [Item.of(k, t) for k, t in zip(keys, tensors, strict=True)]  # (checks the key)
         core = self._core
         rs, fills = self._run(core.begin_insert_batch, items)
         outcomes, error = self._copy_in([(e, tensors[i]) for i, e in fills])
@@ -350,7 +350,7 @@ class EmbeddingCache(InPlaceFills):
         """``Request.insert``: BeginLoad, copy with no lock held, EndLoad, then publish."""
         if isinstance(keys, str) or len(keys) != len(tensors):
             raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
-        items = [Item.of(check_key(k), t) for k, t in zip(keys, tensors, strict=True)]
+        items = [Item.of(k, t) for k, t in zip(keys, tensors, strict=True)]  # (checks the key)
         core = self._core
         fills = self._run(core.begin_insert, rs, items)
         outcomes, error = self._copy_in([(e, tensors[i]) for i, e in fills])

@@ -37,7 +37,8 @@ class Item:
 
     @classmethod
     def of(cls, key: str, tensor: torch.Tensor) -> Item:
-        """The item describing ``tensor`` under ``key``."""
+        """The item describing ``tensor`` under ``key``; raises as ``Item(...)`` does for a
+        bad key, and ``InvalidTypeError`` for a ``tensor`` that is not a tensor."""
         if not isinstance(tensor, torch.Tensor):
             raise InvalidTypeError(
                 f"expected a torch.Tensor for {key!r}, got {type(tensor).__name__}"

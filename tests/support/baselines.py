@@ -1,5 +1,6 @@
 """Baselines that reproduce the naive designs embcache replaces, for side-by-side benchmarks,
-and the fragmented state the allocator baselines are compared in (``half_freed``)."""
+the fragmented state the allocator baselines are compared in (``half_freed``), and the pin
+counts that baselines and simulations of the cache keep (``Pins``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,25 @@ import torch
 from sortedcontainers import SortedDict, SortedList
 
 from embcache.driver.allocator import RangeAllocator
+
+
+class Pins(Counter[str]):
+    """Pins per key, only pinned keys kept (a missing key has 0). ``pin`` and ``release`` say
+    when a key's first pin came and its last went: when it leaves and re-enters the recency
+    structure of its holder (``ScanLRUCache``, ``bench_policy.Simulated``)."""
+
+    def pin(self, key: str) -> bool:
+        """One more pin of ``key``; whether it is its first."""
+        self[key] += 1
+        return self[key] == 1
+
+    def release(self, key: str) -> bool:
+        """One pin of ``key`` fewer; whether that was its last."""
+        self[key] -= 1
+        if self[key]:
+            return False
+        del self[key]
+        return True
 
 
 class NaiveAllocator:
@@ -200,7 +220,7 @@ class ScanLRUCache:
         self.allocator = RangeAllocator(capacity, alignment)
         self.pool = torch.empty(capacity, dtype=torch.uint8)
         self.entries: dict[str, tuple[int, int]] = {}
-        self.pins: Counter[str] = Counter()
+        self.pins = Pins()
         self.recency: OrderedDict[str, None] = OrderedDict()  # every entry, oldest first
 
     def insert(self, key: str, tensor: torch.Tensor) -> bool:
@@ -219,13 +239,11 @@ class ScanLRUCache:
         )
         self.entries[key] = (offset, size)
         self.recency[key] = None
-        self.pins[key] += 1
+        self.pins.pin(key)
         return True
 
     def release(self, key: str) -> None:
-        self.pins[key] -= 1
-        if not self.pins[key]:
-            del self.pins[key]
+        if self.pins.release(key):
             self.recency.move_to_end(key)
 
 
