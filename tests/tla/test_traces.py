@@ -134,9 +134,9 @@ def test_evicting_a_pinned_entry_is_rejected_at_the_evict(
         def order(self) -> RecencyOrder:
             return PinBlindOrder()
 
-    def evict(self: Actions, entry: Any) -> None:
+    def evict(self: Actions, entry: Any, *, keep_range: bool = False) -> None:
         entry.state = ABSENT
-        self._free(entry)
+        self._free(entry, keep_range)
         self._emit("Evict", None, entry.key, entry)
 
     monkeypatch.setattr(Actions, "evict", evict)
