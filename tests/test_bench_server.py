@@ -10,6 +10,8 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks.server import breakdown
 from tests.support.server_workload import MAX_IMAGES, MIXES, TOKENS, make_encoder, make_workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,9 +58,9 @@ def encoder() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One tiny run of the verify, mixes and scale parts: its exit status, JSON and plot."""
+    """One tiny run of the verify, mixes, breakdown and scale parts: its JSON and plot."""
     out = tmp_path_factory.mktemp("server")
-    command = ["--size", "tiny", "--parts", "verify", "mixes", "scale"]
+    command = ["--size", "tiny", "--parts", "verify", "mixes", "breakdown", "scale"]
     command += ["--json", str(out / "r.json")]
     if HAS_MATPLOTLIB:
         command += ["--plot", str(out / "r.png")]
@@ -128,6 +131,63 @@ def test_a_tiny_run_gives_every_row_json_and_a_plot(tiny_run: dict[str, Any]) ->
     assert len(table) == 2 + len(result["mixes"]["steady"])
     if HAS_MATPLOTLIB:
         assert (tiny_run["out"] / "r.png").stat().st_size > 0
+
+
+def test_the_breakdown_splits_every_cache_time_and_scales_it(tiny_run: dict[str, Any]) -> None:
+    result = tiny_run["result"]
+    for mix in MIXES:
+        rows = result["breakdown"][mix]
+        assert set(rows) | set(result["skipped"]) == contenders(result["config"]["best_policy"]) - {
+            "no cache"
+        }
+        for name, row in rows.items():
+            assert set(row["shares"]) == set(breakdown.CATEGORIES)
+            assert sum(row["shares"].values()) == pytest.approx(1.0), (mix, name)
+            unprofiled = result["mixes"][mix][name]["cache_ms_per_request"]
+            assert sum(row["ms"].values()) == pytest.approx(unprofiled), (mix, name)
+            assert row["shares"]["core step"] > 0, (mix, name)
+
+
+def test_the_breakdown_puts_each_kind_of_time_in_its_category() -> None:
+    profiles = breakdown.Profiles()
+    lock, cond = threading.Lock(), threading.Condition()
+    big, into = torch.ones(1 << 24, dtype=torch.uint8), torch.empty(1 << 24, dtype=torch.uint8)
+    with profiles.on():
+        time.sleep(0.05)
+        with cond:
+            cond.wait(0.05)
+        with profiles.off():
+            time.sleep(0.2)  # the encoder's time: left out
+        for _ in range(20):
+            into.copy_(big)
+        with lock:
+            pass
+    seconds = profiles.seconds()
+    assert 0.04 < seconds["polling sleeps"] < 0.15, seconds
+    assert 0.04 < seconds["single-flight waits"] < 0.15, seconds
+    assert seconds["copies"] > 0, seconds
+    total = sum(seconds.values())
+    assert total < 0.15 + seconds["copies"] + 0.05, seconds
+
+
+def test_the_breakdown_counts_a_builtin_by_its_caller() -> None:
+    core = ("/x/embcache/core/actions.py", 1, "lookup_all")
+    driver = ("/x/embcache/driver/cache.py", 1, "_run")
+    get = ("~", 0, "<method 'get' of 'dict' objects>")
+    acquire = ("~", 0, "<method 'acquire' of '_thread.lock' objects>")
+    wait = ("/usr/lib/python3.11/threading.py", 300, "wait")
+    stats = {
+        core: (1, 1, 1.0, 2.0, {}),
+        driver: (1, 1, 2.0, 9.0, {}),
+        get: (2, 2, 0.5, 0.5, {core: (1, 1, 0.3, 0.3), driver: (1, 1, 0.2, 0.2)}),
+        acquire: (2, 2, 5.0, 5.0, {wait: (1, 1, 4.0, 4.0), driver: (1, 1, 1.0, 1.0)}),
+        wait: (1, 1, 0.1, 4.1, {}),
+    }
+    seconds = breakdown.split(stats)
+    assert seconds["core step"] == pytest.approx(1.3)
+    assert seconds["driver Python"] == pytest.approx(2.2)
+    assert seconds["single-flight waits"] == pytest.approx(4.1)
+    assert seconds["lock waits"] == pytest.approx(1.0)
 
 
 @pytest.mark.mooncake

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.server import breakdown
 from benchmarks.server.contenders import (
     Contender,
     Lane,
@@ -56,7 +57,7 @@ from tests.support import sglang_wheel
 from tests.support.server_workload import MIXES, Image, make_encoder, make_workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("verify", "mixes", "scale", "fleet")
+PARTS = ("verify", "mixes", "breakdown", "scale", "fleet")
 SGLANG = "SGLang 0.5.23"
 
 
@@ -223,6 +224,46 @@ def measure(config: Config) -> dict[str, Any]:
                 contender.close()
     result["ratios"] = ratios(result["mixes"], config.best_policy)
     return result
+
+
+def measure_breakdown(config: Config, mixes: dict[str, Any] | None) -> dict[str, Any]:
+    """Per mix and contender, where the cache time goes (``benchmarks.server.breakdown``): the
+    mixes served again with every contender's cache calls profiled, the contenders taking
+    turns segment by segment, the first segment unprofiled (warm-up). ``mixes``: the unprofiled
+    rows of the same run, to scale each share to ms per request (None: shares only)."""
+    torch.set_num_threads(1)
+    encoder = make_encoder(config.hidden)
+    workload = make_workload(
+        encoder, config.hot, config.requests, config.zipf_s, config.seed, config.mixes
+    )
+    pool_bytes = int(config.pool_fraction * workload.hot_bytes()) // 4096 * 4096
+    out: dict[str, Any] = {}
+    for mix in config.mixes:
+        contenders, _ = make_contenders(
+            encoder, pool_bytes, config.best_policy, config.sglang_page_bytes
+        )
+        contenders = [c for c in contenders if not isinstance(c, NoCache)]
+        jobs = [(f"{mix}-{n}", images) for n, images in enumerate(workload.mixes[mix])]
+        cut = -(-len(jobs) // config.segments)
+        profiles = {c.name: breakdown.Profiles() for c in contenders}
+        try:
+            for n, at in enumerate(range(0, len(jobs), cut)):
+                turn = n % len(contenders)
+                for contender in contenders[turn:] + contenders[:turn]:
+                    if n == 1:
+                        contender.profile(profiles[contender.name])
+                    run_segment(contender, jobs[at : at + cut], config.clients, None)
+        finally:
+            for contender in contenders:
+                contender.close()
+        rows: dict[str, Any] = {}
+        for name, prof in profiles.items():
+            shares = breakdown.shares(prof.seconds())
+            unprofiled = ((mixes or {}).get(mix, {}).get(name) or {}).get("cache_ms_per_request")
+            ms = {k: v * unprofiled for k, v in shares.items()} if unprofiled else {}
+            rows[name] = {"shares": shares, "ms": ms}
+        out[mix] = rows
+    return out
 
 
 def verify(config: Config) -> dict[str, Any]:
@@ -440,8 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--parts", nargs="+", choices=PARTS, default=list(PARTS),
         help="verify: every contender answers with the encoder's bytes; mixes: the contenders "
-        "side by side; scale: embcache at each pool size; fleet: two server processes with "
-        "and without one mooncake_master",
+        "side by side; breakdown: where each contender's cache time goes (profiled); scale: "
+        "embcache at each pool size; fleet: two server processes with and without one "
+        "mooncake_master",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.headline:
@@ -460,11 +502,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "mixes" in args.parts:
         result.update(measure(config))
         result["headline"] = headline(result)  # the README's table, as --headline prints it
+    if "breakdown" in args.parts:
+        result["breakdown"] = measure_breakdown(config, result.get("mixes"))
     if "scale" in args.parts:
         result["scale"] = run_scale(config)
     if "fleet" in args.parts:
         result["fleet"] = run_fleet(config)
     print(table(result))
+    if "breakdown" in result:
+        print(breakdown.table(result["breakdown"]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from benchmarks.peers.bench_sglang_adapter import NullGlobalStore, SGLangSide, Size
+from benchmarks.server.breakdown import Profiles
 from benchmarks.server.workload import MeteredEncoder
 from embcache import EmbeddingCache, EncodePipeline, GlobalStore
 from embcache.integrations.sglang import EmbeddingCacheController
@@ -71,6 +72,7 @@ class Contender:
         self.counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
         self._clock = threading.local()
+        self.profiles: Profiles | None = None  # set: profile the cache calls (breakdown)
 
     def serve(self, request_id: str, images: Sequence[Image], lane: Lane) -> Served:
         """Serve one request. Raises what the request raised."""
@@ -105,9 +107,16 @@ class Contender:
     def _timed(self, call: Callable[[], Any]) -> Any:
         start = time.perf_counter()
         try:
-            return call()
+            if self.profiles is None:
+                return call()
+            with self.profiles.on():
+                return call()
         finally:
             self._clock.seconds += time.perf_counter() - start
+
+    def profile(self, profiles: Profiles) -> None:
+        """Profile every cache call from now on (the encoder's calls left out)."""
+        self.profiles = self.encoder.profiles = profiles
 
     def _count(self, **amounts: int) -> None:
         with self._counts_lock:
@@ -367,7 +376,12 @@ class PipelineServer(Contender):
         self.pipeline = EncodePipeline(self.cache, encoder)
 
     def _serve(self, request_id: str, images: Sequence[Image], lane: Lane) -> torch.Tensor:
-        out = self.pipeline.encode(request_id, [i.item for i in images], [i.pixels for i in images])
+        items, pixels = [i.item for i in images], [i.pixels for i in images]
+        if self.profiles is None:
+            out = self.pipeline.encode(request_id, items, pixels)
+        else:
+            with self.profiles.on():
+                out = self.pipeline.encode(request_id, items, pixels)
         encoded = self.encoder.request_tokens()
         row = images[0].nbytes // images[0].tokens
         tokens = sum(i.tokens for i in images)
