@@ -67,6 +67,7 @@ from embcache.driver.request import Request
 from embcache.driver.wakeups import resolve
 from embcache.errors import ClosedError
 from embcache.testing import Fault, FaultInjectingStore
+from tests.support.compiled import core_is_compiled
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(120)]
 
@@ -1072,4 +1073,5 @@ def test_the_explorer_finds_a_late_poison_deterministically() -> None:
     assert runs[0].schedules == runs[1].schedules > 1
     report = first.sched.report()
     assert "wrong bytes" in report, report
-    print(f"late poison found after {runs[0].schedules} schedules:\n{report}")
+    build = "compiled" if core_is_compiled() else "pure"
+    print(f"late poison found after {runs[0].schedules} schedules ({build} core):\n{report}")
