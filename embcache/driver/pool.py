@@ -132,6 +132,7 @@ class PoolViews:
                     move = _memmove_releasing if nbytes >= self.RELEASE_BYTES else _memmove
                     move(self._base + entry.offset, tensor.data_ptr(), nbytes)
                 else:
+                    _check_strided(tensor)
                     with torch.no_grad():
                         self.view(entry.offset, entry).copy_(tensor)
             except BaseException as exc:
@@ -163,6 +164,16 @@ def _bytes_only(tensor: torch.Tensor, entry: Entry) -> bool:
         and not tensor.is_conj()
         and not tensor.is_neg()
     )
+
+
+def _check_strided(tensor: torch.Tensor) -> None:
+    """``InvalidTypeError`` for a tensor with no strided bytes to copy (sparse, meta,
+    quantized: its scale would be lost); torch's own error would name no embcache class."""
+    if tensor.layout is not torch.strided or tensor.is_meta or tensor.is_quantized:
+        raise InvalidTypeError(
+            f"a {tensor.layout} {tensor.dtype} tensor on {tensor.device} cannot be cached: "
+            "pass a dense (strided), non-quantized tensor with data"
+        )
 
 
 def payload_nbytes(entry: Entry) -> int:

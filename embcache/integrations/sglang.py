@@ -387,8 +387,8 @@ class EmbeddingCacheController(ControllerBase):
         self._expire()
         rows: dict[str, torch.Tensor] = {}
         for key, tensor in zip(mm_hashes, tensors, strict=True):
-            row = as_2d(tensor)
-            if row.shape[-1] != dim or row.numel() == 0:
+            row = as_2d(tensor) if tensor.ndim else tensor  # 0-d: no width, skipped
+            if row.ndim == 0 or row.shape[-1] != dim or row.numel() == 0:
                 logger.warning(
                     "store_to_pool_async: %s has shape %s, pool dim %d; skipped",
                     key,

@@ -4,8 +4,10 @@ Every change of shared state happens under the cache lock, so the schedules that
 the orders of whole lock sections and of what runs between them: completion callbacks
 (``end_loads`` and its wake-ups), request bookkeeping, ``wait``/``wait_async`` against the
 wake-up, insert against remove, close against a load in flight, publish against remove,
-fence against an UNKNOWN load, two overlapping fences against a re-quarantine, and
-the pipeline's lookup/encode/insert. ``GapScheduler`` runs
+fence against an UNKNOWN load, two overlapping fences against a re-quarantine,
+the pipeline's lookup/encode/insert, the poison of a freed range (debug mode) against the next
+allocation of that range, wake-ups against the cache's close, and trace events against a fence
+(each thread delivers its events with no lock held). ``GapScheduler`` runs
 the threads of a scenario one at a time and switches only at those gaps: before each
 acquisition and after each release of the cache lock, before each store call, in the encoder,
 and in every wait (a wait with a timeout may be timed out there). A wait that can never end
@@ -24,8 +26,13 @@ Why not ``frontrun`` (which installs and runs on Python 3.11): its opcode-level 
 did not find the stale wake-up bug fixed in 3dfca44 (``_signal`` set ``done`` after releasing
 the lock; the driver now wakes under the lock of its funnel, ``_run``), neither DPOR in 1,700
 executions nor its random strategy in 200, because the window spans whole method calls.
-``explore`` finds it in a few dozen schedules (the self-test below keeps that true).
+``explore`` finds it in a few dozen schedules (the self-test below keeps that true), and a
+poison written after the lock is released (issue 42) in 20.
 Nothing to install.
+
+Which build runs does not matter: the explorer replaces only driver attributes (the lock, the
+funnel ``_run`` in the self-tests), and the driver is Python in both builds (the compiled core
+is ``embcache/core``); the tests run unchanged on either.
 
 The cache is given ``ManualIO`` as its I/O executor, whose jobs run on a scheduled ``io``
 thread, and scheduled events as its request Events (``io_executor``, ``new_event``); its lock
@@ -55,9 +62,12 @@ from embcache import EmbeddingCache, EncodePipeline, Item, Reason, Status, Trans
 from embcache.core.effects import Effects
 from embcache.core.lifecycle import ABSENT, QUARANTINED, READY
 from embcache.driver.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
+from embcache.driver.poison import poison
 from embcache.driver.request import Request
 from embcache.driver.wakeups import resolve
+from embcache.errors import ClosedError
 from embcache.testing import Fault, FaultInjectingStore
+from tests.support.compiled import core_is_compiled
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(120)]
 
@@ -401,6 +411,7 @@ class World:
     io: ManualIO
     requests: dict[str, Request] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
+    sink: ScheduledSink | None = None
 
     def request(self, request_id: str) -> Request:
         request = self.cache.request(request_id)
@@ -437,29 +448,92 @@ class World:
             with self.cache.request(f"final-{key}") as request:
                 request.lookup([item(key)], prefetch=False)
                 view = request.embeddings()[0]
-                assert view is not None and torch.equal(view, payload(key)), key
+                assert view is not None, f"{key}: not served at the end"
+                assert torch.equal(view, payload(key)), f"{key}: wrong bytes at the end"
         self.cache.clear()
         assert self.cache.stats().allocated_bytes == 0, "bytes leaked"
         self.cache.check_invariants()
+        self.check_trace()
+
+    def settle_closed(self) -> None:
+        """After a schedule that closed the cache: every request closes (``close`` still
+        works), leftover I/O ends, nothing stays pinned or waited on, no future is left."""
+        self.cache.check_invariants()
+        for request in self.requests.values():
+            request.close()
+        self.io.drain()
+        self.cache.check_invariants()
+        stats = self.cache.stats()
+        assert stats.open_requests == 0 and stats.pinned_entries == 0, stats
+        sizes = self.cache.sizes()
+        assert sizes["async_waiters"] == 0, sizes
+        self.check_trace()
+
+    def check_trace(self) -> None:
+        """When traced: every event reached the sink once, in ``seq`` order; each fence's
+        ``Fence`` follows its ``BeginFence`` and frees only keys of its snapshot, each
+        QUARANTINED by its last event before the ``Fence``."""
+        if self.sink is None:
+            return
+        events = self.sink.events
+        assert [e["seq"] for e in events] == list(range(1, len(events) + 1)), "trace out of order"
+        snapshots: dict[int, set[str]] = {}
+        last_state: dict[str, str] = {}
+        for e in events:
+            if e["action"] == "BeginFence":
+                snapshots[e["fence"]] = set(e["keys"])
+            elif e["action"] == "Fence":
+                assert e["fence"] in snapshots, f"Fence {e['fence']} before its BeginFence"
+                for key in e["keys"]:
+                    assert key in snapshots[e["fence"]], f"fence {e['fence']} freed {key}"
+                    assert last_state.get(key) == "QUARANTINED", (key, last_state.get(key))
+                    last_state[key] = "ABSENT"
+            elif e.get("key") is not None and "state" in e:
+                last_state[e["key"]] = e["state"]
+
+
+class ScheduledSink:
+    """A trace sink with a switch before every event it takes: the delivery of one thread's
+    events may interleave with any other thread's lock sections and deliveries."""
+
+    def __init__(self, sched: GapScheduler) -> None:
+        self.sched = sched
+        self.events: list[dict[str, Any]] = []
+
+    def append(self, event: dict[str, Any], /) -> None:
+        self.sched.point(f"trace {event['action']}")
+        self.events.append(event)
 
 
 @contextlib.contextmanager
-def world(choose: Callable[[int, int], int], capacity_units: int = 8) -> Iterator[World]:
+def world(
+    choose: Callable[[int, int], int],
+    capacity_units: int = 8,
+    *,
+    poison: bool = False,
+    traced: bool = False,
+) -> Iterator[World]:
+    """A fresh scheduled world. No background fencer (``auto_fence=None``): a fence runs only
+    where a scenario calls it, from a scheduled thread, so every schedule replays exactly."""
     sched = GapScheduler(choose)
     store = ScheduledStore(sched)
     io = ManualIO(sched)
+    sink = ScheduledSink(sched) if traced else None
     cache = EmbeddingCache(
         capacity_units * 256,
         store=store,
         pin_memory=False,
         io_executor=io,
         new_event=lambda: ScheduledEvent(sched, False),  # type: ignore[arg-type,return-value]
+        auto_fence=None,
+        poison_freed=poison,
+        trace=sink,
     )
     # private: the explorer switches threads at every acquisition and release of the cache
     # lock (the gaps it explores); no caller may replace a cache's lock, so no seam offers it
     cache._lock = ScheduledLock(sched)  # type: ignore[assignment]
     try:
-        yield World(sched, cache, store, io)
+        yield World(sched, cache, store, io, sink=sink)
     finally:
         cache.close()
 
@@ -467,15 +541,19 @@ def world(choose: Callable[[int, int], int], capacity_units: int = 8) -> Iterato
 Chooser = Callable[[int, int], int]
 
 
-def checked(scenario: Callable[[World], None]) -> Callable[[Chooser], World]:
-    """Run ``scenario`` in a fresh world under one schedule, then settle and check it."""
+def checked(scenario: Callable[[World], None], **options: Any) -> Callable[[Chooser], World]:
+    """Run ``scenario`` in a fresh world (``options``: ``world``'s) under one schedule, then
+    settle and check it (``settle_closed`` when the scenario closed the cache)."""
 
     def run(choose: Chooser) -> World:
-        with world(choose) as w:
+        with world(choose, **options) as w:
             try:
                 scenario(w)
                 if w.sched.failure is None and not w.sched.errors:
-                    w.settle()
+                    if w.notes.get("cache closed"):
+                        w.settle_closed()
+                    else:
+                        w.settle()
             except AssertionError as exc:
                 w.sched.errors.append(f"[check] {exc!r}")
         return w
@@ -788,6 +866,89 @@ def two_pipelines_share_keys(w: World) -> None:
     assert sorted(set(encoder.encoded)) == ["j", "k", "m"]
 
 
+def poison_vs_next_allocation(w: World) -> None:
+    """Poison (the debug mode, a pool of one range) against the next allocation of the range:
+    ``k`` fills the pool; it is removed while a reader holds it (freed when the reader closes,
+    or at once) and evicted by another request's insert of ``j`` into the same range. Each
+    freed range is poisoned before anyone can take it, so whatever is served, and every
+    entry at the end, holds its own bytes, never 0xFF."""
+    with w.cache.request("seed") as seed:
+        assert seed.insert(["k"], [payload("k")], publish=False) == [True]
+
+    def reader() -> None:
+        with w.cache.request("b") as b:
+            b.lookup([item("k")], prefetch=False)
+            w.read(b, "k")
+
+    def inserter() -> None:
+        with w.cache.request("a") as a:
+            if a.insert(["j"], [payload("j")], publish=False) == [True]:
+                a.lookup([item("j")], prefetch=False)
+                w.read(a, "j")
+
+    # named so that the default schedule frees k first: one preemption after it exposes a
+    # poison written after the lock is released (threads run in name order by default)
+    w.run(freer=lambda: w.cache.remove("k"), inserter=inserter, reader=reader)
+
+
+def wake_ups_vs_close(w: World) -> None:
+    """A waiter waits, with no timeout, on a key another request reserved, while that request
+    fills it (or finds the cache closed and closes, ending its reservation) and the cache
+    closes: the waiter is always woken (a lost wake-up is a deadlock here), and afterwards
+    every request closes with nothing left pinned, waited on or pending."""
+    a, b = w.request("a"), w.request("b")
+    assert a.lookup([item("k")], reserve_misses=True)[0].status is Status.RESERVED
+    assert b.lookup([item("k")])[0].status is Status.LOADING
+
+    def filler() -> None:
+        with contextlib.suppress(ClosedError):
+            a.insert(["k"], [payload("k")], publish=False)
+        a.close()
+
+    def waiter() -> None:
+        try:
+            woken = b.wait(None)
+        except ClosedError:  # the cache closed before the wait began
+            woken = True
+        assert woken, "an untimed wait returned False"
+        with contextlib.suppress(ClosedError):
+            w.read(b, "k")
+        b.close()
+
+    def closer() -> None:
+        w.cache.close()
+        w.notes["cache closed"] = True
+
+    w.run(filler=filler, waiter=waiter, closer=closer)
+
+
+def events_vs_fence(w: World) -> None:
+    """Trace events against a fence (a traced world): ``k`` is QUARANTINED (its load ended
+    UNKNOWN); a fence runs while another request loads ``k`` again (UNKNOWN again: a
+    re-quarantine the fence does not cover) and a third inserts and removes ``x``. Each thread
+    hands its events to the sink with no lock held, so deliveries interleave with the fence's
+    two steps; ``World.check_trace`` checks the order and what each ``Fence`` freed."""
+    w.store.put_object("k", raw(payload("k")))
+    w.store.inject("k", Fault.UNKNOWN)
+    with w.cache.request("q") as q:
+        q.lookup([item("k")])
+        w.io.drain()
+    assert w.cache.entry_state("k") is QUARANTINED
+
+    def reloader() -> None:
+        with w.cache.request("a") as a:
+            a.lookup([item("k")])
+            a.wait(5.0)
+            w.read(a, "k")
+
+    def churn() -> None:
+        with w.cache.request("c") as c:
+            c.insert(["x"], [payload("x")], publish=False)
+        w.cache.remove("x")
+
+    w.run(fencer=w.cache.fence, reloader=reloader, churn=churn)
+
+
 SCENARIOS: dict[str, Callable[[World], None]] = {
     "load completion vs wait and close": load_completion_vs_wait_and_close,
     "single flight: insert vs wait vs remove": single_flight_insert_vs_wait_vs_remove,
@@ -806,6 +967,13 @@ SCENARIOS: dict[str, Callable[[World], None]] = {
     "wait_async(60) vs wake-up": functools.partial(async_wait_vs_wake_up, timeout=60.0),
     "wait_async(0) vs wake-up": functools.partial(async_wait_vs_wake_up, timeout=0.0),
     "two pipelines share keys": two_pipelines_share_keys,
+    "poison vs next allocation of the range": poison_vs_next_allocation,
+    "wake-ups vs close": wake_ups_vs_close,
+    "trace events vs a fence": events_vs_fence,
+}
+OPTIONS: dict[str, dict[str, Any]] = {  # ``world``'s options, where a scenario needs some
+    "poison vs next allocation of the range": {"capacity_units": 1, "poison": True},
+    "trace events vs a fence": {"traced": True},
 }
 
 
@@ -813,7 +981,7 @@ SCENARIOS: dict[str, Callable[[World], None]] = {
 def test_every_explored_schedule_keeps_the_invariants(
     name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    result = explore(checked(SCENARIOS[name]), limit=LIMIT)
+    result = explore(checked(SCENARIOS[name], **OPTIONS.get(name, {})), limit=LIMIT)
     result.check(name)
     assert result.schedules > 10, f"{name}: only {result.schedules} schedules"
     with capsys.disabled():
@@ -859,3 +1027,51 @@ def test_the_scheduler_finds_the_stale_wake_up_bug_of_3dfca44() -> None:
     report = result.first_failure.sched.report()
     assert "stale wake-up" in report, report
     print(f"stale wake-up found after {result.schedules} schedules:\n{report}")
+
+
+def late_poison_run(self: EmbeddingCache, step: Callable[..., Effects[Any]], *args: Any) -> Any:
+    """The funnel with the bug of issue 42: the freed ranges are poisoned after the lock is
+    released, so another thread may allocate and fill a range before its poison lands."""
+    with self._lock:
+        fx = step(*args)
+        futures: list[Any] | None = None
+        if fx.waiting is not None:
+            self._wakeups.note(fx.waiting, self._new_event)
+        if fx.wake:
+            futures = self._wakeups.wake(fx.wake)
+        if fx.closed is not None:
+            own = self._wakeups.close(fx.closed)
+            futures = own if futures is None else futures + own
+    if fx.freed:
+        poison(self._pool, fx.freed)
+    if fx.events:
+        assert self._outbox is not None
+        self._outbox.deliver(list(fx.events))
+    if futures:
+        resolve(futures)
+    if fx.loads:
+        self._io.submit(self._run_loads, list(fx.loads))
+    if fx.writes is not None:
+        self._io.submit(self._run_publishes, *fx.writes)
+    return fx.result
+
+
+def test_the_explorer_finds_a_late_poison_deterministically() -> None:
+    """The planted late poison fails the poison scenario, at the same schedule every time,
+    within the scenario's limit (the default schedule passes: the bug needs a preemption)."""
+
+    def mutant(w: World) -> None:
+        # private: the self-test plants the late poison into the funnel itself
+        w.cache._run = types.MethodType(late_poison_run, w.cache)  # type: ignore[method-assign]
+        poison_vs_next_allocation(w)
+
+    options = OPTIONS["poison vs next allocation of the range"]
+    runs = [explore(checked(mutant, **options), limit=LIMIT) for _ in range(2)]
+    first, again = (run.first_failure for run in runs)
+    assert first is not None, f"the late poison survived {runs[0].schedules} schedules"
+    assert again is not None and again.sched.taken == first.sched.taken, "not deterministic"
+    assert runs[0].schedules == runs[1].schedules > 1
+    report = first.sched.report()
+    assert "wrong bytes" in report, report
+    build = "compiled" if core_is_compiled() else "pure"
+    print(f"late poison found after {runs[0].schedules} schedules ({build} core):\n{report}")

@@ -1,0 +1,577 @@
+"""Every tensor layout torch makes, through every front end that copies a tensor into the pool.
+
+A layout is drawn for a target shape and dtype (``make``): contiguous, with a storage offset,
+rows with a step, a column slice (a tensor-parallel shard: rows dense, not contiguous), a
+transpose or permutation, an expand (stride 0), ``as_strided`` (padded or overlapping rows),
+a view of another dtype's storage, and for complex dtypes the lazy conjugate and negation
+bits. Its contents are random bytes (0/1 for bool). Zero-size dims and 0-d tensors are drawn
+too: they are refused with a specific error that leaves the cache as it was.
+
+The front ends: ``Request.insert`` and ``EmbeddingCache.insert`` (``PoolViews.copy_in``: the
+``memmove`` fast path for a plain contiguous tensor, ``copy_`` into a pool view otherwise),
+``EncodePipeline`` (its encoder returns the drawn tensor), in-place fills
+(``begin_fill``/``end_fill``, the writer copying into the pool as vLLM's worker does), the
+SGLang adapter (``store_to_pool_async``) and the vLLM worker's ``save_caches``. Each time the
+bytes served equal those of ``tensor.contiguous()`` (with the lazy bits resolved), and the
+copy path taken is the one the layout calls for (``CopySpy``); a test names the path of each
+layout and checks both paths are reached. A planted layout-blind fast path (rows dense taken
+for contiguous) fails the property.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import embcache.driver.pool as pool_module
+from embcache import EmbeddingCache, EncodePipeline, Item, TransferOutcome
+from embcache.errors import InvalidArgumentError, InvalidTypeError
+
+# ---------------------------------------------------------------------------- dtypes
+
+
+def _makeable(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is a plain (not quantized) dtype whose CPU tensors view bytes."""
+    if dtype in _QUANTIZED:
+        return False
+    try:
+        torch.zeros(8, dtype=torch.uint8).view(dtype)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+ALL_DTYPES = sorted(
+    {d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=lambda d: str(d)
+)
+DTYPES = [d for d in ALL_DTYPES if _makeable(d)]  # every dtype the cache keeps the bytes of
+
+
+def _copyable(dtype: torch.dtype) -> bool:
+    """Whether torch can copy a strided ``dtype`` tensor (the bit-width placeholders, such as
+    ``int4`` or ``bits8``, have no copy kernel: only their contiguous bytes can be cached)."""
+    try:
+        torch.zeros(8, dtype=torch.uint8).view(dtype)[::2].contiguous()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+COPYABLE = [d for d in DTYPES if _copyable(d)]
+CONTIGUOUS_KINDS = ["contiguous", "storage offset", "another dtype's storage"]
+COMPLEX = [d for d in DTYPES if d in (torch.complex64, torch.complex128)]
+
+# ---------------------------------------------------------------------------- layouts
+KINDS = [
+    "contiguous",
+    "storage offset",
+    "rows with a step",
+    "column slice",
+    "transpose",
+    "permute",
+    "expand",
+    "padded rows (as_strided)",
+    "overlapping rows (as_strided)",
+    "another dtype's storage",
+    "another dtype's storage, every other row",
+    "conjugate bit",
+    "negation bit",
+]
+# the copy each layout takes in ``PoolViews.copy_in`` (the fast path wants plain contiguous)
+# when no dim is 1 (a dim of size 1 makes many of them contiguous: ``path_for``)
+PATH = dict.fromkeys(KINDS, "copy_") | {
+    "contiguous": "memmove",
+    "storage offset": "memmove",
+    "another dtype's storage": "memmove",
+}
+
+
+def path_for(tensor: torch.Tensor) -> str:
+    """The copy ``PoolViews.copy_in`` must take: ``memmove`` for a plain contiguous tensor
+    with no lazy bit, else ``copy_``."""
+    plain = tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg())
+    return "memmove" if plain else "copy_"
+
+
+def fresh(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A new contiguous tensor of random bytes (0/1 for bool)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+    if dtype is torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).to(torch.bool)
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
+
+
+def make(kind: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` laid out as ``kind`` says (the module docstring)."""
+    rows, tail = shape[0], shape[1:]
+    if kind == "contiguous":
+        return fresh(shape, dtype, seed)
+    if kind == "storage offset":
+        n = math.prod(shape)
+        return fresh((n + 3,), dtype, seed)[3:].view(shape)
+    if kind == "rows with a step":
+        return fresh((rows * 3, *tail), dtype, seed)[1::3]
+    if kind == "column slice":  # rank 1's shard of a 3-way TP output
+        wide = fresh((*shape[:-1], shape[-1] * 3), dtype, seed)
+        return wide[..., shape[-1] : 2 * shape[-1]]
+    if kind == "transpose":
+        if len(shape) < 2:
+            return fresh((rows, 2), dtype, seed)[:, 1]
+        swapped = (*shape[:-2], shape[-1], shape[-2])
+        return fresh(swapped, dtype, seed).transpose(-1, -2)
+    if kind == "permute":
+        order = list(reversed(range(len(shape))))
+        return fresh(tuple(shape[i] for i in order), dtype, seed).permute(*order)
+    if kind == "expand":
+        return fresh((1, *tail), dtype, seed).expand(shape)
+    if kind in ("padded rows (as_strided)", "overlapping rows (as_strided)"):
+        row = math.prod(tail)
+        step = row + 5 if kind.startswith("padded") else max(1, row // 2)
+        strides = (step, *_contiguous_strides(tail))
+        base = fresh((2 + step * (rows - 1) + row,), dtype, seed)
+        return base.as_strided(shape, strides, 2)
+    if kind.startswith("another dtype's storage"):  # bytes of int8/uint8 viewed as dtype
+        every_other = kind.endswith("every other row")
+        stored = (rows * (2 if every_other else 1), *tail)
+        if dtype is torch.bool:
+            storage = fresh(stored, dtype, seed).view(torch.uint8)
+        else:
+            other = torch.int8 if dtype is torch.uint8 else torch.uint8
+            storage = fresh((*stored[:-1], stored[-1] * dtype.itemsize), other, seed)
+        back = storage.view(dtype)
+        return back[::2] if every_other else back
+    if kind == "conjugate bit":
+        return fresh(shape, dtype, seed).conj()
+    if kind == "negation bit":
+        return torch._neg_view(fresh(shape, dtype, seed))
+    raise AssertionError(kind)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return tuple(reversed(strides))
+
+
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``tensor.contiguous()`` as a 1-D uint8 tensor (no copy kernel needed for
+    a contiguous tensor: its elements are dense from its storage offset)."""
+    dense = tensor.contiguous()
+    return dense.as_strided((dense.numel(),), (1,)).view(torch.uint8)
+
+
+def expected(tensor: torch.Tensor) -> bytes:
+    """The bytes of ``tensor.contiguous()``, lazy conjugate and negation applied."""
+    return bytes(raw_bytes(tensor.resolve_conj().resolve_neg()).numpy())
+
+
+def served(view: torch.Tensor | None) -> bytes:
+    assert view is not None, "not served"
+    return bytes(raw_bytes(view).numpy())
+
+
+class Drawn(tuple[str, torch.Tensor]):
+    """(kind, tensor), shown by layout (many of these dtypes cannot print their values)."""
+
+    def __repr__(self) -> str:
+        kind, t = self
+        return (
+            f"Drawn({kind!r}, {t.dtype} {tuple(t.shape)} strides {t.stride()} "
+            f"offset {t.storage_offset()})"
+        )
+
+
+@st.composite
+def layouts(
+    draw: st.DrawFn,
+    dtypes: list[torch.dtype] = DTYPES,
+    shapes: st.SearchStrategy[tuple[int, ...]] | None = None,
+) -> tuple[str, torch.Tensor]:
+    """(kind, tensor): a layout of ``KINDS`` over a drawn shape and dtype."""
+    dtype = draw(st.sampled_from(dtypes))
+    shape = draw(shapes or st.lists(st.integers(1, 5), min_size=1, max_size=3).map(tuple))
+    if dtype not in COPYABLE:
+        kinds = CONTIGUOUS_KINDS
+    else:
+        kinds = KINDS if dtype in COMPLEX else [k for k in KINDS if "bit" not in k]
+    kind = draw(st.sampled_from(kinds))
+    return Drawn((kind, make(kind, shape, dtype, draw(st.integers(0, 2**31 - 1)))))
+
+
+# ---------------------------------------------------------------------------- the copy spy
+class CopySpy:
+    """Counts the copies of ``PoolViews.copy_in`` by path: ``memmove`` (either of the two
+    ``memmove`` functions) or ``copy_`` (a copy into a pool view)."""
+
+    def __init__(self) -> None:
+        self.counts = {"memmove": 0, "copy_": 0}
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[CopySpy]:
+        saved = (pool_module._memmove, pool_module._memmove_releasing, pool_module._bytes_only)
+        fast, releasing, bytes_only = saved
+
+        def count_memmove(move: Callable[..., Any]) -> Callable[..., Any]:
+            def spy(*args: Any) -> Any:
+                self.counts["memmove"] += 1
+                return move(*args)
+
+            return spy
+
+        def spy_bytes_only(tensor: torch.Tensor, entry: Any) -> bool:
+            answer = pool_module_bytes_only(tensor, entry)
+            if not answer:
+                self.counts["copy_"] += 1
+            return answer
+
+        pool_module_bytes_only = bytes_only
+        # the copy paths are module globals that ``copy_in`` looks up at each call
+        pool_module._memmove = count_memmove(fast)
+        pool_module._memmove_releasing = count_memmove(releasing)
+        pool_module._bytes_only = spy_bytes_only
+        try:
+            yield self
+        finally:
+            pool_module._memmove, pool_module._memmove_releasing, pool_module._bytes_only = saved
+
+    def took(self) -> str:
+        paths = [p for p, n in self.counts.items() if n]
+        assert len(paths) == 1, self.counts
+        return paths[0]
+
+
+def new_cache(**options: Any) -> EmbeddingCache:
+    return EmbeddingCache(1 << 16, pin_memory=False, auto_fence=None, **options)
+
+
+_keys = (f"k{n}" for n in itertools.count())
+
+
+def state(cache: EmbeddingCache) -> tuple[Any, ...]:
+    stats = cache.stats()
+    return (
+        stats.entries_by_state,
+        stats.allocated_bytes,
+        stats.pinned_entries,
+        stats.open_requests,
+    )
+
+
+# ---------------------------------------------------------------------------- front ends
+def insert_by_request(cache: EmbeddingCache, key: str, tensor: torch.Tensor) -> bytes:
+    with cache.request(f"r-{key}") as r:
+        assert r.insert([key], [tensor], publish=False) == [True]
+        r.lookup([Item.of(key, tensor)], prefetch=False)
+        return served(r.embeddings()[0])
+
+
+def insert_by_cache(cache: EmbeddingCache, key: str, tensor: torch.Tensor) -> bytes:
+    assert cache.insert([key], [tensor], publish=False) == [True]
+    with cache.request(f"r-{key}") as r:
+        r.lookup([Item.of(key, tensor)], prefetch=False)
+        return served(r.embeddings()[0])
+
+
+class Encoder:
+    """Returns the tensors it is given for each key, as laid out."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, outputs: dict[str, torch.Tensor]) -> None:
+        self.outputs = outputs
+
+    def __call__(self, inputs: list[str]) -> list[torch.Tensor]:
+        return [self.outputs[key] for key in inputs]
+
+
+def insert_by_pipeline(cache: EmbeddingCache, key: str, tensor: torch.Tensor) -> bytes:
+    pipeline = EncodePipeline(cache, Encoder({key: tensor}))
+    item = Item.of(key, tensor)
+    out = pipeline.encode(f"p-{key}", [item], [key])
+    assert served(out) == expected(tensor), "the pipeline returned other bytes"
+    again = pipeline.encode(f"q-{key}", [item], [key])  # a hit: read from the pool
+    assert pipeline.stats().encoded == 1
+    return served(again)
+
+
+def insert_by_fill(cache: EmbeddingCache, key: str, tensor: torch.Tensor) -> bytes:
+    """begin_fill, a writer copying into the pool at the offset (as vLLM's worker), end_fill."""
+    item = Item.of(key, tensor)
+    with cache.request(f"f-{key}") as r:
+        (offset,) = r.begin_fill([item])
+        assert offset is not None
+        target = cache.pool[offset : offset + item.nbytes]
+        if tensor.dtype in COPYABLE:
+            target.view(item.dtype).view(item.shape).copy_(tensor)
+        else:  # no copy kernel: the writer copies the (contiguous) bytes
+            target.copy_(raw_bytes(tensor))
+        assert r.end_fill([key], [TransferOutcome.OK], publish=False) == [True]
+        r.lookup([item], prefetch=False)
+        return served(r.embeddings()[0])
+
+
+FRONT_ENDS: dict[str, Callable[[EmbeddingCache, str, torch.Tensor], bytes]] = {
+    "Request.insert": insert_by_request,
+    "EmbeddingCache.insert": insert_by_cache,
+    "EncodePipeline": insert_by_pipeline,
+    "begin_fill/end_fill": insert_by_fill,
+}
+COPIES_IN = {"Request.insert", "EmbeddingCache.insert", "EncodePipeline"}  # through copy_in
+
+
+def check_layout(front_end: str, kind: str, tensor: torch.Tensor) -> None:
+    cache = new_cache()
+    try:
+        with CopySpy().installed() as spy:
+            got = FRONT_ENDS[front_end](cache, next(_keys), tensor)
+        assert got == expected(tensor), f"{front_end}, {kind}: served other bytes"
+        if front_end in COPIES_IN:
+            assert spy.took() == path_for(tensor), f"{front_end}, {kind}: {spy.counts}"
+        else:  # the writer copies: the cache copies nothing
+            assert spy.counts == {"memmove": 0, "copy_": 0}, spy.counts
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("front_end", list(FRONT_ENDS))
+@given(drawn=layouts())
+def test_every_layout_is_served_as_its_contiguous_bytes(
+    front_end: str, drawn: tuple[str, torch.Tensor]
+) -> None:
+    kind, tensor = drawn
+    check_layout(front_end, kind, tensor)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_layout_takes_its_named_copy_path(kind: str) -> None:
+    """Each layout, one dtype each, by ``Request.insert``: the path of ``PATH``; both paths
+    are reached (memmove for plain contiguous tensors, ``copy_`` for every other layout)."""
+    dtype = torch.complex64 if "bit" in kind else torch.float32
+    tensor = make(kind, (4, 3, 6), dtype, seed=7)
+    assert path_for(tensor) == PATH[kind]
+    check_layout("Request.insert", kind, tensor)
+    assert set(PATH.values()) == {"memmove", "copy_"}
+
+
+BAD_SHAPES = st.one_of(
+    st.just(()),  # 0-d
+    st.lists(st.integers(0, 3), min_size=1, max_size=3).filter(lambda s: 0 in s).map(tuple),
+)
+
+
+@pytest.mark.parametrize("front_end", ["Request.insert", "EmbeddingCache.insert", "EncodePipeline"])
+@given(dtype=st.sampled_from(DTYPES), shape=BAD_SHAPES)
+def test_zero_size_and_0d_tensors_are_refused_leaving_the_cache_as_it_was(
+    front_end: str, dtype: torch.dtype, shape: tuple[int, ...]
+) -> None:
+    tensor = torch.empty(shape, dtype=dtype)
+    cache = new_cache()
+    try:
+        before = state(cache)
+        with pytest.raises((InvalidArgumentError, InvalidTypeError)):
+            FRONT_ENDS[front_end](cache, next(_keys), tensor)
+        assert state(cache) == before
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+UNCOPYABLE: dict[str, Callable[[], torch.Tensor]] = {
+    "sparse COO": lambda: torch.eye(4).to_sparse(),
+    "sparse CSR": lambda: torch.eye(4).to_sparse_csr(),
+    "meta": lambda: torch.empty(4, 4, device="meta"),
+    "quantized": lambda: torch.quantize_per_tensor(torch.ones(4, 4), 0.1, 0, torch.qint8),
+}
+
+
+@pytest.mark.parametrize("what", list(UNCOPYABLE))
+@pytest.mark.parametrize("front_end", ["Request.insert", "EmbeddingCache.insert"])
+def test_a_tensor_with_no_plain_bytes_is_refused_leaving_the_cache_as_it_was(
+    front_end: str, what: str
+) -> None:
+    """Sparse, meta and quantized tensors have no strided bytes to copy: a specific error,
+    and nothing of the insert stays (the range is freed, no pin, no request)."""
+    tensor = UNCOPYABLE[what]()
+    cache = new_cache()
+    try:
+        before = state(cache)
+        with pytest.raises(InvalidTypeError, match="cannot be cached"):
+            FRONT_ENDS[front_end](cache, next(_keys), tensor)
+        assert state(cache) == before
+        cache.check_invariants()
+    finally:
+        cache.close()
+
+
+# ---------------------------------------------------------------------------- the plant
+def rows_dense_bytes_only(tensor: torch.Tensor, entry: Any) -> bool:
+    """The planted bug of issue 42: the fast path takes a tensor whose rows are dense (the
+    last dim's stride is 1) as if it were contiguous."""
+    return (
+        type(tensor) is torch.Tensor
+        and tensor.is_cpu
+        and tensor.dtype == entry.dtype
+        and tuple(tensor.shape) == tuple(entry.shape)
+        and tensor.layout is torch.strided
+        and (tensor.dim() == 0 or tensor.stride(-1) == 1)
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
+
+
+@pytest.mark.parametrize("front_end", sorted(COPIES_IN))
+def test_a_layout_blind_fast_path_fails_the_property(
+    front_end: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pool_module, "_bytes_only", rows_dense_bytes_only)
+
+    @settings(database=None)
+    @given(drawn=layouts())
+    def served_as_contiguous(drawn: tuple[str, torch.Tensor]) -> None:
+        kind, tensor = drawn
+        cache = new_cache()
+        try:
+            got = FRONT_ENDS[front_end](cache, next(_keys), tensor)
+            assert got == expected(tensor), f"{kind}: served other bytes"
+        finally:
+            cache.close()
+
+    with pytest.raises(AssertionError, match="served other bytes"):
+        served_as_contiguous()
+
+
+# ---------------------------------------------------------------------------- SGLang
+def sglang_insert(dtype: torch.dtype, tensor: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+    """``store_to_pool_async`` + ``wait_store_to_pool`` of ``tensor``; its served bytes, and
+    the 2-D rows the adapter caches for it (SGLang's ``(tokens, dim)``)."""
+    from embcache.integrations.sglang import EmbeddingCacheController, as_2d
+    from embcache.testing import FaultInjectingStore
+    from tests.support.sglang_mmencoder import Modality
+
+    dim = tensor.shape[-1]
+    store = FaultInjectingStore(delay_seconds=0.0)
+    ctl = EmbeddingCacheController(
+        store,
+        max_pool_size_gb=(64 << 10) / (1 << 30),
+        hidden_dims={Modality.IMAGE: dim},
+        dtype=dtype,
+    )
+    try:
+        key = next(_keys)
+        handles = ctl.store_to_pool_async([key], [tensor], Modality.IMAGE)
+        assert len(handles) == 1
+        ctl.wait_store_to_pool(handles)
+        rows = as_2d(tensor)
+        with ctl.cache.request(f"s-{key}") as r:
+            r.lookup([Item(key, tuple(rows.shape), dtype)], prefetch=False)
+            return served(r.embeddings()[0]), rows
+    finally:
+        ctl.close()
+        store.release_holds()
+
+
+@given(drawn=layouts(dtypes=[d for d in DTYPES if d not in COMPLEX] + COMPLEX))
+def test_every_layout_through_the_sglang_adapter(drawn: tuple[str, torch.Tensor]) -> None:
+    kind, tensor = drawn
+    got, rows = sglang_insert(tensor.dtype, tensor)
+    assert got == expected(tensor) == expected(rows), f"SGLang adapter, {kind}: other bytes"
+
+
+def test_a_0d_tensor_is_skipped_by_the_sglang_adapter() -> None:
+    """SGLang skips an item it cannot cache (wrong width, no rows): a 0-d tensor has no width,
+    so it is skipped too, not an IndexError."""
+    from embcache.integrations.sglang import EmbeddingCacheController
+    from embcache.testing import FaultInjectingStore
+    from tests.support.sglang_mmencoder import Modality
+
+    store = FaultInjectingStore(delay_seconds=0.0)
+    ctl = EmbeddingCacheController(
+        store, max_pool_size_gb=(64 << 10) / (1 << 30), hidden_dims={Modality.IMAGE: 4}
+    )
+    try:
+        assert ctl.store_to_pool_async(["k"], [torch.tensor(1.0)], Modality.IMAGE) == []
+        assert ctl.cache.stats().allocated_bytes == 0
+    finally:
+        ctl.close()
+
+
+# ---------------------------------------------------------------------------- vLLM
+@pytest.fixture(scope="module")
+def vllm_pair() -> Iterator[tuple[Any, Any]]:
+    """A scheduler-role connector made by vLLM's factory and rank 0's worker connector, in
+    this process (``tests.integrations.vllm_replay.LocalRank``); vLLM from its wheel."""
+    from tests.integrations.vllm_fixtures import _have_vllm
+
+    _have_vllm()
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    from tests.integrations.vllm_replay import LocalRank, vllm_config
+
+    extra = {"pool_bytes": 256 * 1024}
+    sched = ECConnectorFactory.create_connector(
+        vllm_config("ec_both", extra, 1), ECConnectorRole.SCHEDULER
+    )
+    rank = LocalRank("ec_both", extra, 1, 0)
+    yield sched, rank.connector
+    sched.shutdown()
+
+
+def vllm_save(sched: Any, worker: Any, key: str, tensor: torch.Tensor) -> bytes:
+    """One step: the scheduler reserves ``key``'s range, rank 0 saves ``tensor`` there
+    (``save_caches``), its ack makes the entry READY; the bytes the scheduler's cache serves."""
+    from vllm.v1.outputs import ECConnectorOutput
+
+    from tests.integrations.vllm_replay import DTYPE, FakeRequest
+    from tests.support.vllm_wheel import SchedulerOutput
+
+    rows = tensor.shape[0]
+    request = FakeRequest(f"v-{key}", [key], {key: rows}, 1)
+    assert sched.ensure_cache_available(request, 0)
+    assert not sched.has_cache_item(key)
+    sched.update_state_after_alloc(request, 0)
+    meta = sched.build_connector_meta(SchedulerOutput())
+    assert [t.key for t in meta.saves] == [key] and tensor.dtype == DTYPE
+    worker.bind_connector_metadata(meta)
+    encoder_cache = {key: tensor}
+    worker.save_caches(encoder_cache=encoder_cache, mm_hash=key)
+    acks = worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    sched.request_finished(request)
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=acks))
+    cache = sched.scheduler_side.cache
+    with cache.request(f"read-{key}") as r:
+        r.lookup([Item(key, tuple(tensor.shape), DTYPE)], prefetch=False)
+        got = served(r.embeddings()[0])
+    cache.remove(key)
+    return got
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_every_layout_through_the_vllm_workers_save(
+    vllm_pair: tuple[Any, Any], data: st.DataObject
+) -> None:
+    from tests.integrations.vllm_replay import DTYPE, WIDTH
+
+    sched, worker = vllm_pair
+    rows = data.draw(st.integers(1, 6))
+    kind = data.draw(st.sampled_from([k for k in KINDS if "bit" not in k]))
+    tensor = make(kind, (rows, WIDTH), DTYPE, data.draw(st.integers(0, 2**31 - 1)))
+    got = vllm_save(sched, worker, next(_keys), tensor)
+    assert got == expected(tensor), f"vLLM save, {kind}: other bytes"
+    sched.check_invariants()
