@@ -281,15 +281,17 @@ class TinyLfuPolicy:
             self._sketch.raise_to(key, count)
 
     def footprint(self) -> Footprint:
-        """What this policy keeps now. O(1)."""
-        return Footprint(self._sketch.nbytes, len(self._resident))
+        """What this policy keeps now, each container counted. O(1)."""
+        return Footprint(self._sketch.nbytes, len(self._resident), len(self._counts))
 
     def bound(self, entries: int) -> Footprint:
         """The most ``footprint()`` reaches in a cache that holds at most ``entries`` entries
         (a pool of ``capacity`` bytes holds at most ``capacity // alignment``): the resident
-        keys are entries, and the sketch is as wide as the widest sample asks. O(1)."""
+        keys and their exact counts are at most the entries, and the sketch is as wide as the
+        widest sample asks. O(1)."""
         sample = self._sample_factor * max(entries, self._min_entries)
-        return Footprint(DEPTH * next_power_of_two(self.COUNTERS_PER_LOOKUP * sample), entries)
+        sketch = DEPTH * next_power_of_two(self.COUNTERS_PER_LOOKUP * sample)
+        return Footprint(sketch, entries, entries)
 
     def _entries(self) -> int:
         """The resident entries, or ``min_entries`` if more: what samples and bounds scale by."""
@@ -425,8 +427,10 @@ class AdaptivePolicy(TinyLfuPolicy):
         return True
 
     def footprint(self) -> Footprint:
-        """What this policy keeps now. O(1)."""
-        return Footprint(self._sketch.nbytes, len(self._resident), len(self._ghosts))
+        """What this policy keeps now, each container counted. O(1)."""
+        return Footprint(
+            self._sketch.nbytes, len(self._resident), len(self._counts), len(self._ghosts)
+        )
 
     def ghost_keys(self) -> list[str]:
         """The keys it remembers refusing or evicting for an admission (the ghosts
@@ -436,7 +440,7 @@ class AdaptivePolicy(TinyLfuPolicy):
     def bound(self, entries: int) -> Footprint:
         """``TinyLfuPolicy.bound``, and at most ``_ghost_bound()`` ghosts. O(1)."""
         ghosts = self.GHOSTS_PER_ENTRY * (self._horizon + 1) * max(entries, self._min_entries)
-        return Footprint(super().bound(entries).sketch_bytes, entries, ghosts)
+        return Footprint(super().bound(entries).sketch_bytes, entries, entries, ghosts)
 
     def _ghost_bound(self) -> int:
         """``GHOSTS_PER_ENTRY`` x (``horizon`` + 1) x max(resident, ``min_entries``): a ghost
