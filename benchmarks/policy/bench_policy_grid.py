@@ -547,6 +547,38 @@ def plot(plt: Any, rows: list[dict[str, Any]], out: Path) -> Path | None:
     return path
 
 
+def plot_saved(plt: Any, grid: dict[Cell, Summary], out: Path, name: str) -> Path:
+    """Tokens saved per cell, one line per contender, the two offline rules among them (the
+    distance to the optimum beside every policy): one panel per pool."""
+    pools = list(dict.fromkeys(cell.pool.name for cell in grid))
+    fig, axes = plt.subplots(len(pools), 1, figsize=(13, 4.2 * len(pools)), dpi=100, squeeze=False)
+    names = [*BASELINES, *OURS, OPTIMUM, OPTIMUM_COST]
+    for ax, pool in zip((row[0] for row in axes), pools, strict=True):
+        here = [(cell, s) for cell, s in grid.items() if cell.pool.name == pool]
+        xs = range(len(here))
+        for contender in names:
+            offline = contender in (OPTIMUM, OPTIMUM_COST)
+            ax.plot(
+                xs,
+                [s.saved[contender] for _, s in here],
+                marker="o" if contender == DEFAULT else ".",
+                linestyle="--" if offline else "-",
+                linewidth=2 if contender == DEFAULT else 1,
+                label=contender,
+            )
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([c.label[len(pool) + 1 :] for c, _ in here], rotation=60, fontsize=7)
+        ax.set_ylabel("encoder tokens saved (%)")
+        ax.set_title(f"{pool}: every contender and the offline rules", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    path = out / name
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tiny", action="store_true", help="a corner of the grid, one seed")
@@ -573,4 +605,7 @@ if __name__ == "__main__":
         from benchmarks.common import require_matplotlib
 
         args.plot.mkdir(parents=True, exist_ok=True)
-        print(plot(require_matplotlib(), rows, args.plot))
+        stem = "policy_five" if args.five else "policy_grid"
+        if not args.five:
+            print(plot(require_matplotlib(), rows, args.plot))
+        print(plot_saved(require_matplotlib(), results, args.plot, f"{stem}_saved.png"))
