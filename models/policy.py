@@ -196,9 +196,9 @@ class ModelAdaptive(ModelTinyLfu):
     """The adaptive policy as its docstring says it: TinyLFU's counts and filter, and two
     shadows (lists of keys, oldest first, at most max(resident, min_entries) long): the LRU
     shadow takes every key looked up, the filter's takes one only where there is room or its
-    count is above the oldest key's; each shadow's hits decay every period of
-    max(resident, min_entries) lookups; admit follows the filter while its hits x favour are
-    at least the LRU shadow's, else admits everything."""
+    count is above the oldest key's; each shadow's hits decay at the end of every period of
+    max(resident, min_entries) lookups; after every lookup, admit follows the filter if its
+    hits x favour are at least the LRU shadow's, else admits everything."""
 
     name = "adaptive"
 
@@ -209,14 +209,14 @@ class ModelAdaptive(ModelTinyLfu):
         max_count: int = 15,
         shift_block: int = 50,
         shift_drop: float = 0.6,
-        decay: float = 0.6,
+        decay: float = 0.7,
         favour: float = 1.02,
     ) -> None:
         super().__init__(sample_factor, min_entries, max_count, shift_block, shift_drop)
         self.decay, self.favour = decay, favour
         self.lru_shadow: list[str] = []
         self.filter_shadow: list[str] = []
-        self.lru_hits = self.filter_hits = 0.0
+        self.lru_hits = self.filter_hits = 0.0  # decayed every period
         self.period = min_entries
         self.use_filter = True
 
