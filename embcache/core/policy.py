@@ -364,9 +364,11 @@ class AdaptivePolicy(TinyLfuPolicy):
     dropping its oldest only if the key's count is above that key's (else the key is refused
     there). Each shadow's hits are multiplied by ``decay`` at the end of every period of
     max(resident, ``min_entries``) lookups; after every lookup, the filter answers if its
-    shadow's hits x ``favour`` >= the LRU shadow's, else every insert is admitted. Shadows count entries, not bytes: the policy sees an
-    entry's bytes only when it is asked to admit it. ``record`` O(1) amortised, ``admit``
-    O(victims); memory: 2 x max(resident, ``min_entries``) shadow keys (``footprint().ghosts``).
+    shadow's hits x ``favour`` >= the LRU shadow's, else every insert is admitted. Shadows
+    count entries, not bytes: the policy sees an entry's bytes only when asked to admit it.
+    Cost model: a hit saves one encoder run of its key, whatever its bytes (module notes).
+    ``record`` O(1) amortised, ``admit`` O(victims); memory: 2 x max(resident,
+    ``min_entries``) shadow keys (``footprint().ghosts``).
     """
 
     name = "adaptive"
