@@ -3,8 +3,8 @@
 The eviction order is a list (oldest first); counts are a count-min sketch kept as a list of
 rows of ints, each key's counter in row ``r`` at ``(hash + r * step) % width``, except those of
 resident keys looked up while resident: exact, in a dict, written back when forgotten; the
-running mean of the shift detector is recomputed from the list of block means every time; ghosts
-are a list, oldest first.
+running mean of the shift detector is recomputed from the list of block means every time; the
+adaptive policy's shadows are lists, oldest first.
 """
 
 from __future__ import annotations
@@ -193,12 +193,12 @@ class ModelTinyLfu:
 
 
 class ModelAdaptive(ModelTinyLfu):
-    """The adaptive policy as its docstring says it: TinyLFU's counts and filter; a refused
-    candidate is admitted when ``window`` x the bytes refused since the last such admission
-    (minus the bytes that admission spent) reach its bytes; ghosts are a list of
-    (key, last lookup, bytes, side), one per key (a new one replaces the key's old one), the
-    oldest dropped beyond 2 x (horizon + 1) x max(resident, min_entries), pruned once per
-    period."""
+    """The adaptive policy as its docstring says it: TinyLFU's counts and filter, and two
+    shadows (lists of keys, oldest first, at most max(resident, min_entries) long): the LRU
+    shadow takes every key looked up, the filter's takes one only where there is room or its
+    count is above the oldest key's; each shadow's hits decay at the end of every period of
+    max(resident, min_entries) lookups; after every lookup, admit follows the filter if its
+    hits x favour are at least the LRU shadow's, else admits everything."""
 
     name = "adaptive"
 
@@ -209,72 +209,47 @@ class ModelAdaptive(ModelTinyLfu):
         max_count: int = 15,
         shift_block: int = 50,
         shift_drop: float = 0.6,
-        window: float = 0.5,
-        step: float = 0.1,
-        low: float = 0.02,
-        high: float = 0.98,
-        horizon: int = 1,
+        decay: float = 0.7,
+        favour: float = 1.02,
     ) -> None:
         super().__init__(sample_factor, min_entries, max_count, shift_block, shift_drop)
-        self.window, self.step, self.low, self.high = window, step, low, high
-        self.horizon = horizon
-        self.credit = 0.0
-        self.now = 0
-        self.ghosts: list[tuple[str, int, float, bool]] = []
-        self.decided: list[tuple[bool, int]] = []  # (refused?, bytes) this period
-        self.regrets: list[tuple[bool, float]] = []  # (refused?, bytes) settled this period
+        self.decay, self.favour = decay, favour
+        self.lru_shadow: list[str] = []
+        self.filter_shadow: list[str] = []
+        self.lru_hits = self.filter_hits = 0.0  # decayed every period
         self.period = min_entries
+        self.use_filter = True
 
     def record(self, key: str) -> None:
         super().record(key)
-        self.now += 1
-        mine = [g for g in self.ghosts if g[0] == key]
-        if mine:
-            _, last, nbytes, refused = mine[0]
-            self.ghosts = [g for g in self.ghosts if g[0] != key]
-            if last >= self.now:
-                self.regrets.append((refused, nbytes))
+        cap = self.entries()
+        if key in self.lru_shadow:
+            self.lru_hits += 1
+            self.lru_shadow.remove(key)
+            self.lru_shadow.append(key)
+        else:
+            self.lru_shadow = [*self.lru_shadow, key][-cap:]
+        if key in self.filter_shadow:
+            self.filter_hits += 1
+            self.filter_shadow.remove(key)
+            self.filter_shadow.append(key)
+        elif len(self.filter_shadow) < cap:
+            self.filter_shadow.append(key)
+        else:
+            if self.estimate(key) > self.estimate(self.filter_shadow[0]):
+                self.filter_shadow = [*self.filter_shadow[1:], key]
+            self.filter_shadow = self.filter_shadow[max(len(self.filter_shadow) - cap, 0) :]
         self.period -= 1
         if self.period == 0:
-            self.move()
-
-    def move(self) -> None:
-        refused = sum(n for side, n in self.decided if side)
-        admitted = sum(n for side, n in self.decided if not side)
-        if refused or admitted:
-            against_filter = (
-                sum(n for side, n in self.regrets if side) / refused if refused else 0.0
-            )
-            against_window = (
-                sum(n for side, n in self.regrets if not side) / admitted if admitted else 0.0
-            )
-            if against_filter > against_window:
-                self.window = min(self.window + self.step, self.high)
-            elif against_filter < against_window:
-                self.window = max(self.window - self.step, self.low)
-        self.decided, self.regrets = [], []
-        self.ghosts = [g for g in self.ghosts if g[1] >= self.now]
-        self.period = self.entries()
+            self.lru_hits *= self.decay
+            self.filter_hits *= self.decay
+            self.period = self.entries()
+        self.use_filter = self.filter_hits * self.favour >= self.lru_hits
 
     def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
-        if super().admit(key, nbytes, victims):
+        if not self.use_filter:
             return True
-        self.credit += self.window * nbytes
-        last = self.now + self.horizon * self.entries()
-        if self.credit < nbytes:
-            self.decided.append((True, nbytes))
-            self.haunt((key, last, nbytes, True))
-            return False
-        self.credit -= nbytes
-        self.decided.append((False, nbytes))
-        for victim in victims:
-            self.haunt((victim, last, nbytes / len(victims), False))
-        return True
-
-    def haunt(self, ghost: tuple[str, int, float, bool]) -> None:
-        self.ghosts = [g for g in self.ghosts if g[0] != ghost[0]] + [ghost]
-        while len(self.ghosts) > 2 * (self.horizon + 1) * self.entries():
-            self.ghosts.pop(0)
+        return super().admit(key, nbytes, victims)
 
 
 MODELS = {"lru": ModelLru, "tinylfu": ModelTinyLfu, "adaptive": ModelAdaptive}

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ import torch
 from embcache import EmbeddingCache, InvalidArgumentError, Item, Status
 from embcache.core import actions
 from embcache.core.actions import MAX_SHAPES
+from embcache.core.policy import TinyLfuPolicy, make_policy
 from embcache.driver.trace import TraceLog
 from embcache.testing import Fault, FaultInjectingStore
 
@@ -285,3 +287,85 @@ def test_memory_soak_sglang_adapter_quick() -> None:
     assert row["rss_growth_pct"] < 5 and row["heap_rise_kib"] <= 256, row
     holds = {k: v for k, v in row["containers"].items() if k.startswith("holds_")}
     assert holds and not any(holds.values()), row
+
+
+# ---------------------------------------------------------------------------- policies
+class ForgetKeepsTheExactCount(TinyLfuPolicy):
+    """A planted bug (issue 42): ``forget`` writes the exact count back into the sketch but
+    keeps it in the exact-count dict, which then grows past "at most the resident keys"."""
+
+    def forget(self, key: str) -> None:
+        self._resident.discard(key)
+        count = self._counts.get(key)
+        if count is not None:
+            self._sketch.raise_to(key, count)
+
+
+def drive_every_path(policy: Any, units: int = 16, requests: int = 12_000) -> dict[str, int]:
+    """A real cache of ``units`` one-unit entries under ``policy``, driven down every path that
+    grows a policy's containers, checking after every request that ``policy.footprint()`` (each
+    container counted) stays within ``policy.bound(units)`` and that the policy keeps no more
+    resident keys or exact counts than the cache holds entries. Each request looks up (and
+    inserts what missed):
+    - a hot set of 4 keys, looked up while resident (hits: exact counts), which moves to new
+      keys every 3,000 requests (a phase change: the shift detector clears the counts);
+    - one of 48 recurring keys, 3x the pool: evicted, then looked up and readmitted, so its
+      exact count goes back into the sketch and is counted again;
+    - one key never seen before (far past every bound: 12,000 of them);
+    and every 500 requests, 100 request-less inserts of new keys (admission asked with no
+    lookup: no period ends to prune ``adaptive``'s ghosts). Many lookups end samples
+    (halvings). Returns the most each container held and how often each path ran."""
+    most = {"sketch_bytes": 0, "resident": 0, "counts": 0, "ghosts": 0}
+    seen: set[str] = set()
+    readmitted = hits = 0
+    bound = policy.bound(units)
+    with EmbeddingCache(units * 256, pin_memory=False, policy=policy) as cache:
+        for n in range(requests):
+            keys = [f"hot{n // 3000}-{j}" for j in range(4)]
+            keys += [f"back{n % 48}", f"new{n:08d}"]
+            with cache.request(f"r{n}") as request:
+                statuses = request.lookup([Item(key, (256,), torch.uint8) for key in keys])
+                missed = [k for k, s in zip(keys, statuses, strict=True) if s.status is Status.MISS]
+                hits += len(keys) - len(missed)
+                readmitted += sum(key in seen for key in missed)
+                seen.update(missed)
+                request.insert(
+                    missed, [torch.full((256,), n % 251, dtype=torch.uint8)] * len(missed)
+                )
+            if n % 500 == 499:  # request-less inserts: admissions with no lookup
+                for j in range(100):
+                    cache.insert([f"put{n}-{j}"], [torch.zeros((256,), dtype=torch.uint8)])
+            now = policy.footprint()
+            entries = cache.stats().entries
+            assert now.within(bound), (n, now, bound)
+            assert now.counts <= now.resident <= entries, (n, now, entries)
+            for field in most:
+                most[field] = max(most[field], getattr(now, field))
+        cache.check_invariants()
+    return {**most, "hits": hits, "readmitted": readmitted}
+
+
+@pytest.mark.parametrize("name", ["tinylfu", "adaptive"])
+def test_every_policy_container_stays_at_its_bound_down_every_path(name: str) -> None:
+    """Issue 42: lookups of resident keys, evictions and readmissions, halvings and shifts, and
+    12,000 distinct keys looked up and 2,400 inserted with no request (750x and 150x the 16
+    entries; the sketch's bound: 4 rows of 4,096 counters; the ghosts': 64, tinylfu's: 0) keep
+    every container within the bound, and the paths did run: hits, keys
+    readmitted, samples halved, shifts cleared the counts, and the exact counts and (adaptive)
+    ghosts filled up. Samples of 50 x 16 lookups and blocks of 12 (``shift_block``), so that
+    each move of the hot set shows in a block before its new keys' counts build up."""
+    policy: Any = make_policy(name, sample_factor=50, shift_block=12)
+    got = drive_every_path(policy)
+    bound = policy.bound(16)
+    assert got["hits"] > 10_000 and got["readmitted"] > 1_000, got
+    assert policy.halvings > 10 and policy.shifts >= 2, (policy.halvings, policy.shifts)
+    assert got["sketch_bytes"] == bound.sketch_bytes and got["resident"] == 16, got
+    assert got["counts"] >= 4, got  # the hot set, at least, counted exactly
+    assert got["ghosts"] == bound.ghosts, got  # adaptive: 64 reached (2,400 inserts passed)
+
+
+def test_the_bound_test_catches_a_forget_that_keeps_the_exact_count() -> None:
+    """The plant of issue 42 (``ForgetKeepsTheExactCount``): the drive above fails on it, as
+    soon as the exact counts outnumber the resident keys."""
+    with pytest.raises(AssertionError, match="counts="):
+        drive_every_path(ForgetKeepsTheExactCount(sample_factor=50, shift_block=12))

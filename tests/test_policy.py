@@ -85,7 +85,8 @@ def drive(name: str, knobs: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
                 k: model.estimate(k) for k in "abcdefg"
             }, op
         if name == "adaptive":
-            assert policy.window == model.window, op
+            assert policy.use_filter == model.use_filter, op
+            assert policy.shadow_keys() == (model.lru_shadow, model.filter_shadow), op
 
 
 @given(OPS)
@@ -102,93 +103,76 @@ def test_tinylfu_matches_its_model(knobs: dict[str, Any], ops: list[tuple[Any, .
     SMALL_KNOBS,
     st.fixed_dictionaries(
         {
-            "window": st.sampled_from([0.0, 0.3, 0.5, 1.0]),
-            "step": st.sampled_from([0.0, 0.25, 0.5]),
-            "horizon": st.integers(1, 3),
+            "decay": st.sampled_from([0.1, 0.5, 0.6, 0.99]),
+            "favour": st.sampled_from([0.5, 1.0, 2.0]),
         }
     ),
     OPS,
 )
 def test_adaptive_matches_its_model(
-    knobs: dict[str, Any], window: dict[str, Any], ops: list[tuple[Any, ...]]
+    knobs: dict[str, Any], duel: dict[str, Any], ops: list[tuple[Any, ...]]
 ) -> None:
-    drive("adaptive", {**knobs, **window, "low": 0.0, "high": 1.0}, ops)
+    drive("adaptive", {**knobs, **duel}, ops)
 
 
 @given(
     st.lists(
         st.one_of(
-            st.tuples(st.just("record"), KEYS),
-            st.tuples(st.just("admit"), KEYS, st.just(1), st.integers(1, 9)),
+            st.tuples(st.just("record"), st.sampled_from("abcdefghijklmnop")),
+            st.tuples(st.just("add"), KEYS),
+            st.tuples(st.just("forget"), KEYS),
         ),
-        max_size=100,
+        max_size=150,
     )
 )
-def test_adaptive_matches_its_model_past_its_ghost_bound(ops: list[tuple[Any, ...]]) -> None:
-    """One resident entry, looked up often: most admissions are refused, and the ghosts
-    (bounded at 2 x (1 + 1) x 1) overflow, so the oldest are dropped, as the model drops them."""
-    knobs = {"min_entries": 1, "shift_drop": 0, "sample_factor": 8, "window": 0.3, "step": 0.25}
-    drive(
-        "adaptive", {**knobs, "low": 0.0, "high": 1.0}, [("add", "a"), *[("record", "a")] * 3, *ops]
-    )
+def test_adaptive_matches_its_model_with_shadows_full(ops: list[tuple[Any, ...]]) -> None:
+    """Shadows of one to a few entries (``min_entries`` 1) and more keys than they hold: both
+    drop their oldest keys, the filter's refuses keys, and both trim when residents leave."""
+    knobs = {"min_entries": 1, "shift_drop": 0, "sample_factor": 8, "decay": 0.5}
+    drive("adaptive", knobs, ops)
 
 
-def test_adaptive_admits_a_window_share_of_the_refused_bytes() -> None:
-    """The filter refuses a never-seen key against a counted victim; with ``window`` 0.5 every
-    second refusal of equal size is admitted anyway, with 0 none is, with 1 all are (LRU)."""
-    answers = {}
-    for window in (0.0, 0.5, 1.0):
-        policy = AdaptivePolicy(window=window, low=0, high=1, step=0, shift_drop=0)
-        policy.record("hot")
-        answers[window] = [policy.admit(f"new{n}", 100, ["hot"]) for n in range(6)]
-    assert answers[0.0] == [False] * 6
-    assert answers[0.5] == [False, True] * 3
-    assert answers[1.0] == [True] * 6
-
-
-def adaptive_period(policy: AdaptivePolicy, comes_back: str) -> None:
-    """One period (16 lookups): two refusals and two window admissions against the counted
-    victim ``hot``; then ``comes_back`` (``refused``: the refused keys, ``evicted``: the
-    victims) is looked up again within the horizon."""
-    for n in range(4):
-        policy.admit(f"new{n}", 100, [f"victim{n}", "hot"])  # refused, admitted, ...
-    back = ["new0", "new2"] if comes_back == "refused" else ["victim1", "victim3"]
-    for key in [*back, *["hot"] * (16 - len(back))]:
-        policy.record(key)
-
-
-def test_adaptive_window_moves_toward_the_side_that_regrets_less() -> None:
-    """Refused candidates that come back move the window up a step (the filter was wrong);
-    victims of window admissions that come back move it down (the window was wrong)."""
-    policy = AdaptivePolicy(window=0.5, step=0.125, shift_drop=0, sample_factor=100)
+def adaptive_after(lookups: list[str], **knobs: Any) -> AdaptivePolicy:
+    """A fresh ``adaptive`` (``min_entries`` 2: shadows of 2 keys) after ``lookups``."""
+    policy = AdaptivePolicy(min_entries=2, shift_drop=0, sample_factor=100, **knobs)
     policy.order()
-    policy.record("hot")
-    for _ in range(15):  # the first period ends with no decision: no move
-        policy.record("hot")
-    assert (policy.window, policy.moves) == (0.5, 0)
-    adaptive_period(policy, "refused")
-    assert (policy.window, policy.moves) == (0.625, 1)
-    adaptive_period(policy, "evicted")
-    assert (policy.window, policy.moves) == (0.5, 2)
-    for _ in range(8):  # bounded by high
-        adaptive_period(policy, "refused")
-    assert policy.window == 0.98
+    for key in lookups:
+        policy.record(key)
+    return policy
 
 
-def test_adaptive_regret_expires_after_its_horizon() -> None:
-    """A key refused at lookup 1 regrets only when looked up again by lookup 1 + 16 (the
-    horizon: 1 x 16 lookups). Looked up at 17 the window moves up at the end of that period;
-    at 18 it does not move (the period's other refusal never comes back)."""
-    for back_at, window in ((17, 0.375), (18, 0.25)):
-        policy = AdaptivePolicy(window=0.25, step=0.125, shift_drop=0, sample_factor=100)
-        policy.order()
-        policy.record("hot")
-        assert not policy.admit("late", 100, ["hot"])
-        for n in range(2, 33):
-            policy.record("late" if n == back_at else "hot")
-            if n == 20:
-                assert not policy.admit("other", 100, ["hot"])
-        assert (policy.window, policy.moves) == (window, window != 0.25), back_at
+def test_adaptive_follows_the_filter_while_its_shadow_hits_more() -> None:
+    """A pair of hot keys and one-off keys in between: the LRU shadow (2 keys) loses the hot
+    keys to the one-offs, the filter's shadow keeps them (the one-offs' counts are not above
+    theirs), so the filter answers and refuses a one-off against a hot victim."""
+    lookups = ["a", "b", "a", "b"] + [k for n in range(8) for k in (f"once{n}", "a", "b")]
+    policy = adaptive_after(lookups)
+    assert policy.shadow_keys()[1] == ["a", "b"]
+    assert policy.use_filter and not policy.admit("once99", 100, ["a"])
+
+
+def test_adaptive_admits_everything_while_the_lru_shadow_hits_more() -> None:
+    """Keys come back soon and once each round, their counts all alike: the filter's shadow
+    refuses the newcomers (a count not above the oldest's) and misses, the LRU shadow hits;
+    then every insert is admitted, even one the filter refuses; and once the filter's shadow
+    hits more again (a hot pair among one-off keys, which the LRU shadow of 2 loses), the
+    filter answers again."""
+    lookups = ["x", "y"] * 3 + [k for n in range(10) for k in (f"once{n}", "x", "y")]
+    rounds = [f"k{n}" for n in range(6) for _ in range(2)]  # each key twice in a row
+    policy = adaptive_after(rounds)
+    assert not policy.use_filter and policy.switches == 1
+    assert not TinyLfuPolicy.admit(policy, "never", 100, ["k5"])  # the filter would refuse
+    assert policy.admit("never", 100, ["k5"])  # the LRU expert admits
+    for key in lookups:
+        policy.record(key)
+    assert policy.use_filter and policy.switches == 2
+
+
+def test_adaptive_hits_decay_every_period() -> None:
+    """At the end of every period (max(resident, min_entries) = 2 lookups) both shadows' hits
+    are multiplied by ``decay``: the old hits weigh less than this period's."""
+    policy = adaptive_after(["a"] * 5, decay=0.5)  # a hit at lookups 2 to 5; periods end at 2, 4
+    assert (policy._lru_hits, policy._filter_hits) == (2.25, 2.25)  # (1 x 0.5 + 2) x 0.5 + 1
 
 
 @given(st.lists(st.tuples(st.booleans(), KEYS), max_size=100))
@@ -415,13 +399,13 @@ def test_sketch_counts_exactly_without_collisions_and_saturates() -> None:
 
 @pytest.mark.parametrize("name", ["tinylfu", "adaptive"])
 def test_memory_stays_at_its_bound_however_many_keys_pass(name: str) -> None:
-    """A cache of 16 entries (its sketch: 4 rows of 1024 counters; its ghosts: at most 64).
-    32,000 distinct keys are looked up (31 x the width), and each lookup is followed by ten
-    admissions of distinct keys against the oldest resident, nine of them never looked up (as
-    request-less inserts ask admission without a lookup): 320,000 refusals or window admissions,
-    5000 x the ghost bound, outrunning the periods that prune ghosts. Sketch bytes, resident
-    keys and ghosts never exceed the bound for 16 entries and reach it; over the last 2,000
-    lookups Python's heap (tracemalloc) stays flat."""
+    """A cache of 16 entries (its sketch: 4 rows of 1024 counters; adaptive's shadows: at most
+    2 x 16 keys). 32,000 distinct keys are looked up (31 x the width, 1,000 x the shadows), and
+    each lookup is followed by ten admissions of distinct keys against the oldest resident,
+    nine of them never looked up (as request-less inserts ask admission without a lookup).
+    Sketch bytes, resident keys, exact counts and shadow keys never exceed the bound for 16
+    entries, and sketch and shadows reach it; over the last 2,000 lookups Python's heap
+    (tracemalloc) stays flat."""
     policy: Any = make_policy(name)
     order = policy.order()
     for n in range(16):
@@ -446,7 +430,7 @@ def test_memory_stays_at_its_bound_however_many_keys_pass(name: str) -> None:
             assert now.within(bound), (n, now, bound)
             worst = max(worst, now, key=lambda f: (f.ghosts, f.sketch_bytes))
     assert worst.sketch_bytes == bound.sketch_bytes  # reached, not just respected
-    assert worst.ghosts == (64 if name == "adaptive" else 0)
+    assert worst.ghosts == (32 if name == "adaptive" else 0)
     tracemalloc.start()
     try:
         for n in range(30_000, 30_200):
@@ -492,19 +476,24 @@ class _Thing:
         self.key, self.nbytes, self.shape, self.dtype = key, nbytes, (1,), "u8"
 
 
-def test_adaptive_drops_the_oldest_ghost_beyond_its_bound() -> None:
-    """The bound is 2 x (horizon 1 + 1) x 1 entry = 4 ghosts: a fifth refusal drops the oldest,
-    a key refused again becomes the newest; 10,000 refusals and no lookup leave the last 4."""
-    policy = AdaptivePolicy(min_entries=1, window=0.02, step=0.5, shift_drop=0, low=0.02)
-    policy.order()
-    policy.record("hot")
-    for key in ("k0", "k1", "k2", "k3", "k0", "k4"):
-        assert not policy.admit(key, 100, ["hot"])
-    assert policy.ghost_keys() == ["k2", "k3", "k0", "k4"]
-    assert policy.footprint().ghosts == policy.bound(1).ghosts == 4
-    for n in range(10_000):  # admissions with no lookup at all: no period ends to prune
-        policy.admit(f"new{n}", 100, ["hot"])
-    assert policy.ghost_keys() == [f"new{n}" for n in range(9996, 10_000)]
+def test_adaptive_shadows_hold_at_most_the_resident_entries() -> None:
+    """Each shadow holds at most max(resident, ``min_entries``) keys: 4 resident entries, 40
+    keys looked up once: 4 keys in each shadow (the LRU shadow's the 4 newest); 3 residents
+    forgotten, the next new key trims both to 1 (the LRU shadow's: that key)."""
+    policy = AdaptivePolicy(min_entries=1, shift_drop=0)
+    order = policy.order()
+    for key in ("a", "b", "c", "d"):
+        order.add(key)
+    for n in range(40):
+        policy.record(f"k{n}")
+    lru, shadow = policy.shadow_keys()
+    assert lru == ["k36", "k37", "k38", "k39"] and len(shadow) == 4
+    assert policy.footprint().ghosts == policy.bound(4).ghosts == 8
+    for key in ("a", "b", "c"):
+        order.discard(key)
+        policy.forget(key)
+    policy.record("new")
+    assert policy.shadow_keys()[0] == ["new"] and len(policy.shadow_keys()[1]) == 1
 
 
 @pytest.mark.parametrize("name", ["tinylfu", "adaptive"])
@@ -530,11 +519,18 @@ def test_a_counting_policy_serves_one_cache(name: str) -> None:
         ("tinylfu", {"shift_drop": "0.5"}, InvalidTypeError, "'0.5'"),
         ("tinylfu", {"min_entries": True}, InvalidTypeError, "True"),
         ("tinylfu", {"window": 3}, InvalidArgumentError, "window"),
-        ("adaptive", {"window": 1.5}, InvalidArgumentError, "[0, 1], got 1.5"),
-        ("adaptive", {"window": 0.99}, InvalidArgumentError, "[low, high], got 0.99"),
-        ("adaptive", {"low": 0.6, "high": 0.4}, InvalidArgumentError, "low 0.6 > high 0.4"),
-        ("adaptive", {"horizon": 0}, InvalidArgumentError, ">= 1, got 0"),
-        ("adaptive", {"step": "x"}, InvalidTypeError, "'x'"),
+        ("tinylfu", {"sample_factor": -10}, InvalidArgumentError, ">= 1, got -10"),
+        ("adaptive", {"sample_factor": -1}, InvalidArgumentError, "sample_factor must be >= 1"),
+        ("adaptive", {"window": 0.5}, InvalidArgumentError, "has no knobs ['window']"),
+        ("adaptive", {"decay": 0}, InvalidArgumentError, "decay must be in (0, 1), got 0"),
+        ("adaptive", {"decay": 1.0}, InvalidArgumentError, "decay must be in (0, 1), got 1.0"),
+        ("adaptive", {"decay": -0.5}, InvalidArgumentError, "(0, 1), got -0.5"),
+        ("adaptive", {"decay": "0.5"}, InvalidTypeError, "'0.5'"),
+        ("adaptive", {"favour": 0.4}, InvalidArgumentError, "favour must be in [0.5, 2], got 0.4"),
+        ("adaptive", {"favour": 3}, InvalidArgumentError, "[0, 2], got 3"),
+        ("adaptive", {"shift_drop": 1}, InvalidArgumentError, "shift_drop must be in [0, 1)"),
+        ("w-tinylfu", {}, InvalidArgumentError, "unknown policy 'w-tinylfu': use one of adaptive"),
+        ("", {}, InvalidArgumentError, "unknown policy ''"),
     ],
 )
 def test_bad_policy_or_knob_is_named(

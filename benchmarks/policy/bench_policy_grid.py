@@ -69,8 +69,13 @@ DEFAULT = "adaptive"  # the policy the targets are for
 PAGED = "paged"
 BASELINES = (*frag.BASELINES, PAGED)
 OPTIMUM = "optimum"
+OPTIMUM_COST = "optimum-cost"
 SLACK = 0.5  # points of tokens saved the default may lose to the best baseline on a cell
 LRU_MARGIN = 3.0  # points over our LRU on steady and scan
+CONTENDER_SLACK = 0.3  # issue 41: the default within this of the best contender on every cell
+LEAD = 1.0  # ... and this many points ahead of the best other contender on half of the cells
+FIVE_REQUESTS = 6000  # the five mixes: longer runs, seeds the grid never uses
+FIVE_SEEDS = (3, 4)
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,18 @@ class Cell:
         if self.mix == "drift":
             return f"{self.pool.name} drift {self.period} z{self.skew:g}"
         return f"{self.pool.name} {self.mix}"
+
+
+def five_cells() -> list[Cell]:
+    """The five mixes of issue 41 on each pool (steady, scan, drift every 1500 and 500
+    requests at skew 0.9, drift every 150 at skew 1.1), run with ``FIVE_SEEDS`` and
+    ``FIVE_REQUESTS``: skews, periods, seeds and lengths the grid does not use."""
+    out = []
+    for pool in POOLS:
+        out += [Cell(pool, "steady", STEADY_SKEW, None), Cell(pool, "scan", STEADY_SKEW, None)]
+        out += [Cell(pool, "drift", STEADY_SKEW, 1500), Cell(pool, "drift", STEADY_SKEW, 500)]
+        out.append(Cell(pool, "drift", 1.1, 150))
+    return out
 
 
 def cells(tiny: bool) -> list[Cell]:
@@ -155,6 +172,70 @@ def _accumulate(weights: list[float]) -> Iterator[float]:
 
 
 # ---------------------------------------------------------------------------- the optimum
+def optimum_cost(load: mixes.Workload, capacity: int) -> mixes.Result:
+    """Belady weighed by worth (contiguity and pins ignored): on a miss, evict the entries with
+    the most bytes x lookups-until-next-use per token saved by a hit (the furthest-needed,
+    biggest, cheapest to recompute first) until the candidate fits, and bypass the candidate
+    when its own such priority is above the next victim's. Where a token's bytes vary (the
+    1 GiB pool: bf16 and fp32) it differs from ``mixes.optimum``, which weighs every byte
+    alike; like it, a heuristic for variable sizes, not a proven bound. O(misses x entries)."""
+    lookups = [index for request in load.requests for index in request]
+    never = len(lookups)
+    upcoming = [never] * len(lookups)
+    last: dict[int, int] = {}
+    for position in range(len(lookups) - 1, -1, -1):
+        upcoming[position] = last.get(lookups[position], never)
+        last[lookups[position]] = position
+    result = mixes.Result()
+    resident: dict[int, int] = {}  # image -> its next lookup
+    used = 0
+
+    def priority(index: int, following: int, now: int) -> float:
+        spec = load.specs[index]
+        if following == never:
+            return math.inf
+        return (following - now) * mixes.aligned(spec.nbytes) / max(spec.tokens, 1)
+
+    for position, index in enumerate(lookups):
+        item = load.specs[index]
+        size = mixes.aligned(item.nbytes)
+        result.lookups += 1
+        result.lookup_tokens += item.tokens
+        following = upcoming[position]
+        if index in resident:
+            result.hits += 1
+            result.hit_tokens += item.tokens
+            resident[index] = following
+            continue
+        result.inserts += 1
+        if following == never or size > capacity:
+            continue
+        if used + size > capacity:
+            mine = priority(index, following, position)
+            ranked = sorted(resident, key=lambda i: -priority(i, resident[i], position))
+            victims, freed = [], 0
+            for victim in ranked:
+                if (
+                    used - freed + size <= capacity
+                    or priority(victim, resident[victim], position) <= mine
+                ):
+                    break
+                victims.append(victim)
+                freed += mixes.aligned(load.specs[victim].nbytes)
+            if used - freed + size > capacity:
+                result.refused += 1
+                continue
+            for victim in victims:
+                del resident[victim]
+                result.evictions += 1
+                result.evicted_bytes += mixes.aligned(load.specs[victim].nbytes)
+            used -= freed
+        resident[index] = following
+        used += size
+        result.inserted_bytes += size
+    return result
+
+
 # ---------------------------------------------------------------------------- the grid
 def run_cell(cell: Cell, seed: int, requests: int) -> dict[str, mixes.Result]:
     """Every contender on one seed of ``cell``."""
@@ -167,6 +248,7 @@ def run_cell(cell: Cell, seed: int, requests: int) -> dict[str, mixes.Result]:
     for name in OURS:
         out[name] = simulate(load, make_policy(name), capacity=pool.capacity)
     out[OPTIMUM] = mixes.optimum(load, pool.capacity)
+    out[OPTIMUM_COST] = optimum_cost(load, pool.capacity)
     return out
 
 
@@ -185,12 +267,31 @@ class Summary:
         """Points of tokens saved over the best baseline."""
         return self.saved[name] - self.saved[self.best_baseline]
 
+    def best_other(self, name: str = DEFAULT) -> str:
+        """The best contender but ``name`` (every baseline and every policy of ours)."""
+        return max((n for n in (*BASELINES, *OURS) if n != name), key=self.saved.__getitem__)
 
-def measure(tiny: bool, jobs: int = 1) -> dict[Cell, Summary]:
-    """The grid's summaries, cell by cell, each seed of each cell run by one of ``jobs``
-    processes (a progress bar on stderr)."""
-    requests, seeds = (400, SEEDS[:1]) if tiny else (REQUESTS, SEEDS)
-    grid = cells(tiny)
+    def lead(self, name: str = DEFAULT) -> float:
+        """Points of tokens saved over the best other contender (issue 41's measure)."""
+        return self.saved[name] - self.saved[self.best_other(name)]
+
+    @property
+    def offline(self) -> float:
+        """The better of the two offline rules."""
+        return max(self.saved[OPTIMUM], self.saved[OPTIMUM_COST])
+
+
+def runs_of(tiny: bool, five: bool) -> tuple[list[Cell], int, tuple[int, ...]]:
+    """The cells, requests per run and seeds: the grid, its tiny corner or the five mixes."""
+    if five:
+        return five_cells(), FIVE_REQUESTS, FIVE_SEEDS
+    return cells(tiny), *((400, SEEDS[:1]) if tiny else (REQUESTS, SEEDS))
+
+
+def measure(tiny: bool, jobs: int = 1, five: bool = False) -> dict[Cell, Summary]:
+    """The grid's summaries (``five``: the five mixes'), cell by cell, each seed of each cell
+    run by one of ``jobs`` processes (a progress bar on stderr)."""
+    grid, requests, seeds = runs_of(tiny, five)
     runs: dict[Cell, list[dict[str, mixes.Result]]] = {cell: [] for cell in grid}
     work = [(cell, seed) for cell in grid for seed in seeds]
     with contextlib.ExitStack() as stack:
@@ -223,25 +324,32 @@ def _churn(result: mixes.Result) -> float:
 
 # ---------------------------------------------------------------------------- report
 def table(grid: dict[Cell, Summary]) -> str:
-    """Tokens saved per cell and contender; the default's margin and distance to the optimum;
-    bytes evicted per byte inserted (adaptive, lru, paged)."""
-    names = [*BASELINES, *OURS, OPTIMUM]
+    """Tokens saved per cell and contender, the two offline rules beside them; the default's
+    margin over the best baseline and lead over the best other contender, its distance to the
+    better offline rule; bytes evicted per byte inserted (adaptive, lru, paged)."""
+    names = [*BASELINES, *OURS, OPTIMUM, OPTIMUM_COST]
     head = f"{'cell':24}" + "".join(f" {n[:9]:>9}" for n in names)
-    head += f" {'margin':>7} {'to opt':>7} {'churn a/l/p':>16}"
+    head += f" {'margin':>7} {'lead':>6} {'to opt':>7} {'churn a/l/p':>16}"
     lines = [head, "-" * len(head)]
     for cell, s in grid.items():
         line = f"{cell.label:24}" + "".join(f" {s.saved[n]:9.1f}" for n in names)
-        line += f" {s.margin():+7.1f} {s.saved[OPTIMUM] - s.saved[DEFAULT]:7.1f}"
+        line += f" {s.margin():+7.1f} {s.lead():+6.1f} {s.offline - s.saved[DEFAULT]:7.1f}"
         line += f" {s.churn[DEFAULT]:5.2f}/{s.churn['lru']:4.2f}/{s.churn[PAGED]:4.2f}"
         lines.append(line)
     return "\n".join(lines)
 
 
-def markdown(grid: dict[Cell, Summary], seconds: float, jobs: int, tiny: bool) -> str:
+def markdown(
+    grid: dict[Cell, Summary], seconds: float, jobs: int, tiny: bool, five: bool = False
+) -> str:
     """The grid as a markdown page: how it was made, then one line per cell."""
-    names = [*BASELINES, *OURS, OPTIMUM]
-    requests, seeds = (400, SEEDS[:1]) if tiny else (REQUESTS, SEEDS)
+    names = [*BASELINES, *OURS, OPTIMUM, OPTIMUM_COST]
+    _, requests, seeds = runs_of(tiny, five)
     missed = [c.label for c, s in grid.items() if s.margin() < -SLACK]
+    behind = [
+        f"{c.label} ({s.lead():+.1f})" for c, s in grid.items() if s.lead() < -CONTENDER_SLACK
+    ]
+    ahead = sum(s.lead() >= LEAD for s in grid.values())
     lru_missed = [
         c.label
         for c, s in grid.items()
@@ -253,31 +361,41 @@ def markdown(grid: dict[Cell, Summary], seconds: float, jobs: int, tiny: bool) -
         "",
         "Generated by `python -m benchmarks.policy.bench_policy_grid"
         + (" --tiny" if tiny else "")
-        + " --markdown benchmarks/policy_grid.md --plot benchmarks/plots`; do not edit by hand.",
-        f"{len(grid)} cells x {len(seeds)} seeds x {requests} requests; {jobs} process(es), "
+        + (" --five" if five else "")
+        + " --markdown OUT --plot DIR`; do not edit by hand.",
+        f"{len(grid)} cells x {len(seeds)} seeds ({', '.join(map(str, seeds))}) x {requests} "
+        f"requests; {jobs} process(es), "
         f"{seconds:.0f} s wall on a shared machine (load average {load} at the end).",
         f"Run {time.strftime('%Y-%m-%d')} on {os.cpu_count()} CPU(s) ({platform.machine()}), "
         f"Python {platform.python_version()}, PYTHONHASHSEED="
         f"{os.environ.get('PYTHONHASHSEED', 'random')} (the frequency sketch's collisions "
         "depend on it).",
         "Tokens saved (%) per contender, means over the seeds; margin: "
-        f"`{DEFAULT}` minus the best baseline (target >= -{SLACK:g}); to opt: `{OPTIMUM}` minus "
-        f"`{DEFAULT}`; churn: bytes evicted per byte inserted, `{DEFAULT}` / `lru` / `{PAGED}`.",
+        f"`{DEFAULT}` minus the best baseline (target >= -{SLACK:g}); lead: `{DEFAULT}` minus the "
+        f"best other contender, baselines and our policies (issue 41: >= -{CONTENDER_SLACK:g} on "
+        f"every cell, >= +{LEAD:g} on half); to opt: the better of `{OPTIMUM}` (Belady on "
+        f"bytes) and `{OPTIMUM_COST}` (Belady weighed by tokens per byte) minus `{DEFAULT}`; "
+        f"churn: bytes evicted per byte inserted, `{DEFAULT}` / `lru` / `{PAGED}`.",
         "",
+        f"Cells where `{DEFAULT}` is more than {CONTENDER_SLACK:g} point behind the best other "
+        f"contender: {len(behind)} of {len(grid)}"
+        + (f" ({', '.join(behind)})" if behind else "")
+        + f". Cells where it leads by >= {LEAD:g} point: {ahead} of {len(grid)}.",
         f"Cells where `{DEFAULT}` is more than {SLACK:g} point behind the best baseline: "
         f"{len(missed)} of {len(grid)}" + (f" ({', '.join(missed)})" if missed else "") + ".",
         f"Steady and scan cells where it is not {LRU_MARGIN:g} points over `lru`: "
         f"{len(lru_missed)}" + (f" ({', '.join(lru_missed)})" if lru_missed else "") + ".",
         "",
-        "| cell | " + " | ".join(names) + " | margin | to opt | churn |",
-        "|---|" + "---:|" * (len(names) + 2) + "---|",
+        "| cell | " + " | ".join(names) + " | margin | lead | to opt | churn |",
+        "|---|" + "---:|" * (len(names) + 3) + "---|",
     ]
     for cell, s in grid.items():
         churn = f"{s.churn[DEFAULT]:.2f} / {s.churn['lru']:.2f} / {s.churn[PAGED]:.2f}"
         out.append(
             f"| {cell.label} | "
             + " | ".join(f"{s.saved[n]:.1f}" for n in names)
-            + f" | {s.margin():+.1f} | {s.saved[OPTIMUM] - s.saved[DEFAULT]:.1f} | {churn} |"
+            + f" | {s.margin():+.1f} | {s.lead():+.1f} | {s.offline - s.saved[DEFAULT]:.1f}"
+            f" | {churn} |"
         )
     return "\n".join(out) + "\n"
 
@@ -372,7 +490,14 @@ def as_json(grid: dict[Cell, Summary], rows: list[dict[str, Any]]) -> dict[str, 
     return {
         "rows": [json_row(r) for r in rows],
         "cells": [
-            {"label": c.label, "saved": s.saved, "churn": s.churn, "margin": s.margin()}
+            {
+                "label": c.label,
+                "saved": s.saved,
+                "churn": s.churn,
+                "margin": s.margin(),
+                "lead": s.lead(),
+                "best_other": s.best_other(),
+            }
             for c, s in grid.items()
         ],
         "heat": {
@@ -422,9 +547,42 @@ def plot(plt: Any, rows: list[dict[str, Any]], out: Path) -> Path | None:
     return path
 
 
+def plot_saved(plt: Any, grid: dict[Cell, Summary], out: Path, name: str) -> Path:
+    """Tokens saved per cell, one line per contender, the two offline rules among them (the
+    distance to the optimum beside every policy): one panel per pool."""
+    pools = list(dict.fromkeys(cell.pool.name for cell in grid))
+    fig, axes = plt.subplots(len(pools), 1, figsize=(13, 4.2 * len(pools)), dpi=100, squeeze=False)
+    names = [*BASELINES, *OURS, OPTIMUM, OPTIMUM_COST]
+    for ax, pool in zip((row[0] for row in axes), pools, strict=True):
+        here = [(cell, s) for cell, s in grid.items() if cell.pool.name == pool]
+        xs = range(len(here))
+        for contender in names:
+            offline = contender in (OPTIMUM, OPTIMUM_COST)
+            ax.plot(
+                xs,
+                [s.saved[contender] for _, s in here],
+                marker="o" if contender == DEFAULT else ".",
+                linestyle="--" if offline else "-",
+                linewidth=2 if contender == DEFAULT else 1,
+                label=contender,
+            )
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([c.label[len(pool) + 1 :] for c, _ in here], rotation=60, fontsize=7)
+        ax.set_ylabel("encoder tokens saved (%)")
+        ax.set_title(f"{pool}: every contender and the offline rules", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    path = out / name
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tiny", action="store_true", help="a corner of the grid, one seed")
+    parser.add_argument("--five", action="store_true", help="issue 41's five mixes, not the grid")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write DIR/policy_grid.png")
     parser.add_argument("--jobs", type=int, default=1, help="processes running the cells")
     parser.add_argument("--markdown", type=Path, metavar="OUT", help="write the grid to OUT")
@@ -433,9 +591,9 @@ if __name__ == "__main__":
     )
     args = parser.parse_args()
     started = time.perf_counter()
-    results = measure(args.tiny, args.jobs)
+    results = measure(args.tiny, args.jobs, args.five)
     if args.markdown is not None:
-        page = markdown(results, time.perf_counter() - started, args.jobs, args.tiny)
+        page = markdown(results, time.perf_counter() - started, args.jobs, args.tiny, args.five)
         args.markdown.write_text(page, encoding="utf-8")
     print(table(results))
     print()
@@ -447,4 +605,7 @@ if __name__ == "__main__":
         from benchmarks.common import require_matplotlib
 
         args.plot.mkdir(parents=True, exist_ok=True)
-        print(plot(require_matplotlib(), rows, args.plot))
+        stem = "policy_five" if args.five else "policy_grid"
+        if not args.five:
+            print(plot(require_matplotlib(), rows, args.plot))
+        print(plot_saved(require_matplotlib(), results, args.plot, f"{stem}_saved.png"))

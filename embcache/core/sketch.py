@@ -26,11 +26,13 @@ MAX_COUNTER = 255  # a counter is one byte
 
 @dataclass(frozen=True)
 class Footprint:
-    """What a policy keeps per key: bytes of sketch, resident keys, ghosts (DESIGN.md,
-    "Memory bounds"). ``within(bound)``: no field above ``bound``'s."""
+    """What a policy keeps per key, one field per container: bytes of sketch, resident keys,
+    exact counts (resident keys looked up while resident), ghosts (DESIGN.md, "Memory bounds").
+    ``within(bound)``: no field above ``bound``'s."""
 
     sketch_bytes: int
     resident: int
+    counts: int = 0
     ghosts: int = 0
 
     def within(self, bound: Footprint) -> bool:
@@ -38,6 +40,7 @@ class Footprint:
         return (
             self.sketch_bytes <= bound.sketch_bytes
             and self.resident <= bound.resident
+            and self.counts <= bound.counts
             and self.ghosts <= bound.ghosts
         )
 

@@ -39,11 +39,11 @@ CANONICAL = {
 }
 ALTERNATE = ((8,), torch.float16)
 REQUESTS = ["r0", "r1", "r2"]
-# Small knobs, so halvings, shift resets and window moves happen within a run.
+# Small knobs, so halvings, shift resets and switches between experts happen within a run.
 KNOBS: dict[str, dict[str, Any]] = {
     "lru": {},
     "tinylfu": {"min_entries": 1, "shift_block": 4},
-    "adaptive": {"min_entries": 1, "shift_block": 4, "step": 0.25},
+    "adaptive": {"min_entries": 1, "shift_block": 4, "decay": 0.5},
 }
 WAIT_S = 600.0  # bounds the waits on fence threads (they end within steps, when let through)
 FAULTS = {"fail": Fault.FAIL, "unknown": Fault.UNKNOWN, "short": Fault.SHORT, "raise": Fault.RAISE}
