@@ -108,7 +108,7 @@ def cache_lock(cache: EmbeddingCache) -> HierarchyLock:
 
 def copy_nothing(cache: EmbeddingCache) -> None:
     """The payload copy's own lock-order guard, run on no copies."""
-    cache._copy_in([])  # private: the copy helper's own guard is what these tests check
+    cache._views.copy_in([])  # private: the copy helper's own guard is what these tests check
 
 
 def allocator_lock(allocator: RangeAllocator) -> HierarchyLock:
