@@ -10,6 +10,7 @@ the state machine; ``EmbeddingCache`` is the driver that does the I/O around it.
 - ``EmbeddingCache(capacity_bytes, store=...)``: the cache. ``cache.request(id)`` opens a
   ``Request`` (a context manager): ``lookup`` items, ``wait`` for store loads, ``insert``
   fresh encoder outputs, read ``embeddings()`` (views into the pool, valid inside the block).
+  ``cache.lookup(id, items)`` opens a request and looks up in one step.
   ``cache.insert(keys, tensors)`` inserts with no request (the entries end idle).
   ``cache.stats()`` is a ``CacheStats`` snapshot; quarantined ranges are freed by fences the
   cache starts itself (``FencePolicy``) or by ``cache.fence()``.

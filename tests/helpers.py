@@ -4,11 +4,11 @@ close harness."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from embcache import EmbeddingCache, Item, Request
+from embcache import EmbeddingCache, Item, ItemStatus, Request
 
 
 def payload(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -46,11 +46,10 @@ def wait_until(
 def evict_idle_after_close(cache: EmbeddingCache) -> None:
     """Test harness: right after each of ``cache``'s requests closes, remove every idle entry,
     so (with ``poison_freed``) a view read after its request ended reads poison. It wraps
-    ``cache.request``, so the requests the pipeline opens are caught too."""
-    open_request = cache.request
+    ``cache.request`` and ``cache.lookup``, so the requests the pipeline opens are caught too."""
+    open_request, open_lookup = cache.request, cache.lookup
 
-    def request_then_evict(request_id: str) -> Request:
-        request = open_request(request_id)
+    def evicting(request: Request) -> Request:
         close = request.close
 
         def close_then_evict() -> None:
@@ -61,4 +60,14 @@ def evict_idle_after_close(cache: EmbeddingCache) -> None:
         request.close = close_then_evict  # type: ignore[method-assign]
         return request
 
+    def request_then_evict(request_id: str) -> Request:
+        return evicting(open_request(request_id))
+
+    def lookup_then_evict(
+        request_id: str, items: Sequence[Item], **options: bool
+    ) -> tuple[Request, list[ItemStatus]]:
+        request, statuses = open_lookup(request_id, items, **options)
+        return evicting(request), statuses
+
     cache.request = request_then_evict  # type: ignore[method-assign]
+    cache.lookup = lookup_then_evict  # type: ignore[method-assign]

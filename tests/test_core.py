@@ -276,20 +276,27 @@ def test_a_publish_pin_and_an_unknown_publish_quarantine_then_fence_frees() -> N
 
 def test_request_steps_plan_an_insert_and_reject_a_mismatched_reservation() -> None:
     core = CacheCore(4 * ALIGN, ALIGN, 4, True, trace=True)
-    r1 = core.open_request("r1").result
-    statuses, ask = core.begin_lookup(r1, [Thing("a", ALIGN)], ask_store=False, reserve=True).result
-    assert ask == [] and statuses[0].status is Status.RESERVED
-    assert core.entries["a"].state is LOADING
+    state = core.queries
+    looked = core.begin_lookup("r1", [Thing("a", ALIGN)], False, True, True).result
+    r1 = looked.request  # opened by the lookup's own step
+    assert looked.ask == [] and looked.statuses[0].status is Status.RESERVED
+    assert [(i, e.key) for i, e in looked.fills] == [(0, "a")]  # the reservation to fill
+    assert looked.served is not None and looked.served.ranges == [None]
+    assert looked.served.reasons == [Reason.NOT_FOUND] and looked.served.final
+    assert state.entries["a"].state is LOADING
     with pytest.raises(InvalidArgumentError, match="reserved as"):
-        core.begin_insert(r1, [Thing("a", ALIGN, shape=(2,))])
-    assert core.entries["a"].state is LOADING and r1.reserved == {"a"}
-    fills = core.begin_insert(r1, [Thing("a", ALIGN), Thing("a", ALIGN)]).result
+        core.begin_insert(r1, [Thing("a", ALIGN, shape=(2,))], False)
+    assert state.entries["a"].state is LOADING and r1.reserved == {"a"}
+    _, fills = core.begin_insert(r1, [Thing("a", ALIGN), Thing("a", ALIGN)], False).result
     assert [(i, e.key) for i, e in fills] == [(0, "a")]  # a duplicate key is filled once
-    results = core.finish_insert(r1, fills, [OK], 2, publish=False).result
-    assert results == [True, False] and core.entries["a"].state is READY
+    results = core.end_inserts(r1, fills, [OK], 2, publish=False).result
+    assert results == [True, False] and state.entries["a"].state is READY
+    served = core.finish_lookup(r1, None, True).result.served  # what it reads now
+    offset = state.entries["a"].offset
+    assert served is not None and served.ranges == [(offset, looked.request.items[0])]
     assert core.end_request(r1).wake == []
-    assert core.requests == {} and core.eviction_order() == ["a"]
-    core.check_invariants()
+    assert state.requests == {} and state.eviction_order() == ["a"]
+    state.check_invariants()
 
 
 def test_request_state_pending_counts_only_loads_filled_by_others() -> None:

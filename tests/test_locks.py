@@ -28,6 +28,7 @@ from embcache.driver.locks import (
     enable_lock_checking,
     lock_checking_enabled,
 )
+from embcache.driver.pool import PoolViews
 from embcache.errors import LockOrderError
 from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import raw, wait_until
@@ -108,7 +109,7 @@ def cache_lock(cache: EmbeddingCache) -> HierarchyLock:
 
 def copy_nothing(cache: EmbeddingCache) -> None:
     """The payload copy's own lock-order guard, run on no copies."""
-    cache._copy_in([])  # private: the copy helper's own guard is what these tests check
+    PoolViews(cache.pool).copy_in([])  # the payload copy's own guard, over the cache's pool
 
 
 def allocator_lock(allocator: RangeAllocator) -> HierarchyLock:

@@ -653,6 +653,10 @@ def corrupt_and_check(corrupt: str) -> str:
             state["pinned_since"]["idle"] = 0.0
         elif corrupt == "reserved_not_waited":
             rs["r"].reserved.add("held")
+        elif corrupt == "reserved_not_filled":  # FillsExact: a reservation someone else fills
+            e["loading"].filler = "s"
+        elif corrupt == "filled_not_reserved":  # FillsExact: a fill nobody reserved
+            rs["r"].reserved.discard("loading")
         elif corrupt == "holder":
             e["idle"].holders |= {"s"}
         elif corrupt == "publishing":
@@ -696,6 +700,8 @@ def corrupt_and_check(corrupt: str) -> str:
         ("fenced_not_quarantined", r"'q' is READY while a fence in flight holds it"),
         ("pin_times", r"pin start times kept for \['held', 'idle'\], not for the pinned entries"),
         ("reserved_not_waited", r"request 'r' bookkeeping inconsistent"),
+        ("reserved_not_filled", r"request 'r' reserved 'loading', which it does not fill"),
+        ("filled_not_reserved", r"'loading' is filled by 'r', which has not reserved it"),
         ("holder", r"'idle' holders (frozenset\()?\{'s'\}\)? != requests holding it set\(\)"),
         ("publishing", r"'held' publish pins set\(\) but publishing=True"),
         (

@@ -454,19 +454,18 @@ def test_the_core_keeps_a_policy_within_its_bound() -> None:
     core = CacheCore(units * align, align, 4, True, policy=policy)
     bound = policy.bound(units)
     for n in range(20_000):
-        rs = core.open_request(f"r{n}").result
         keys = [f"{n:064x}", f"hot{n % 3}"]
         items = [_Thing(key, align) for key in keys]
-        statuses, _ = core.begin_lookup(rs, items, ask_store=False, reserve=True).result
-        reserved = [i for i, s in zip(items, statuses, strict=True) if s.status is Status.RESERVED]
-        fills = core.begin_insert(rs, reserved).result
+        looked = core.begin_lookup(f"r{n}", items, False, True, False).result
+        rs, fills = looked.request, looked.fills  # the reservations, filled in one step
+        assert len(fills) == sum(s.status is Status.RESERVED for s in looked.statuses)
         ok = [TransferOutcome.OK] * len(fills)
-        core.finish_insert(rs, fills, ok, len(reserved), publish=False)
+        core.end_inserts(rs, fills, ok, len(items), publish=False)
         core.end_request(rs)
-        assert policy.footprint().resident <= len(core.entries) <= units
+        assert policy.footprint().resident <= len(core.queries.entries) <= units
         assert policy.footprint().within(bound), n
-    core.check_invariants()
-    assert core.stats(0.0).evictions > 1000
+    core.queries.check_invariants()
+    assert core.queries.stats(0.0).evictions > 1000
 
 
 class _Thing:

@@ -6,9 +6,9 @@ ranges (debug mode, before the lock goes), arm or drop wake-ups (``waiting``, ``
 wake the ``wake`` requests (under the lock), then, with no lock held, deliver the trace
 ``events``, start the store reads (``loads``) and writes (``writes``) on the I/O pool. Each
 transfer reports its outcome back through a later step (``end_loads``, ``end_publishes``).
-Fields with nothing to do are shared empty tuples: a step that only answers allocates no list.
-A slotted class, not a named tuple: the driver reads every field of every step, and a slot is
-read in one specialized instruction where a named tuple's field goes through its descriptor.
+Fields with nothing to do are class-level defaults (shared empty tuples and None): a step that
+only answers sets one field and allocates no list. A class, not a named tuple: the driver reads
+every field of every step, and a named tuple's field goes through its descriptor.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from embcache.core.entries import Entry, RequestState
-from embcache.core.outcomes import ItemStatus
+from embcache.core.entries import Entry, ItemLike, RequestState
+from embcache.core.outcomes import ItemStatus, Reason
 
 T = TypeVar("T")
 
@@ -32,43 +32,51 @@ class Writes(NamedTuple):
 class Effects(Generic[T]):
     """One step's answer and what the driver must do about it (see the module docstring).
 
-    Made with the result (and, in cold steps, keywords); a hot step sets the other fields
-    after (a keyword costs a dict per call, a slot store next to nothing)."""
+    Made with the result alone; a step sets the fields it has something for after. The
+    others keep their class-level defaults (nothing to do), so an answer costs one store
+    (the compiled build sets the defaults in its constructor)."""
 
-    __slots__ = ("closed", "events", "freed", "loads", "result", "waiting", "wake", "writes")
+    loads: Sequence[Entry] = ()  # store reads to start (then ``end_loads``)
+    writes: Writes | None = None  # store writes to start (then ``end_publishes``)
+    wake: Sequence[RequestState] = ()  # requests whose wait may have ended
+    waiting: RequestState | None = None  # a request whose lookup ended: arm its wake-up
+    closed: RequestState | None = None  # a request that closed: wake and drop its wake-up
+    freed: Sequence[tuple[int, int]] = ()  # ranges freed (``record_freed``)
+    events: Sequence[dict[str, Any]] = ()  # trace events, in ``seq`` order
 
-    def __init__(
-        self,
-        result: T,
-        loads: Sequence[Entry] = (),
-        writes: Writes | None = None,
-        wake: Sequence[RequestState] = (),
-        waiting: RequestState | None = None,
-        closed: RequestState | None = None,
-    ) -> None:
+    def __init__(self, result: T) -> None:
         self.result = result
-        self.loads = loads  # store reads to start (then ``end_loads``)
-        self.writes = writes  # store writes to start (then ``end_publishes``)
-        self.wake = wake  # requests whose wait may have ended
-        self.waiting = waiting  # a request whose lookup ended: arm its wake-up
-        self.closed = closed  # a request that closed: wake and drop its wake-up
-        self.freed: Sequence[tuple[int, int]] = ()  # ranges freed (``record_freed``)
-        self.events: Sequence[dict[str, Any]] = ()  # trace events, in ``seq`` order
 
 
-class LookupStart(NamedTuple):
-    """``begin_lookup``'s result: a status per item, and the keys to ask the store about
-    (sorted; empty: the lookup is over, else call ``finish_lookup`` with the answer)."""
+# One range an insert must fill, ``(i, entry)``: ``items[i]``'s bytes into ``entry``'s range.
+# A plain pair, not a named tuple: a request makes one per miss, and a named tuple's
+# constructor is a Python call.
+Fill = tuple[int, Entry]
 
+
+class Served(NamedTuple):
+    """What a request may read, derived from its state (``RequestActions.served``): per
+    looked-up item the range it may read (offset and item) or None, and why each unserved one
+    falls back (None for the served). ``final``: nothing pending, so only a later step of the
+    request itself changes it (a driver may keep it until then)."""
+
+    ranges: list[tuple[int, ItemLike] | None]
+    reasons: list[Reason | None]
+    final: bool
+
+
+class Looked(NamedTuple):
+    """``begin_lookup``'s and ``finish_lookup``'s result: the request (opened by the step when
+    it was given an id), a status per item, the keys to ask the store about (sorted; empty:
+    the lookup is over, else call ``finish_lookup`` with the answer), what the request may
+    read once the lookup is over (when asked for: ``serve``), and the reservations it made
+    (each item's index and LOADING entry, for the insert that fills them)."""
+
+    request: RequestState
     statuses: list[ItemStatus]
     ask: list[str]
-
-
-class Fill(NamedTuple):
-    """One range an insert must fill: ``items[item]``'s bytes into ``entry``'s range."""
-
-    item: int
-    entry: Entry
+    served: Served | None
+    fills: list[Fill]
 
 
 def writes_of(rs: RequestState, started: Sequence[Entry | None]) -> Writes | None:

@@ -1,8 +1,9 @@
 """What the core keeps per key, per request and per fence: ``Entry``, ``RequestState`` and
 ``FenceSnapshot``.
 
-All are plain records, changed only by ``embcache.core.cache_core.CacheCore`` under its
-driver's lock.
+All are plain records, changed only by the core's one state owner
+(``embcache.core.request_actions.RequestActions``, through the transitions of
+embcache/DESIGN.md) under its driver's lock.
 Items are duck-typed (``ItemLike``), so nothing here imports torch.
 """
 
@@ -111,10 +112,6 @@ class RequestState:
     fallbacks: dict[str, Reason] = field(init=False)
     # A lookup between its two passes: its items, their statuses so far, and ``reserve``.
     lookup_pending: tuple[list[ItemLike], list[ItemStatus], bool] | None = field(init=False)
-    # What ``served`` answers, set by a first lookup whose items all hit (and only then):
-    # until the request closes, its items and their pinned ranges cannot change (a later
-    # lookup, the request's end or the cache's close sets it back to None).
-    served: list[tuple[int, ItemLike] | None] | None = field(init=False)
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -125,7 +122,6 @@ class RequestState:
         self.filling = set()
         self.fallbacks = {}
         self.lookup_pending = None
-        self.served = None
 
     def copy(self) -> RequestState:
         """A copy whose containers are its own (the items in them are shared)."""
@@ -133,7 +129,6 @@ class RequestState:
         rs.items, rs.holds, rs.waits = list(self.items), dict(self.holds), set(self.waits)
         rs.reserved, rs.filling = set(self.reserved), set(self.filling)
         rs.fallbacks, rs.lookup_pending = dict(self.fallbacks), self.lookup_pending
-        rs.served = None if self.served is None else list(self.served)
         return rs
 
     def pending(self) -> bool:

@@ -45,6 +45,9 @@ def check_core(
     for r, rs in requests.items():
         if not rs.filling <= rs.reserved <= rs.waits or rs.holds.keys() & rs.waits:
             _fail(f"request {r!r} bookkeeping inconsistent")
+        for key in rs.reserved:  # FillsExact: what it reserved, it fills
+            if key not in entries or entries[key].filler != r:
+                _fail(f"request {r!r} reserved {key!r}, which it does not fill")
         for key in rs.holds:
             holders.setdefault(key, set()).add(r)
         for key in rs.waits:
@@ -61,6 +64,8 @@ def check_core(
             _fail(f"LOADING {key!r} has pin holders")
         if entry.state is not LOADING and (entry.waiters or entry.filler):
             _fail(f"{entry.state.name} {key!r} has waiters or a filler")
+        if entry.filler is not None and key not in requests[entry.filler].reserved:
+            _fail(f"{key!r} is filled by {entry.filler!r}, which has not reserved it")
         if entry.state is QUARANTINED and (entry.holders or entry.doomed):
             _fail(f"QUARANTINED {key!r} is pinned or doomed")
         if entry.publishing and (entry.state is not READY or not entry.pins):

@@ -1,7 +1,7 @@
-"""Read-only queries over the cache's state: ``StateQueries`` (the state's own, a base of
-``Actions``) and ``CoreQueries`` (the same queries on ``CacheCore``, which answers them from the
-actions it holds privately). Nothing here changes any state, except ``take_events`` and
-``take_freed``, which hand over (and empty) the buffers the actions filled.
+"""Read-only queries over the cache's state: ``StateQueries``, a base of ``Actions`` and the
+type of ``CacheCore.queries`` (the one object a driver reads the state through). Nothing here
+changes any state, except ``take_events`` and ``take_freed``, which hand over (and empty) the
+buffers the actions filled (the core's steps take them; a driver has no reason to).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from embcache.core.allocator import BestFitAllocator
 from embcache.core.entries import Entry, RequestState
@@ -144,82 +144,3 @@ class StateQueries:
             return False
         quarantined = sum(self._entries[key].size for key in self._quarantine)
         return quarantined > max_bytes or now - min(self._quarantine.values()) >= max_age
-
-
-A = TypeVar("A", bound=StateQueries)
-
-
-class CoreQueries(Generic[A]):
-    """The same queries on ``CacheCore``, answered by the actions it holds (an ``A``)."""
-
-    _actions: A
-
-    @property
-    def capacity(self) -> int:
-        """Pool size in bytes."""
-        return self._actions.capacity
-
-    @property
-    def entries(self) -> Mapping[str, Entry]:
-        """Every entry by key (a read-only view; the entries are the core's: do not edit)."""
-        return self._actions.entries
-
-    @property
-    def requests(self) -> Mapping[str, RequestState]:
-        """Every open request by id (a read-only view)."""
-        return self._actions.requests
-
-    @property
-    def counts(self) -> Mapping[str, int]:
-        """The counters (a read-only view)."""
-        return self._actions.counts
-
-    @property
-    def quarantine(self) -> Mapping[str, float]:
-        """QUARANTINED keys and when each was quarantined (a read-only view)."""
-        return self._actions.quarantine
-
-    @property
-    def pinned_since(self) -> Mapping[str, float]:
-        """Pinned keys and when their first pin came (a read-only view)."""
-        return self._actions.pinned_since
-
-    @property
-    def allocator(self) -> BestFitAllocator:
-        """The allocator, for its queries (``allocated_bytes``, ``free_blocks()``...) only."""
-        return self._actions.allocator
-
-    @property
-    def evictable_bytes(self) -> int:
-        """Bytes of the entries in the eviction order."""
-        return self._actions.evictable_bytes
-
-    @property
-    def fences_in_flight(self) -> int:
-        """How many fences began and have neither ended nor been abandoned. O(1)."""
-        return self._actions.fences_in_flight
-
-    @property
-    def shapes(self) -> int:
-        """How many distinct item shapes are interned (at most ``MAX_SHAPES``)."""
-        return self._actions.shapes
-
-    def eviction_order(self) -> list[str]:
-        """The evictable keys, first victim first. O(n)."""
-        return self._actions.eviction_order()
-
-    def entry_state(self, key: str) -> EntryState:
-        """The state of ``key``'s entry (ABSENT when there is none)."""
-        return self._actions.entry_state(key)
-
-    def stats(self, now: float) -> CacheStats:
-        """A snapshot of the state and counters at ``now`` (of this core's clock)."""
-        return self._actions.stats(now)
-
-    def check_invariants(self) -> None:
-        """Raise ``InvariantError`` naming the first broken DESIGN.md invariant. O(n log n)."""
-        self._actions.check_invariants()
-
-    def fence_due(self, now: float, max_bytes: int, max_age: float) -> bool:
-        """Whether the automatic fence should run (``StateQueries.fence_due``). O(q)."""
-        return self._actions.fence_due(now, max_bytes, max_age)

@@ -22,14 +22,15 @@ Where a test needs to control the asynchronous parts, it passes them in: ``io_ex
 runs the store reads and writes: a queue a test drains one task at a time) and ``new_event``
 (how a waiting request's Event is made: one a deterministic scheduler controls).
 
-Lock hierarchy: the cache lock is level 1; requests take no lock of their own. ``Request`` talks
-to this driver through its internal interface (``embcache.driver.request.RequestDriver``: the
-methods under "the interface Request uses" here and in ``embcache.driver.fills``).
+Lock hierarchy: the cache lock is level 1; requests take no lock of their own. ``Request``
+holds its own bodies and reaches this driver through a small typed port
+(``embcache.driver.request.CachePort``: the funnel, the core, the store, the pool's views, the
+wake-ups and their lock). The driver reads the core's state only inside the funnel, or under
+the lock through the core's read-only ``queries``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import copy
 import logging
@@ -37,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -46,17 +47,16 @@ from embcache.core.cache_core import CacheCore
 from embcache.core.effects import Effects
 from embcache.core.entries import Entry, FenceSnapshot, RequestState
 from embcache.core.lifecycle import EntryState
-from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
+from embcache.core.outcomes import ItemStatus, TransferOutcome
 from embcache.core.policy import Policy, as_policy
 from embcache.core.stats import CacheStats
 from embcache.driver.fencing import FencePolicy, Fencer
-from embcache.driver.fills import InPlaceFills
 from embcache.driver.global_store import GlobalStore, get_outcome, put_outcome
 from embcache.driver.item import Item, check_key
 from embcache.driver.locks import CACHE_LEVEL, assert_unlocked, new_lock
 from embcache.driver.poison import poison, poison_requested
 from embcache.driver.pool import PoolViews, make_pool, payload_nbytes
-from embcache.driver.request import Request
+from embcache.driver.request import Request, open_request
 from embcache.driver.trace import TraceOutbox, TraceSink
 from embcache.driver.wakeups import Future, Wakeups, resolve
 from embcache.errors import InvalidArgumentError, InvalidTypeError, LockOrderError
@@ -70,6 +70,7 @@ __all__ = [
     "TraceSink",
 ]
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
 T = TypeVar("T")
 
 
@@ -95,7 +96,7 @@ class CacheSnapshot:
     pinned_since: dict[str, float]  # pinned key -> when its pins began (the cache's clock)
     quarantine: dict[str, float]  # QUARANTINED key -> since when
 
-class EmbeddingCache(InPlaceFills):
+class EmbeddingCache:
     """An embedding cache over one pool, optionally backed by a global store.
 
     ``capacity_bytes`` is the pool size (a multiple of ``alignment``). ``store=None`` (the
@@ -109,7 +110,7 @@ class EmbeddingCache(InPlaceFills):
     None: only ``fence()`` does). ``poison_freed`` (default: ``EMBCACHE_POISON``) is a debug
     mode that overwrites every freed range (``embcache.driver.poison``). ``pool``, when given, is
     the pool itself (``embcache.driver.pool.make_pool``; shared memory: see
-    ``embcache.driver.fills``).
+    ``embcache.driver.request``).
 
     ``io_executor`` runs the store reads and writes (default: a ``ThreadPoolExecutor`` of
     ``io_workers`` threads); ``new_event`` makes the Event a request waiting on a load blocks
@@ -170,6 +171,7 @@ class EmbeddingCache(InPlaceFills):
             policy=as_policy(policy),
             record_freed=poison_requested() if poison_freed is None else poison_freed,
         )
+        self._capacity = capacity_bytes
         self._outbox = None if trace is None else TraceOutbox(trace)
         self._wakeups = Wakeups()
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
@@ -196,7 +198,7 @@ class EmbeddingCache(InPlaceFills):
     @property
     def capacity(self) -> int:
         """Pool size in bytes."""
-        return self._core.capacity
+        return self._capacity
 
     @property
     def pool(self) -> torch.Tensor:
@@ -210,11 +212,27 @@ class EmbeddingCache(InPlaceFills):
 
     def request(self, request_id: str) -> Request:
         """Open a request; use it as a context manager so leaving it releases everything."""
-        if not isinstance(request_id, str):
-            raise InvalidTypeError(f"request_id must be a str, got {request_id!r}")
-        if not request_id:
-            raise InvalidArgumentError("request_id must be a non-empty str")
+        if type(request_id) is not str or not request_id:
+            _request_id(request_id)  # raises
         return Request(self, self._run(self._core.open_request, request_id))
+
+    def lookup(
+        self, request_id: str, items: Sequence[Item], *, prefetch: bool = True,
+        reserve_misses: bool = False,
+    ) -> tuple[Request, list[ItemStatus]]:  # fmt: skip
+        """``request(request_id)`` then its ``lookup(items, prefetch=prefetch,
+        reserve_misses=reserve_misses)``, in one step when no store is asked: the request
+        (use it as a context manager) and the statuses. O(items)."""
+        return open_request(self, _request_id(request_id), items, prefetch, reserve_misses)
+
+    def open_lookup(
+        self, request_id: str, items: Sequence[Item], *, prefetch: bool = True
+    ) -> tuple[Request, list[int | None] | None]:
+        """``request(request_id)``, ``lookup(items, prefetch=prefetch)`` and ``offsets()`` in
+        one step when no store is to be asked; the offsets are None while the request waits on
+        a load (``wait``, then ``offsets``). O(items)."""
+        request, _ = self.lookup(request_id, items, prefetch=prefetch)
+        return request, request.ready_offsets()
 
     def insert(
         self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, publish: bool = True
@@ -227,21 +245,21 @@ class EmbeddingCache(InPlaceFills):
             raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
         items = [Item.of(k, t) for k, t in zip(keys, tensors, strict=True)]  # (checks the key)
         core = self._core
-        rs, fills = self._run(core.begin_insert_batch, items)
-        outcomes, error = self._copy_in([(e, tensors[i]) for i, e in fills])
+        rs, fills = self._run(core.begin_insert, None, items, False)
+        outcomes, error = self._views.copy_in([(e, tensors[i]) for i, e in fills])
         publish = publish and self._store is not None
-        results = self._run(core.finish_insert_batch, rs, fills, outcomes, len(items), publish)
+        results = self._run(core.end_inserts, rs, fills, outcomes, len(items), publish, True)
         if error is not None:
             raise error
         return results
 
     def remove(self, key: str) -> bool:
         """Remove ``key``: freed now if idle, else doomed and freed once idle. False if absent."""
-        return self._run(self._core.remove, check_key(key))
+        return bool(self._run(self._core.remove, check_key(key)))
 
     def clear(self) -> int:
         """Remove every entry (busy ones are doomed); returns how many were removed or doomed."""
-        return self._run(self._core.clear)
+        return self._run(self._core.remove, None)
 
     def fence(self) -> int:
         """Fence the store, then free the very entries quarantined before it; returns how many.
@@ -255,9 +273,9 @@ class EmbeddingCache(InPlaceFills):
                 self._store.fence()
         except BaseException:
             if begun:
-                self._run(core.abandon_fence, begun[0])
+                self._run(core.end_fence, begun[0], False)
             raise
-        return self._run(core.fence, begun[0])
+        return self._run(core.end_fence, begun[0], True)
 
     def close(self) -> None:
         """Stop taking requests, finish transfers in flight; the store is left to its owner."""
@@ -278,17 +296,17 @@ class EmbeddingCache(InPlaceFills):
         """The state of ``key``'s entry (ABSENT when there is none)."""
         check_key(key)
         with self._lock:
-            return self._core.entry_state(key)
+            return self._core.queries.entry_state(key)
 
     def stats(self) -> CacheStats:
         """A consistent snapshot. O(entries)."""
         with self._lock:
-            return self._core.stats(time.monotonic())
+            return self._core.queries.stats(time.monotonic())
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` naming the first broken DESIGN.md invariant. O(n log n)."""
         with self._lock:
-            self._core.check_invariants()
+            self._core.queries.check_invariants()
 
     def snapshot(self) -> CacheSnapshot:
         """A consistent copy of the core's state (entries, open requests, eviction order,
@@ -296,7 +314,7 @@ class EmbeddingCache(InPlaceFills):
         checking the state from outside (against a reference model, or ``check_core`` over a
         copy). Nothing in it is shared with the cache. O(entries + requests)."""
         with self._lock:
-            core = self._core
+            core = self._core.queries
             return CacheSnapshot(
                 entries={key: entry.copy() for key, entry in core.entries.items()},
                 requests={r: rs.copy() for r, rs in core.requests.items()},
@@ -318,101 +336,14 @@ class EmbeddingCache(InPlaceFills):
             sizes = {
                 "wakeups": len(self._wakeups),
                 "async_waiters": self._wakeups.futures_count(),
-                "fences_in_flight": self._core.fences_in_flight,
-                "shapes": self._core.shapes,
+                "fences_in_flight": self._core.queries.fences_in_flight,
+                "shapes": self._core.queries.shapes,
             }
         outbox = self._outbox
         sizes["trace_batches"] = 0 if outbox is None else outbox.waiting_batches()
         return sizes | self._views.sizes()
 
-    # ------------------------------------------------------------------ the interface Request uses
-    def _lookup_items(
-        self, rs: RequestState, items: Sequence[Item], prefetch: bool, reserve: bool
-    ) -> list[ItemStatus]:
-        """``Request.lookup``: one pass under the lock; misses ask the store (no lock held),
-        then a second pass starts loads and reservations."""
-        core = self._core
-        ask_store = prefetch and self._store is not None
-        statuses, ask = self._run(core.begin_lookup, rs, items, ask_store, reserve)
-        if not ask:
-            return statuses
-        assert_unlocked("store exists")
-        assert self._store is not None  # begin_lookup asks only when there is a store
-        try:
-            found: dict[str, bool] | None = dict(zip(ask, self._store.exists(ask), strict=True))
-        except Exception:
-            found = None  # the store failed: the misses fall back with STORE_ERROR
-        return self._run(core.finish_lookup, rs, found)
-
-    def _insert(
-        self, rs: RequestState, keys: Sequence[str], tensors: Sequence[torch.Tensor], publish: bool
-    ) -> list[bool]:
-        """``Request.insert``: BeginLoad, copy with no lock held, EndLoad, then publish."""
-        if isinstance(keys, str) or len(keys) != len(tensors):
-            raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
-        items = [Item.of(k, t) for k, t in zip(keys, tensors, strict=True)]  # (checks the key)
-        core = self._core
-        fills = self._run(core.begin_insert, rs, items)
-        outcomes, error = self._copy_in([(e, tensors[i]) for i, e in fills])
-        publish = publish and error is None and self._store is not None
-        results = self._run(core.finish_insert, rs, fills, outcomes, len(items), publish)
-        if error is not None:
-            raise error
-        return results
-
-    def _embeddings(self, rs: RequestState) -> list[torch.Tensor | None]:
-        """``Request.embeddings``: a new zero-copy view per item ``rs`` holds, else None."""
-        ranges = rs.served  # set by a first all-hit lookup until the request or cache closes
-        if ranges is None:
-            ranges = self._run(self._core.served, rs)
-        view = self._view
-        return [None if r is None else view(*r) for r in ranges]
-
-    def _publish(self, rs: RequestState, keys: Sequence[str]) -> list[bool]:
-        """``Request.publish``: start a store write of each key ``rs`` holds READY (if any)."""
-        if isinstance(keys, str):
-            raise InvalidTypeError("publish takes a list of keys, got a str")
-        keys = [check_key(k) for k in keys]
-        return self._run(self._core.publish, rs, keys, self._store is not None)
-
-    def _fallback(self, rs: RequestState) -> tuple[list[int], list[Reason | None]]:
-        """``Request.fallback_mask`` and ``fallback_reasons``."""
-        return self._run(self._core.fallback, rs)
-
-    def _wait(self, rs: RequestState, timeout: float | None) -> bool:
-        """``Request.wait``: block (no lock held) until nothing is pending; False on timeout."""
-        assert_unlocked("request wait")
-        wakeup = self._wakeups.get(rs)  # None: it never waited, nothing is pending
-        return wakeup is None or bool(wakeup.event.wait(timeout))
-
-    async def _wait_async(self, rs: RequestState, timeout: float | None) -> bool:
-        """``Request.wait_async``: like ``wait``, without blocking the event loop."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[bool] = loop.create_future()
-        with self._lock:
-            if not rs.pending():
-                return True
-            (futures := self._wakeups.futures(rs)).append((loop, future))
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout)
-        except TimeoutError:
-            with self._lock:
-                if (loop, future) in futures:
-                    futures.remove((loop, future))
-            return False
-
-    def _close_request(self, rs: RequestState) -> None:
-        """``Request.close``: end reservations, release every pin and wait. Idempotent."""
-        self._run(self._core.end_request, rs)
-
     # ------------------------------------------------------------------ I/O (no lock held)
-    def _copy_in(
-        self, filling: list[tuple[Entry, torch.Tensor]]
-    ) -> tuple[list[TransferOutcome], BaseException | None]:
-        """Copy fresh outputs into their LOADING ranges (``PoolViews.copy_in``), no lock held."""
-        assert_unlocked("payload copy")
-        return self._views.copy_in(filling)
-
     def _run_loads(self, entries: list[Entry]) -> None:
         """Worker: read every entry from the store, then end each load and wake its waiters,
         whatever is raised on the way (an error leaves each outcome UNKNOWN, then re-raises
@@ -457,13 +388,14 @@ class EmbeddingCache(InPlaceFills):
 
     def _fence_due(self, now: float) -> bool:
         """Whether the automatic fence should run now (the fencer's question)."""
-        policy, capacity = self._fence_policy, self._core.capacity
+        policy, capacity = self._fence_policy, self._capacity
         assert policy is not None
+        max_bytes = int(policy.max_fraction * capacity)
         with self._lock:
-            return self._core.fence_due(now, int(policy.max_fraction * capacity), policy.max_age_s)
+            return self._core.queries.fence_due(now, max_bytes, policy.max_age_s)
 
     # ------------------------------------------------------------------ the funnel
-    def _run(self, step: Callable[..., Effects[T]], *args: Any) -> T:
+    def _run(self, step: Callable[P, Effects[T]], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """The one place that takes the cache lock around a core step, and carries out the
         step's ``Effects``. Under the lock: the step (which raises, changing nothing, if the
         cache or the request is closed), then the poisoning of the ranges it freed (debug
@@ -472,7 +404,7 @@ class EmbeddingCache(InPlaceFills):
         the sink (in ``seq`` order across threads), its asyncio waiters resolved, its store
         reads and writes submitted to the I/O pool. Returns the step's result."""
         with self._lock:
-            fx = step(*args)
+            fx = step(*args, **kwargs)
             if fx.freed:
                 poison(self._pool, fx.freed)
             futures: list[Future] | None = None
@@ -497,5 +429,15 @@ class EmbeddingCache(InPlaceFills):
         return fx.result
 
     def __repr__(self) -> str:
-        return f"EmbeddingCache(capacity={self.capacity}, entries={len(self._core.entries)})"
+        with self._lock:
+            entries = len(self._core.queries.entries)
+        return f"EmbeddingCache(capacity={self._capacity}, entries={entries})"
+
+
+def _request_id(request_id: object) -> str:
+    if not isinstance(request_id, str):
+        raise InvalidTypeError(f"request_id must be a str, got {request_id!r}")
+    if not request_id:
+        raise InvalidArgumentError("request_id must be a non-empty str")
+    return request_id
 

@@ -12,6 +12,7 @@ import torch
 
 from embcache.core.entries import Entry, ItemLike
 from embcache.core.outcomes import TransferOutcome
+from embcache.driver.locks import assert_unlocked
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["PoolViews", "make_pool", "payload_nbytes"]
@@ -122,8 +123,10 @@ class PoolViews:
     def copy_in(
         self, filling: list[tuple[Entry, torch.Tensor]]
     ) -> tuple[list[TransferOutcome], BaseException | None]:
-        """Copy each tensor into its entry's range: OK per copy; the first copy that raises
-        fails itself and every copy after it (FAILED), and its error is returned."""
+        """Copy each tensor into its entry's range, with no lock held (the lock-order check
+        refuses it under one): OK per copy; the first copy that raises fails itself and every
+        copy after it (FAILED), and its error is returned."""
+        assert_unlocked("payload copy")
         outcomes = [TransferOutcome.FAILED] * len(filling)
         for i, (entry, tensor) in enumerate(filling):
             try:

@@ -6,67 +6,85 @@ exception, ends every reservation it did not fill (its waiters fall back) and re
 pin and wait. A request is used by one thread or task at a time; many requests may run
 concurrently against one cache.
 
-``Request`` holds no state of its own: its state is the core's ``RequestState``, changed only
-under the cache lock by the driver that owns it. So each method checks the arguments its
-contract names and hands the request's state to the driver through ``RequestDriver``, the
-internal interface below (``EmbeddingCache`` implements it in ``embcache.driver.cache`` and
-``embcache.driver.fills``). Its methods are underscored because they belong to the package,
-not to users: they take a ``RequestState``, which only a ``Request`` has.
+Theory of operation. ``Request`` holds its own bodies: each method checks the arguments its
+contract names and runs the request's core steps through its cache's funnel, reaching the
+cache through ``CachePort``, a small typed port (the funnel, the core whose steps it names, the
+store, the pool's views and copies, the wake-ups and their lock). It never reads the core's
+state: what it keeps (``_served``: what it may read; ``_reserved``: the ranges its lookups reserved;
+``_handed``: the ranges ``begin_fill`` handed out; ``_items``) are copies of its steps'
+results, so most requests take few steps (embcache/DESIGN.md, "Steps"): an all-hit request is
+its lookup and its close (``EmbeddingCache.lookup`` opens and looks up in one step), and one
+with misses adds one step for the insert that fills what its lookup reserved.
+
+In-place fills (``begin_fill`` / ``end_fill``): an insert whose bytes someone else writes
+(another process mapping the pool, for example vLLM's rank 0). ``begin_fill`` is an insert's
+first half (``BeginLoad`` per absent key, or the request's own reservation) and hands out each
+range's pool offset instead of copying into it; the entry stays LOADING, so nothing can read,
+evict or reuse the range while the writer writes. ``end_fill`` ends it through the same step as
+an insert (``end_inserts``): OK (READY, pinned by the request), FAILED (freed) or UNKNOWN
+(QUARANTINED until a fence). A request closed with a range still handed out ends it UNKNOWN,
+never FAILED: a writer that died mid-write is an unknown outcome like any transfer's.
+``offsets`` is ``embeddings`` without the views, for a caller that hands ranges to other
+processes (vLLM's scheduler).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from itertools import repeat
 from types import TracebackType
-from typing import Protocol
+from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
 import torch
 
-from embcache.core.entries import RequestState
+from embcache.core.effects import Effects, Fill, Looked, Served
+from embcache.core.entries import Entry, RequestState
 from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
-from embcache.driver.item import Item
+from embcache.driver.item import Item, check_key
+from embcache.driver.locks import HierarchyLock, assert_unlocked
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 
+if TYPE_CHECKING:
+    from embcache.core.cache_core import CacheCore
+    from embcache.driver.global_store import GlobalStore
+    from embcache.driver.pool import PoolViews
+    from embcache.driver.wakeups import Wakeups
 
-class RequestDriver(Protocol):
-    """The internal interface ``Request`` uses (module docstring): one method per step a
-    request can take, each given the request's state and carrying out that step under the
-    driver's lock; ``EmbeddingCache`` implements it. Nothing but ``Request`` calls these."""
+P = ParamSpec("P")
+T = TypeVar("T")
 
-    def _lookup_items(
-        self, rs: RequestState, items: Sequence[Item], prefetch: bool, reserve: bool
-    ) -> list[ItemStatus]: ...
-    def _wait(self, rs: RequestState, timeout: float | None) -> bool: ...
-    async def _wait_async(self, rs: RequestState, timeout: float | None) -> bool: ...
-    def _embeddings(self, rs: RequestState) -> list[torch.Tensor | None]: ...
-    def _fallback(self, rs: RequestState) -> tuple[list[int], list[Reason | None]]: ...
-    def _insert(
-        self, rs: RequestState, keys: Sequence[str], tensors: Sequence[torch.Tensor], publish: bool
-    ) -> list[bool]: ...
-    def _publish(self, rs: RequestState, keys: Sequence[str]) -> list[bool]: ...
-    def _begin_fill(self, rs: RequestState, items: Sequence[Item]) -> list[int | None]: ...
-    def _end_fill(
-        self,
-        rs: RequestState,
-        keys: Sequence[str],
-        outcomes: Sequence[TransferOutcome],
-        publish: bool,
-    ) -> list[bool]: ...
-    def _offsets(self, rs: RequestState) -> list[int | None]: ...
-    def _lookup_offsets(
-        self, rs: RequestState, items: Sequence[Item], prefetch: bool
-    ) -> list[int | None] | None: ...
-    def _close_request(self, rs: RequestState) -> None: ...
+
+class CachePort(Protocol):
+    """What a ``Request`` uses of its cache (``EmbeddingCache``): the funnel that runs one
+    core step under the lock and carries out its effects, the core whose steps it names, the
+    store (None: no global tier), the pool's views and copies, and the wake-ups (which live
+    under the cache lock)."""
+
+    _core: CacheCore
+    _store: GlobalStore | None
+    _views: PoolViews
+    _wakeups: Wakeups
+    _lock: HierarchyLock | threading.Lock
+
+    def _run(self, step: Callable[P, Effects[T]], /, *args: P.args, **kwargs: P.kwargs) -> T: ...
 
 
 class Request:
-    """Handle returned by ``EmbeddingCache.request``."""
+    """Handle returned by ``EmbeddingCache.request`` and ``EmbeddingCache.lookup``."""
 
-    def __init__(self, cache: RequestDriver, state: RequestState) -> None:
+    def __init__(self, cache: CachePort, state: RequestState) -> None:
         self._cache = cache
         self._state = state
+
+    # What it keeps of its steps' results (class-level defaults: a request sets only those
+    # its steps give it).
+    _items: list[Item] | None = None  # what it looked up, in order
+    _served: Served | None = None  # what it may read, from its last step; None: ask
+    _reserved: dict[str, Entry] | None = None  # the ranges its lookups reserved
+    _handed: dict[str, Entry] | None = None  # the ranges begin_fill handed out
 
     @property
     def request_id(self) -> str:
@@ -77,7 +95,7 @@ class Request:
         """The items looked up so far, in lookup order: what ``embeddings()``, ``offsets()``,
         ``fallback_mask()`` and ``fallback_reasons()`` answer about, position by position.
         A copy. O(items)."""
-        return list(self._state.items)  # type: ignore[arg-type]  # the core keeps them duck-typed
+        return list(self._items or ())
 
     def lookup(
         self, items: Sequence[Item], *, prefetch: bool = True, reserve_misses: bool = False
@@ -87,37 +105,113 @@ class Request:
         With ``prefetch``, misses found in the global store start loading into the pool. With
         ``reserve_misses``, other misses are reserved for this request, so concurrent requests
         for the same key wait for its insert instead of encoding it again. A key repeated in
-        ``items`` gets the status of its first occurrence and holds one pin.
+        ``items`` gets the status of its first occurrence and holds one pin. One step (two
+        when the global store is asked about misses).
         """
         checked = None if isinstance(items, Item) else list(items)
         if checked is None or not all(map(isinstance, checked, repeat(Item))):  # no frame per item
             raise InvalidTypeError("lookup takes a sequence of Item")
-        return self._cache._lookup_items(self._state, checked, prefetch, reserve_misses)
+        cache = self._cache
+        ask_store = prefetch and cache._store is not None
+        step = cache._core.begin_lookup
+        looked = cache._run(step, self._state, checked, ask_store, reserve_misses, True)
+        if looked.ask or looked.fills or self._items is not None:
+            return self._looked(checked, looked)
+        self._items, self._served = checked, looked.served  # (``_looked``'s common case)
+        return looked.statuses
+
+    def _looked(self, items: list[Item], looked: Looked) -> list[ItemStatus]:
+        """Keep what a lookup's step said (asking the store first when it names keys); the
+        statuses. ``open_request`` calls it for the step that opened the request."""
+        if looked.ask:
+            looked = self._ask_store(looked.ask)
+        if self._items is None:
+            self._items = items  # (a list of its own: ``check_items`` made it)
+        else:
+            self._items += items
+        served = looked.served
+        self._served = served if served is not None and served.final else None
+        if looked.fills:
+            reserved = {items[i].key: entry for i, entry in looked.fills}
+            self._reserved = reserved if self._reserved is None else self._reserved | reserved
+        return looked.statuses
+
+    def _ask_store(self, ask: list[str]) -> Looked:
+        """Which of ``ask`` the store holds (no lock held), then the lookup's second pass."""
+        cache = self._cache
+        store = cache._store
+        assert store is not None  # begin_lookup asks only when there is a store
+        assert_unlocked("store exists")
+        try:
+            found: dict[str, bool] | None = dict(zip(ask, store.exists(ask), strict=True))
+        except Exception:
+            found = None  # the store failed: the misses fall back with STORE_ERROR
+        return cache._run(cache._core.finish_lookup, self._state, found, True)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every load this request waits on has ended; False on timeout."""
-        return self._cache._wait(self._state, _check_timeout(timeout))
+        seconds = _check_timeout(timeout)
+        assert_unlocked("request wait")
+        wakeup = self._cache._wakeups.get(self._state)  # None: it never waited
+        return wakeup is None or bool(wakeup.event.wait(seconds))
 
     async def wait_async(self, timeout: float | None = None) -> bool:
         """``wait`` for asyncio callers; does not block the event loop."""
-        return await self._cache._wait_async(self._state, _check_timeout(timeout))
+        seconds = _check_timeout(timeout)
+        cache, rs = self._cache, self._state
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bool] = loop.create_future()
+        with cache._lock:  # the wake-ups live under the cache lock
+            wakeup = cache._wakeups.get(rs)  # its Event is set while nothing is pending
+            if wakeup is None or wakeup.event.is_set():
+                return True
+            (futures := wakeup.futures).append((loop, future))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), seconds)
+        except TimeoutError:
+            with cache._lock:
+                if (loop, future) in futures:
+                    futures.remove((loop, future))
+            return False
 
     def embeddings(self) -> list[torch.Tensor | None]:
         """Zero-copy views (shape and dtype of each item) valid until the request ends; None
         for every looked-up item this request does not hold. Every call makes new view
         objects: reshaping one in place (``unsqueeze_``) touches nobody else's, but writing
         into one changes the cached bytes that every request reads."""
-        return self._cache._embeddings(self._state)
+        view = self._cache._views.view
+        return [None if r is None else view(*r) for r in (self._served or self._now()).ranges]
 
     def fallback_mask(self) -> torch.Tensor:
-        """int32 tensor over the looked-up items: 1 where the caller must encode."""
-        mask, _ = self._cache._fallback(self._state)
-        return torch.tensor(mask, dtype=torch.int32)
+        """int32 tensor over the looked-up items: 1 where the caller must encode (the torch
+        form of ``fallback_list``)."""
+        return torch.tensor(self.fallback_list(), dtype=torch.int32)
+
+    def fallback_list(self) -> list[int]:
+        """Over the looked-up items: 1 where the caller must encode, else 0."""
+        return [1 if r is None else 0 for r in self._now().ranges]
 
     def fallback_reasons(self) -> list[Reason | None]:
         """Why each looked-up item must be encoded (None for the ones served)."""
-        _, reasons = self._cache._fallback(self._state)
-        return reasons
+        return list(self._now().reasons)
+
+    def offsets(self) -> list[int | None]:
+        """``embeddings`` without the views: per looked-up item, the byte offset in
+        ``cache.pool`` of the range this request holds, else None."""
+        return [None if r is None else r[0] for r in self._now().ranges]
+
+    def lookup_offsets(
+        self, items: Sequence[Item], *, prefetch: bool = True
+    ) -> list[int | None] | None:
+        """``lookup(items, prefetch=prefetch)`` then ``offsets()``, in one step when no store
+        is asked; None while the request waits on a load (then ``wait`` and ``offsets``)."""
+        self.lookup(items, prefetch=prefetch)
+        return self.ready_offsets()
+
+    def ready_offsets(self) -> list[int | None] | None:
+        """``offsets()`` when nothing is pending, with no step; None while it waits on a load."""
+        served = self._served
+        return None if served is None else [None if r is None else r[0] for r in served.ranges]
 
     def insert(
         self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, publish: bool = True
@@ -127,16 +221,79 @@ class Request:
         Keys this request reserved are filled (the tensor must match the reserved shape and
         dtype); absent keys are added; a key present otherwise is left alone (False). Inserted
         entries are pinned by this request, and published to the global store when asked.
+        One step when every key is one this request's lookups reserved, else two.
         """
-        return self._cache._insert(self._state, keys, tensors, publish)
+        if isinstance(keys, str) or len(keys) != len(tensors):
+            raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
+        items = [Item.of(k, t) for k, t in zip(keys, tensors, strict=True)]  # (checks the key)
+        cache = self._cache
+        core = cache._core
+        fills = None if self._reserved is None else self._reserved_fills(items)
+        if fills is None:
+            _, fills = cache._run(core.begin_insert, self._state, items, False)
+            check = False
+        else:
+            check = True  # nothing checked the request before the copy: the end does
+        outcomes, error = cache._views.copy_in([(e, tensors[i]) for i, e in fills])
+        publish = publish and error is None and cache._store is not None
+        step = core.end_inserts
+        results = cache._run(
+            step, self._state, fills, outcomes, len(items), publish, False, False, check
+        )
+        reserved = self._reserved
+        if reserved is not None:  # those it filled are no longer reserved
+            if len(fills) == len(reserved):
+                self._reserved = None
+            else:
+                for _, entry in fills:
+                    reserved.pop(entry.key, None)
+        self._served = None  # (what it reads changed: a later read asks the core)
+        if error is not None:
+            raise error
+        return results
+
+    def _reserved_fills(self, items: list[Item]) -> list[Fill] | None:
+        """The fills of ``items`` when each is a key this request's lookups reserved (a
+        duplicate once), else None. Raises ``InvalidArgumentError`` when an item's shape or
+        dtype differs from its reservation's."""
+        reserved = self._reserved
+        if not reserved:
+            return None  # (it reserved nothing: ``begin_insert`` plans the fills)
+        fills: list[Fill] = []
+        planned: set[str] = set()
+        for i, item in enumerate(items):
+            entry = reserved.get(item.key)
+            if entry is None:
+                return None
+            if item.key in planned:
+                continue
+            if entry.shape != item.shape or entry.dtype != item.dtype:  # (``matches``)
+                raise InvalidArgumentError(
+                    f"tensor for {item.key!r} has shape {item.shape} and dtype "
+                    f"{item.dtype}, but it was reserved as {entry.shape} {entry.dtype}"
+                )
+            fills.append((i, entry))
+            planned.add(item.key)
+        return fills
 
     def begin_fill(self, items: Sequence[Item]) -> list[int | None]:
         """Reserve a pool range for each absent item (or take this request's reservation) and
         return its byte offset in ``cache.pool``, for a writer outside this process to fill in
         place; None where nothing is to be written (present, or no space). The entry stays
         LOADING until ``end_fill``; closing the request first ends it UNKNOWN (quarantined
-        until a fence, since the writer may still write). See ``embcache.driver.fills``."""
-        return self._cache._begin_fill(self._state, items)
+        until a fence, since the writer may still write). O(items)."""
+        if isinstance(items, Item) or not all(isinstance(it, Item) for it in items):
+            raise InvalidTypeError("begin_fill takes a sequence of Item")
+        cache = self._cache
+        _, fills = cache._run(cache._core.begin_insert, self._state, items, True)
+        offsets: list[int | None] = [None] * len(items)
+        handed = self._handed
+        if handed is None:
+            handed = self._handed = {}
+        for i, entry in fills:
+            offsets[i] = entry.offset
+            handed[entry.key] = entry
+        return offsets
 
     def end_fill(
         self,
@@ -146,33 +303,50 @@ class Request:
         publish: bool = True,
     ) -> list[bool]:
         """End the fills of ``keys`` with their writers' outcomes: OK makes the entry READY
-        (pinned by this request), FAILED frees it, UNKNOWN quarantines it; True where cached.
-        Cached entries are published when asked and a store exists."""
-        return self._cache._end_fill(self._state, keys, outcomes, publish)
-
-    def offsets(self) -> list[int | None]:
-        """``embeddings`` without the views: per looked-up item, the byte offset in
-        ``cache.pool`` of the range this request holds, else None."""
-        return self._cache._offsets(self._state)
-
-    def lookup_offsets(
-        self, items: Sequence[Item], *, prefetch: bool = True
-    ) -> list[int | None] | None:
-        """``lookup(items, prefetch=prefetch)`` then ``offsets()``, in one locked step when
-        no store is asked; None while the request waits on a load (then ``wait`` and
-        ``offsets``)."""
-        return self._cache._lookup_offsets(self._state, items, prefetch)
+        (pinned by this request), FAILED frees it, UNKNOWN quarantines it; True where cached
+        (False for a key not handed out). Cached entries are published when asked and a
+        store exists. O(keys)."""
+        if isinstance(keys, str) or len(keys) != len(outcomes):
+            raise InvalidArgumentError("end_fill takes a list of keys and as many outcomes")
+        if not all(isinstance(o, TransferOutcome) for o in outcomes):
+            raise InvalidTypeError(f"end_fill outcomes must be TransferOutcome, got {outcomes!r}")
+        keys = [check_key(k) for k in keys]
+        handed = self._handed or {}
+        fills: list[Fill] = []
+        ends: list[TransferOutcome] = []
+        for i, (key, outcome) in enumerate(zip(keys, outcomes, strict=True)):
+            entry = handed.get(key)
+            if entry is not None:
+                fills.append((i, entry))
+                ends.append(outcome)
+        cache = self._cache
+        publish = publish and cache._store is not None
+        results = cache._run(
+            cache._core.end_inserts, self._state, fills, ends, len(keys), publish, False, True
+        )
+        reserved = self._reserved or {}
+        for _, entry in fills:
+            handed.pop(entry.key, None)
+            reserved.pop(entry.key, None)
+        self._served = None  # (what it reads changed: a later read asks the core)
+        return results
 
     def publish(self, keys: Sequence[str]) -> list[bool]:
         """(Re)publish entries this request holds to the global store, for example ones the
         store lost; True where a write started (False: not held READY by this request, or a
         publish of it is already running). The write runs on the I/O pool under its own pin;
         ``stats().publishes_ok`` / ``publishes_failed`` count how it ended."""
-        return self._cache._publish(self._state, keys)
+        if isinstance(keys, str):
+            raise InvalidTypeError("publish takes a list of keys, got a str")
+        keys = [check_key(k) for k in keys]
+        cache = self._cache
+        return cache._run(cache._core.publish, self._state, keys, cache._store is not None)
 
     def close(self) -> None:
         """End reservations, release every pin and wait. Idempotent."""
-        self._cache._close_request(self._state)
+        cache = self._cache
+        self._served = self._reserved = None  # (an embeddings or insert after it must fail)
+        cache._run(cache._core.end_request, self._state)
 
     def __enter__(self) -> Request:
         return self
@@ -184,6 +358,38 @@ class Request:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    def _now(self) -> Served:
+        """What it may read: from its last step while nothing was pending, else one step."""
+        served = self._served
+        if served is None:
+            cache = self._cache
+            served = cache._run(cache._core.finish_lookup, self._state, None, True).served
+            assert served is not None  # (asked for)
+            if served.final:
+                self._served = served
+        return served
+
+
+def open_request(
+    cache: CachePort, request_id: str, items: Sequence[Item], prefetch: bool, reserve: bool
+) -> tuple[Request, list[ItemStatus]]:
+    """Open a request and look ``items`` up (none: only open it), in one step when no store is
+    asked (``EmbeddingCache.lookup``); the request and the statuses."""
+    checked = check_items(items)
+    ask_store = prefetch and cache._store is not None and bool(checked)
+    core = cache._core
+    looked = cache._run(core.begin_lookup, request_id, checked, ask_store, reserve, True)
+    request = Request(cache, looked.request)
+    return request, request._looked(checked, looked)
+
+
+def check_items(items: Sequence[Item]) -> list[Item]:
+    """``items`` as a list, each an ``Item``; else ``InvalidTypeError``."""
+    checked = None if isinstance(items, Item) else list(items)
+    if checked is None or not all(map(isinstance, checked, repeat(Item))):  # no frame per item
+        raise InvalidTypeError("lookup takes a sequence of Item")
+    return checked
 
 
 def _check_timeout(timeout: object) -> float | None:

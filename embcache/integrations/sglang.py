@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from embcache import EmbeddingCache, EntryState, GlobalStore, Item, Status
+from embcache import EmbeddingCache, EntryState, GlobalStore, Item, ItemStatus, Status
 from embcache.driver.request import Request
 from embcache.errors import InvalidArgumentError
 from embcache.integrations.sglang_holds import Holds, Prefetch, Staged, forget_mine
@@ -198,12 +198,7 @@ class ControllerBase:
         self._expire()
         tokens = map(int, expected_tokens)
         items = [Item(h, (n, dim), self.dtype) for h, n in zip(mm_hashes, tokens, strict=True)]
-        request = self._request(req_id)
-        try:
-            statuses = request.lookup(items)
-        except BaseException:
-            request.close()
-            raise
+        request, statuses = self._lookup(req_id, items)  # one step: open and look up
         prefetch = Prefetch(request, req_id, items)
         closing = self._holds.start(prefetch, time.monotonic() + self.hold_timeout_s)
         if not any(s.status is Status.LOADING for s in statuses):  # no load to wait for
@@ -268,6 +263,13 @@ class ControllerBase:
     # ------------------------------------------------------------------ helpers
     def _request(self, label: str) -> Request:
         return self.cache.request(f"sglang:{label}#{next(self._ids)}")
+
+    def _lookup(
+        self, label: str, items: list[Item], prefetch: bool = True, reserve: bool = False
+    ) -> tuple[Request, list[ItemStatus]]:
+        """A request opened and ``items`` looked up in one step: the request and statuses."""
+        request_id = f"sglang:{label}#{next(self._ids)}"
+        return self.cache.lookup(request_id, items, prefetch=prefetch, reserve_misses=reserve)
 
     def _fresh_views(self, keys: Sequence[str]) -> list[torch.Tensor | None]:
         """Each key's view over the pool, pinned until its release; None where not held."""
@@ -399,10 +401,9 @@ class EmbeddingCacheController(ControllerBase):
             rows.setdefault(key, row)
         if not rows:
             return []
-        request = self._request("store")
+        items = [Item(k, (r.shape[0], dim), self.dtype) for k, r in rows.items()]
+        request, statuses = self._lookup("store", items, prefetch=False, reserve=True)
         try:
-            items = [Item(k, (r.shape[0], dim), self.dtype) for k, r in rows.items()]
-            statuses = request.lookup(items, prefetch=False, reserve_misses=True)
             found = list(zip(items, statuses, strict=True))
             keys = [i.key for i, s in found if s.status is Status.RESERVED]
             present = [i.key for i, s in found if s.status is Status.HIT]

@@ -248,8 +248,8 @@ class EncodePipeline:
         with contextlib.ExitStack() as stack:
             try:
                 plan = make_plan(items, inputs)
-                request = stack.enter_context(cache.request(request_id))
-                statuses = request.lookup(plan.items, prefetch=True, reserve_misses=True)
+                request, statuses = cache.lookup(request_id, plan.items, reserve_misses=True)
+                stack.enter_context(request)
                 if any(s.status is Status.LOADING for s in statuses):
                     request.wait(self._prefetch_timeout)
                 local = self._collect(request, plan, statuses)
@@ -268,10 +268,10 @@ class EncodePipeline:
         with contextlib.ExitStack() as stack:
             try:
                 plan = make_plan(items, inputs)
-                request = stack.enter_context(cache.request(request_id))
-                statuses = await _in_thread(
-                    lambda: request.lookup(plan.items, prefetch=True, reserve_misses=True)
+                request, statuses = await _in_thread(
+                    lambda: cache.lookup(request_id, plan.items, reserve_misses=True)
                 )
+                stack.enter_context(request)
                 if any(s.status is Status.LOADING for s in statuses):
                     await request.wait_async(self._prefetch_timeout)
                 local = await _in_thread(lambda: self._collect(request, plan, statuses))

@@ -370,6 +370,10 @@ class CacheMachine(RuleBasedStateMachine):
             counts["publishes_failed"],
             counts["publishes_unknown"],
         )
+        for r, rq in self.model.requests.items():  # the request bookkeeping (DESIGN's table)
+            rs = snap.requests[r]
+            assert (list(rs.holds), rs.waits, rs.reserved) == (rq.holds, rq.waits, rq.reserved)
+            assert {k: v.value for k, v in rs.fallbacks.items()} == rq.fallbacks, r
         for r, handle in self.handles.items():
             rq = self.model.requests[r]
             assert handle.fallback_mask().tolist() == self.model.fallback_mask(r)

@@ -142,7 +142,7 @@ def test_evicting_a_pinned_entry_is_rejected_at_the_evict(
     monkeypatch.setattr(Actions, "evict", evict)
     cache, log = traced(1, policy=PinBlindPolicy())
     # private: the planted order reads the core's live entries (a snapshot would be a copy)
-    PinBlindOrder.entries = cache._core.entries
+    PinBlindOrder.entries = cache._core.queries.entries
     a, b = item("a"), item("b")
     with cache.request("r1") as r1:
         r1.insert(["a"], [tensor(a)], publish=False)
