@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("install", "test", "run", "fresh_clone", "engine_env", "compile", "compiled")
+SCRIPTS = ("install", "test", "run", "fresh_clone", "engine_env")
+PURE_STEP = "full tier 6/6: unit tests again on the pure core"
 WHOLE_TLC_RUN = "tests/tla/test_tla.py::test_models_pass_and_mutants_are_rejected"
 
 pytestmark = pytest.mark.timeout(180)
@@ -87,12 +88,15 @@ def test_the_ci_scripts_parse(script: str) -> None:
     subprocess.run(["bash", "-n", str(path)], check=True, timeout=10)
 
 
-def collected(*args: str) -> tuple[Counter[str], str]:
+def collected(*args: str, env: dict[str, str] | None = None) -> tuple[Counter[str], str]:
     """The test ids ``.ci/test ARGS`` would run (dry run) and its whole output."""
     done = subprocess.run(
         ["bash", ".ci/test", *args],
         cwd=ROOT,
-        env={**os.environ, "EMBCACHE_CI_DRY_RUN": "1", "EMBCACHE_CI_PYTHON": sys.executable},
+        env={
+            **{k: v for k, v in os.environ.items() if k != "EMBCACHE_PURE"},  # the pure step's
+            "EMBCACHE_CI_DRY_RUN": "1", "EMBCACHE_CI_PYTHON": sys.executable, **(env or {}),
+        },
         capture_output=True,
         text=True,
         timeout=150,
@@ -100,6 +104,10 @@ def collected(*args: str) -> tuple[Counter[str], str]:
     )
     ids = Counter(line for line in done.stdout.splitlines() if "::" in line)
     return ids, done.stdout
+
+
+def ids_in(output: str) -> Counter[str]:
+    return Counter(line for line in output.splitlines() if "::" in line)
 
 
 @functools.cache
@@ -114,11 +122,29 @@ def collect(*args: str) -> frozenset[str]:
 
 def test_the_full_tier_runs_every_test_once_and_tlc_over_every_model() -> None:
     every = collect()
-    steps, output = collected()
-    assert steps and max(steps.values()) == 1, [t for t, n in steps.items() if n > 1]
+    _, output = collected()
+    # the last step runs the unit tests again on the pure core (below)
+    compiled, _, pure = output.partition(f"== test: {PURE_STEP}")
+    steps = ids_in(compiled)
+    assert pure and steps and max(steps.values()) == 1, [t for t, n in steps.items() if n > 1]
     assert WHOLE_TLC_RUN not in steps, "run by tla/check.py in its own step instead"
     assert set(steps) | {WHOLE_TLC_RUN} == every - collect("-m", "engine")
     assert re.search(r"^model +Small ", output, re.M), "tla/check.py lists its runs"
+
+
+def test_the_full_tier_runs_the_unit_tests_again_on_the_pure_core() -> None:
+    """Step 6 collects the unit tests of step 1 with EMBCACHE_PURE=1 (the run-time switch) and
+    expects that build; the other steps expect the build .ci/install made (compiled, unless it
+    was told EMBCACHE_PURE=1: then there is no pure step to add)."""
+    _, output = collected()
+    compiled, _, pure = output.partition(f"== test: {PURE_STEP}")
+    unit, _, _ = compiled.partition("== test: full tier 2/6")
+    assert ids_in(pure) and ids_in(pure) == ids_in(unit)
+    script = (ROOT / ".ci" / "test").read_text()
+    assert "EMBCACHE_PURE=1 EMBCACHE_EXPECT_BUILD=pure HYPOTHESIS_PROFILE=dev \\\n" in script
+    assert "export EMBCACHE_EXPECT_BUILD=$built" in script
+    _, pure_run = collected(env={"EMBCACHE_PURE": "1"})
+    assert PURE_STEP not in pure_run and "full tier 6/6: skipped" in pure_run
 
 
 def test_the_engine_tier_is_the_engine_tests_and_only_there() -> None:

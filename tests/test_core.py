@@ -93,7 +93,7 @@ def test_loading_the_core_loads_only_the_core_and_no_io() -> None:
     expected = {"embcache", "embcache.core", "embcache.errors"}
     expected |= {f"embcache.core.{m}" for m in CORE_MODULES}
     if core_is_compiled():
-        expected.add("embcache.core__mypyc")  # the library the compiled modules share
+        expected.add("embcache.core.compiled__mypyc")  # the library the compiled modules share
     assert ours == expected, ours ^ expected
     io = [m for m in loaded if any(m == n or m.startswith(n + ".") for n in IO_MODULES)]
     assert not io, f"loading the core loads {io}"

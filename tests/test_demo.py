@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from embcache.__main__ import main
+from embcache.core.build import loaded_build
 from embcache.tools.demo import DemoConfig, DemoResult, Workload, run_demo, write_plot
 
 pytestmark = pytest.mark.timeout(120)
@@ -87,6 +88,8 @@ def run(config: DemoConfig) -> dict[str, Any]:
     summary = result.summary()
     assert "leak check        OK" in summary
     assert f"{out['encodes_saved']} encodes saved" in summary, "one name in JSON and summary"
+    assert out["build"] == loaded_build(), "the report names the core's build that ran"
+    assert f"\n  core build {loaded_build()}\n" in summary
     return out
 
 
@@ -363,7 +366,7 @@ def test_summary_reports_a_leak() -> None:
         fallbacks_by_reason={}, evictions=0, evicted_bytes=0, pool_bytes=1024,
         allocated_bytes=256, entries=1, fragmentation=0.0, loads={}, publishes={},
         injected_store_faults=0, p50_ms=1.0, p99_ms=1.0, errors=[],
-        leak_report=["1 entries still pinned (256 bytes)"], verify_mismatches=None,
+        leak_report=["1 entries still pinned (256 bytes)"], verify_mismatches=None, build="pure",
     )  # fmt: skip
     assert result.to_json()["leaks"] == 1
     assert "leak check        FAILED: 1 entries still pinned" in result.summary()

@@ -8,3 +8,7 @@ outside this package except ``embcache.errors`` (exceptions only, no imports);
 ``tests/test_core.py`` checks it. The driver (``embcache.driver.cache``) holds the lock around it
 and does the I/O. Each module in one line: the module map, ``docs/architecture.md``.
 """
+
+from embcache.core.build import choose  # first: which build of the core's modules loads
+
+choose()

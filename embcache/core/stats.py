@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from embcache.core.allocator import BestFitAllocator
+from embcache.core.build import loaded_build
 from embcache.core.entries import Entry
 
 
@@ -43,6 +44,7 @@ class CacheStats:
     admissions_refused: int  # BeginLoads the policy refused (reason not_admitted)
     single_flight_joins: int
     fences: int
+    build: str  # "compiled" (mypyc's extension modules) or "pure": embcache.core.build
 
     @property
     def entries(self) -> int:
@@ -96,6 +98,7 @@ def snapshot(
         admissions_refused=c["alloc_fail:not_admitted"],
         single_flight_joins=c["joins"],
         fences=c["fences"],
+        build=loaded_build(),
     )
 
 

@@ -97,6 +97,7 @@ class DemoResult:
     errors: list[str]
     leak_report: list[str]
     verify_mismatches: int | None
+    build: str  # the core's build that ran: "compiled" or "pure" (CacheStats.build)
     timeline: list[Sample] = field(default_factory=list)
 
     @property
@@ -152,6 +153,7 @@ class DemoResult:
             "leaks": self.leaks,
             "leak_report": self.leak_report,
             "verify_mismatches": self.verify_mismatches,
+            "build": self.build,
             "config": asdict(self.config),
         }
 
@@ -179,6 +181,7 @@ class DemoResult:
             f"embcache demo: {self.requests} requests of 1..{c.images_per_request} images "
             f"(catalogue {c.catalogue}, zipf {c.zipf:g}), {c.concurrency} concurrent, TP {c.tp}",
             f"  pool {mib(self.pool_bytes)}, {c.dtype} embeddings x {c.hidden}, store {store}",
+            f"  core build {self.build}",
             "",
             f"throughput        {self.requests_per_s:.1f} requests/s ({self.seconds:.2f} s)",
             f"latency           p50 {self.p50_ms:.1f} ms, p99 {self.p99_ms:.1f} ms",
@@ -290,6 +293,7 @@ def make_result(
         errors=errors,
         leak_report=leak_report,
         verify_mismatches=verify_mismatches,
+        build=s.build,
         timeline=timeline,
     )
 
