@@ -22,6 +22,7 @@ from embcache.core.cache_core import CacheCore
 from embcache.core.outcomes import Status, TransferOutcome
 from embcache.core.policy import (
     DEPTH,
+    POLICIES,
     AdaptivePolicy,
     FrequencySketch,
     LruPolicy,
@@ -563,3 +564,22 @@ def test_simulation_replays_the_real_cache_exactly(
     real = real_runs[policy]  # the run raised, and the fixture failed, if the two departed
     assert real["evictions"] > 0 and real["hits"] > 0
     assert (real["refused"] > 0) == (policy != "lru")
+
+
+class _ShadowTakesEveryKey(AdaptivePolicy):
+    """A planted bug: the filter's shadow takes every key, as the LRU shadow does (no count
+    compared), so the two experts' shadows never differ."""
+
+    def _enter_filter_shadow(self, key: str) -> None:
+        shadow, cap = self._filter_shadow, self._entries()
+        shadow[key] = None
+        while len(shadow) > cap:
+            shadow.popitem(last=False)
+
+
+def test_the_model_comparison_catches_a_filter_shadow_that_takes_every_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(POLICIES, "adaptive", _ShadowTakesEveryKey)
+    with pytest.raises(AssertionError):
+        test_adaptive_matches_its_model_with_shadows_full()

@@ -83,11 +83,20 @@ from __future__ import annotations
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from embcache.core.recency import RecencyOrder, ResidentOrder
 from embcache.core.sketch import DEPTH, MAX_COUNTER, Footprint, FrequencySketch, next_power_of_two
 from embcache.errors import InvalidArgumentError, InvalidTypeError
+
+_T = TypeVar("_T")
+
+try:
+    from mypy_extensions import mypyc_attr
+except ImportError:  # installed with mypy; only the compiled build (mypyc) reads the decorator
+
+    def mypyc_attr(*attrs: str, **kwattrs: object) -> Callable[[_T], _T]:
+        return lambda cls: cls
 
 
 class EvictionOrder(Protocol):
@@ -179,6 +188,7 @@ def _range_knob(name: str, value: object, top: float) -> float:
     return float(value)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled: the tests' planted bugs extend it
 class TinyLfuPolicy:
     """Recency order with a TinyLFU admission filter that follows a drifting mix.
 
@@ -352,6 +362,7 @@ class TinyLfuPolicy:
         self._running_mean = None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled: the tests' planted bugs extend it
 class AdaptivePolicy(TinyLfuPolicy):
     """``tinylfu``'s counts, and two experts on admission that duel in shadow: ``lru`` (admit
     every insert) and TinyLFU's filter. ``admit`` answers as the expert whose shadow cache has
