@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from embcache.pipeline import TensorParallelError
 from embcache.testing import Fault, FaultInjectingStore
 from embcache.tools.encoders import TinyViT, synthetic_image
 from tests.helpers import raw
+from tests.support.ports import rendezvous
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -320,7 +320,7 @@ NAMES = [s.__name__ for s in SCENARIOS]
 
 
 # ---------------------------------------------------------------------------- harness
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+def _worker(rank: int, world: int, init_method: str, outdir: str) -> None:
     """One rank: run every scenario, record the outcome of each, in order."""
     from embcache.driver.locks import enable_lock_checking
 
@@ -328,7 +328,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=init_method,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=30),
@@ -350,13 +350,6 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=["tp2", "tp3"])
 def outcomes(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -371,7 +364,7 @@ def outcomes(
     try:
         context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
             _worker,
-            args=(world, _free_port(), str(outdir)),
+            args=(world, rendezvous(outdir), str(outdir)),
             nprocs=world,
             join=False,
             start_method="spawn",

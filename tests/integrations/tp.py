@@ -12,7 +12,6 @@ import datetime
 import importlib
 import json
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -23,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import ProcessContext, start_processes
+
+from tests.support.ports import rendezvous
 
 # How long a rank waits for the other at the end of a scenario. Rank 0 may take a while: after
 # a master died, closing its Mooncake clients (and a fence the cache started by itself to free
@@ -49,7 +50,7 @@ Scenario = Callable[[Rank], None]
 
 
 def _worker(
-    rank: int, world: int, port: int, outdir: str, module: str, args: dict[str, Any]
+    rank: int, world: int, init_method: str, outdir: str, module: str, args: dict[str, Any]
 ) -> None:
     from embcache.driver.locks import enable_lock_checking
 
@@ -57,7 +58,7 @@ def _worker(
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=init_method,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=BARRIER_S),
@@ -80,13 +81,6 @@ def _worker(
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def run_ranks(
     module: str, outdir: Path, args: dict[str, Any], world: int = 2, deadline_s: float = 120.0
 ) -> dict[int, dict[str, str]]:
@@ -96,7 +90,7 @@ def run_ranks(
     try:
         context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
             _worker,
-            args=(world, _free_port(), str(outdir), module, args),
+            args=(world, rendezvous(outdir), str(outdir), module, args),
             nprocs=world,
             join=False,
             start_method="spawn",
