@@ -1,17 +1,21 @@
-"""``tests/support/ports.py``: each session's block of ports is its own, its server ports bind,
-Mooncake's clients are kept inside it, and process groups meet through a file."""
+"""What tests that share a machine use (``tests/support/ports.py``, ``processes.py``): each
+session's block of ports is its own, its server ports bind, Mooncake's clients are kept inside
+it, process groups meet through a file, and spawned ranks are never left behind."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.support import ports
+from tests.support.processes import spawned_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,3 +68,27 @@ def test_a_rendezvous_is_a_fresh_file(tmp_path: Path) -> None:
     (tmp_path / "rendezvous").touch()
     with pytest.raises(FileExistsError):
         ports.rendezvous(tmp_path)
+
+
+def _rank(rank: int, behaviour: str) -> None:
+    """A rank of ``spawned_ranks``' test: rank 1 hangs or dies as told, rank 0 ends."""
+    if rank == 1 and behaviour == "hang":
+        time.sleep(600)
+    if rank == 1 and behaviour == "die":
+        os._exit(3)
+
+
+@pytest.mark.stress  # spawned ranks import torch: about 15 s each on a loaded machine
+@pytest.mark.parametrize("behaviour", ["end", "hang", "die"])
+def test_spawned_ranks_are_never_left_behind(behaviour: str) -> None:
+    deadline = 20.0 if behaviour == "hang" else 240.0  # a spawned rank imports torch: seconds
+    started = time.monotonic()
+    ended = spawned_ranks(_rank, (behaviour,), 2, deadline_s=deadline)
+    if behaviour == "end":
+        assert ended.in_time and ended.exit_codes == [0, 0]
+    elif behaviour == "hang":  # killed at the deadline, and reaped
+        assert not ended.in_time and ended.exit_codes[1] == -signal.SIGKILL
+    else:
+        assert ended.in_time and ended.exit_codes[1] == 3  # torch ends the others then
+        assert ended.exit_codes[0] in (0, -signal.SIGTERM)
+    assert time.monotonic() - started < deadline + 30

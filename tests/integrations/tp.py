@@ -7,12 +7,9 @@ one pytest test per scenario reports both ranks' outcomes.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import importlib
 import json
-import os
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,9 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.spawn import ProcessContext, start_processes
 
 from tests.support.ports import rendezvous
+from tests.support.processes import spawned_ranks
 
 # How long a rank waits for the other at the end of a scenario. Rank 0 may take a while: after
 # a master died, closing its Mooncake clients (and a fence the cache started by itself to free
@@ -85,34 +82,14 @@ def run_ranks(
     module: str, outdir: Path, args: dict[str, Any], world: int = 2, deadline_s: float = 120.0
 ) -> dict[int, dict[str, str]]:
     """Run ``module``'s SCENARIOS on ``world`` ranks; rank -> scenario name -> outcome."""
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
-            _worker,
-            args=(world, rendezvous(outdir), str(outdir), module, args),
-            nprocs=world,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + deadline_s
-        try:
-            # A rank that died raises here; its outcomes so far say where.
-            with contextlib.suppress(Exception):
-                while not context.join(timeout=0.5):
-                    if time.monotonic() > deadline:
-                        break  # the outcomes so far say which scenario hung
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                    process.join(5)
-            exits = [process.exitcode for process in context.processes]
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+    ended = spawned_ranks(
+        _worker,
+        (world, rendezvous(outdir), str(outdir), module, args),
+        world,
+        deadline_s,  # past it, the outcomes so far say which scenario hung
+        {"OMP_NUM_THREADS": "1"},
+    )
+    exits = ended.exit_codes
     results = {}
     for rank in range(world):
         path = outdir / f"rank{rank}.json"
