@@ -1,4 +1,4 @@
-"""Shared test setup: Hypothesis profiles and the lock-order checker.
+"""Shared test setup: Hypothesis profiles, the lock-order checker and this session's ports.
 
 Profiles (choose with HYPOTHESIS_PROFILE): ``dev`` is fast for local loops, ``ci`` runs at
 least 1000 state-machine examples (CI sets it; Hypothesis would otherwise load its own small
@@ -26,6 +26,15 @@ settings.register_profile("dev", max_examples=60, stateful_step_count=30, **_com
 settings.register_profile("ci", max_examples=1000, stateful_step_count=60, **_common)
 settings.register_profile("nightly", max_examples=100_000, stateful_step_count=60, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Lease this session's block of ports (``tests/support/ports.py``) and keep Mooncake's
+    clients, here and in every process the tests start, inside it."""
+    from tests.support import ports
+
+    os.environ.update(ports.environment())
+
 
 if os.environ.get("EMBCACHE_LOCK_CHECK", "1") not in ("", "0"):
     from embcache.driver.locks import enable_lock_checking

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -22,7 +20,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.spawn import ProcessContext, start_processes
 
 from embcache import EmbeddingCache, EncodePipeline, Item
 from embcache.errors import RequestError
@@ -30,6 +27,8 @@ from embcache.pipeline import TensorParallelError
 from embcache.testing import Fault, FaultInjectingStore
 from embcache.tools.encoders import TinyViT, synthetic_image
 from tests.helpers import raw
+from tests.support.ports import rendezvous
+from tests.support.processes import spawned_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -320,7 +319,7 @@ NAMES = [s.__name__ for s in SCENARIOS]
 
 
 # ---------------------------------------------------------------------------- harness
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+def _worker(rank: int, world: int, init_method: str, outdir: str) -> None:
     """One rank: run every scenario, record the outcome of each, in order."""
     from embcache.driver.locks import enable_lock_checking
 
@@ -328,7 +327,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=init_method,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=30),
@@ -350,13 +349,6 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=["tp2", "tp3"])
 def outcomes(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -366,31 +358,11 @@ def outcomes(
     outdir = tmp_path_factory.mktemp(f"tp{world}")
     # Every scenario runs once with poisoned frees (EMBCACHE_POISON): the TP3 group's caches.
     env = {"OMP_NUM_THREADS": "1", "EMBCACHE_POISON": "1" if world == 3 else "0"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
-            _worker,
-            args=(world, _free_port(), str(outdir)),
-            nprocs=world,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + SPAWN_DEADLINE_S
-        try:
-            while not context.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"TP={world} ranks did not finish in time")
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    ended = spawned_ranks(
+        _worker, (world, rendezvous(outdir), str(outdir)), world, SPAWN_DEADLINE_S, env
+    )
+    assert ended.in_time, f"TP={world} ranks did not finish in time"
+    assert ended.exit_codes == [0] * world, f"TP={world} ranks exited {ended.exit_codes}"
     return {rank: json.loads((outdir / f"rank{rank}.json").read_text()) for rank in range(world)}
 
 

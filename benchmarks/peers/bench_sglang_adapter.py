@@ -12,7 +12,9 @@ skipped when the wheel cannot be had). Its IO thread (a loop that polls two queu
 millisecond) is replaced by one that blocks on the PUT queue and runs each PUT as that loop
 does (the store's ``batch_put_from_multi_buffers``, then the controller's own
 ``_finish_put``): the 1 ms polling would steal the interpreter from both sides at random. So
-on both sides the publish runs on a worker thread, as in production, and is not waited for. Its
+on both sides the publish runs on a worker thread, as in production, and is not waited for
+within a request; between requests, untimed, the run waits for SGLang's PUTs on its own signal
+(its insert queue's ``join``), since a PUT holds its pages until it ends. Its
 ``store_to_pool_async`` takes CUDA tensors only, so on a CPU host its steps are taken with a
 CPU tensor (as in ``benchmarks.peers.bench_peers``): under its lock the same checks, its
 ``_allocate_with_eviction`` and a FILLING entry, then the copy by its own
@@ -100,9 +102,10 @@ class Size:
 
 SMALL = Size("256 B items", 8, 16, 8, 512, 256)
 REAL = Size("3.9 MiB items", 576, 3584, 4, 40, sglang_wheel.DEFAULT_PAGE_BYTES)
-# --tiny (the test's smoke run, 20 requests): a pool of 64 items. SGLang's own putter thread
-# may lag up to 15 requests behind; with 16 a lag of 3 (seen twice on a loaded machine) left no
-# free pages, SGLang skipped the insert and the next hit request found a miss.
+# --tiny (the test's smoke run, 20 requests): a pool of 64 items. Between requests the run
+# waits for SGLang's PUTs (``SGLangSide.settle``): with a pool of 16 and no such wait, a putter
+# 3 requests behind (seen twice on a loaded machine) left no free pages, SGLang skipped the
+# insert and the next hit request found a miss.
 TINY = Size("tiny", 8, 16, 4, 64, 256)
 
 
@@ -124,13 +127,27 @@ class SGLangSide:
         return getattr(self.controller, name)
 
     def _put_loop(self) -> None:
-        """The PUT half of its IO loop, blocking instead of polling; None ends it."""
+        """The PUT half of its IO loop, blocking instead of polling; None ends it. Each op is
+        marked done (``task_done``) after its ``_finish_put``, as SGLang's own loop does."""
         controller = self.controller
-        while (op := controller.insert_queue.get()) is not None:
-            results = controller.embedding_store.batch_put_from_multi_buffers(
-                op.keys, op.ptrs, op.sizes
-            )
-            controller._finish_put(op, results)
+        while True:
+            op = controller.insert_queue.get()
+            try:
+                if op is None:
+                    return
+                results = controller.embedding_store.batch_put_from_multi_buffers(
+                    op.keys, op.ptrs, op.sizes
+                )
+                controller._finish_put(op, results)
+            finally:
+                controller.insert_queue.task_done()
+
+    def settle(self) -> None:
+        """Return once every PUT issued so far has finished and released its pins: SGLang's
+        own completion signal, its insert queue's ``join`` (``task_done`` after each
+        ``_finish_put``). A PUT still running holds its entries' pages: a next request's
+        insert may then find no free page, and SGLang skips it."""
+        self.controller.insert_queue.join()
 
     def store_to_pool_async(
         self, mm_hashes: list[str], tensors: list[torch.Tensor], modality: Any
@@ -262,6 +279,7 @@ def measure(size: Size, requests: int) -> dict[str, float]:
                 if n > warm:
                     times[f"{name} miss"].append(middle - start)
                     times[f"{name} hit"].append(end - middle)
+            sglang_side.settle()  # untimed: its PUTs of this request end before the next
         cache = ours_side.cache
         while cache.stats().publishes_ok < cache.stats().publishes_started:
             time.sleep(0.001)  # the last request's publishes

@@ -23,12 +23,12 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import ClassVar
 
-from embcache.errors import StoreUnavailableError
+from embcache.errors import InvalidArgumentError, StoreUnavailableError
 from embcache.store.mooncake_config import reachable
 
 __all__ = ["MooncakeMaster", "find_master_binary", "listens", "master_binary"]
@@ -117,7 +117,10 @@ class MooncakeMaster:
     """One ``mooncake_master`` process with its HTTP metadata server on loopback.
 
     ``binary`` defaults to ``find_master_binary()``; the log goes to ``log_dir`` (default: a
-    temporary directory removed by ``stop``). As a context manager it starts and stops.
+    temporary directory removed by ``stop``); ``ports`` are its RPC, metadata and metrics ports
+    (default: three that are free now; a caller sharing the machine with other runs gives ports
+    it holds, as the tests do from ``tests/support/ports.py``). As a context manager it starts
+    and stops.
 
     The master's RPC service, metadata server and metrics are given 127.0.0.1 (Mooncake
     0.3.13's metadata server still binds every interface). A client process should also have
@@ -130,14 +133,22 @@ class MooncakeMaster:
         {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     )
 
-    def __init__(self, binary: str | None = None, log_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        binary: str | None = None,
+        log_dir: Path | None = None,
+        ports: Sequence[int] | None = None,
+    ) -> None:
         self.binary = binary or find_master_binary()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if log_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="embcache-mooncake-")
             log_dir = Path(self._tmp.name)
         self.log_path = log_dir / f"mooncake_master-{uuid.uuid4().hex[:8]}.log"
-        self.rpc_port, self.http_port, self.metrics_port = _free_ports(3)
+        chosen = _free_ports(3) if ports is None else list(ports)
+        if len(set(chosen)) != 3:
+            raise InvalidArgumentError(f"ports must be 3 distinct ports, got {ports!r}")
+        self.rpc_port, self.http_port, self.metrics_port = chosen
         self._process: subprocess.Popen[bytes] | None = None
 
     @property

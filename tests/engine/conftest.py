@@ -25,6 +25,7 @@ from tests.engine.engines import (
     mooncake_env,
     start_all,
 )
+from tests.support import ports
 
 D_ENGINE_ARGS = {"max_num_batched_tokens": 256}  # vLLM's own encoder cache: about 6 images
 Builder = Callable[..., World]
@@ -70,7 +71,7 @@ def build_world(engine_python: str, model_dir: Path, log_dir: Path) -> Iterator[
         connector: str = "EmbcacheECConnector",
         extra: tuple[EngineProcess, ...] = (),
     ) -> World:
-        master = MooncakeMaster(log_dir=log_dir)
+        master = MooncakeMaster(log_dir=log_dir, ports=ports.server_ports(3))
         master.start()
         world = World(master)
         built.append(world)

@@ -2,8 +2,9 @@
 
 ``mooncake_master`` (session scope) is shared: tests keep apart by giving each store a unique
 key prefix. ``private_mooncake_master`` (function scope) is for tests that kill or restart the
-master. Both serve Mooncake's HTTP metadata from the master process itself, on free loopback
-ports, and are stopped when the test ends, passed or failed. Without ``mooncake_master`` on
+master. Both serve Mooncake's HTTP metadata from the master process itself, on loopback ports of
+this session's block (``tests/support/ports.py``: another run of the suite on the machine has
+its own), and are stopped when the test ends, passed or failed. Without ``mooncake_master`` on
 PATH the tests skip, or fail when ``CI`` is set.
 """
 
@@ -18,6 +19,7 @@ import pytest
 
 from embcache.errors import StoreUnavailableError
 from embcache.store.mooncake_master import MooncakeMaster, find_master_binary
+from tests.support import ports
 
 __all__ = ["MooncakeMaster"]
 
@@ -33,7 +35,7 @@ def _master_binary() -> str:
 
 
 def _running_master(log_dir: Path) -> Iterator[MooncakeMaster]:
-    master = MooncakeMaster(_master_binary(), log_dir)
+    master = MooncakeMaster(_master_binary(), log_dir, ports.server_ports(3))
     try:
         master.start()
         yield master

@@ -124,7 +124,7 @@ def private_master(r: Rank) -> Iterator[MooncakeMaster | None]:
     if r.rank != 0:
         yield None
         return
-    master = MooncakeMaster(r.args["binary"])
+    master = MooncakeMaster(r.args["binary"], ports=r.args["master_ports"])
     master.start()
     try:
         yield master

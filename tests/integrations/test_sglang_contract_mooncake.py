@@ -8,6 +8,7 @@ import pytest
 from tests.integration.conftest import MooncakeMaster
 from tests.integrations import scenarios_mooncake
 from tests.integrations.tp import report, run_ranks
+from tests.support import ports
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(240)]
 
@@ -20,6 +21,7 @@ def outcomes(
         "store": mooncake_master.store_kwargs(),
         "prefix": f"sglang-{tmp_path_factory.mktemp('p').name}/",
         "binary": mooncake_master.binary,
+        "master_ports": ports.server_ports(3),  # the master rank 0 starts (and kills)
     }
     return run_ranks(
         "tests.integrations.scenarios_mooncake",

@@ -7,13 +7,9 @@ one pytest test per scenario reports both ranks' outcomes.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import importlib
 import json
-import os
-import socket
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.spawn import ProcessContext, start_processes
+
+from tests.support.ports import rendezvous
+from tests.support.processes import spawned_ranks
 
 # How long a rank waits for the other at the end of a scenario. Rank 0 may take a while: after
 # a master died, closing its Mooncake clients (and a fence the cache started by itself to free
@@ -49,7 +47,7 @@ Scenario = Callable[[Rank], None]
 
 
 def _worker(
-    rank: int, world: int, port: int, outdir: str, module: str, args: dict[str, Any]
+    rank: int, world: int, init_method: str, outdir: str, module: str, args: dict[str, Any]
 ) -> None:
     from embcache.driver.locks import enable_lock_checking
 
@@ -57,7 +55,7 @@ def _worker(
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=init_method,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=BARRIER_S),
@@ -80,45 +78,18 @@ def _worker(
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def run_ranks(
     module: str, outdir: Path, args: dict[str, Any], world: int = 2, deadline_s: float = 120.0
 ) -> dict[int, dict[str, str]]:
     """Run ``module``'s SCENARIOS on ``world`` ranks; rank -> scenario name -> outcome."""
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
-            _worker,
-            args=(world, _free_port(), str(outdir), module, args),
-            nprocs=world,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + deadline_s
-        try:
-            # A rank that died raises here; its outcomes so far say where.
-            with contextlib.suppress(Exception):
-                while not context.join(timeout=0.5):
-                    if time.monotonic() > deadline:
-                        break  # the outcomes so far say which scenario hung
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                    process.join(5)
-            exits = [process.exitcode for process in context.processes]
-    finally:
-        if old is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+    ended = spawned_ranks(
+        _worker,
+        (world, rendezvous(outdir), str(outdir), module, args),
+        world,
+        deadline_s,  # past it, the outcomes so far say which scenario hung
+        {"OMP_NUM_THREADS": "1"},
+    )
+    exits = ended.exit_codes
     results = {}
     for rank in range(world):
         path = outdir / f"rank{rank}.json"
