@@ -537,15 +537,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.master:
         changes["master"] = options.master
     config = check(Config(**{**asdict(config), **changes}))
+    import subprocess
+
     started = time.time()
     load = os.getloadavg()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                            capture_output=True).stdout.strip()  # fmt: skip
     rows = run(config, engine_python())
     print(table(rows))
     if options.json is not None:
-        import subprocess
-
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                                capture_output=True).stdout.strip()  # fmt: skip
         meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
                 "commit": commit, "cpus": os.cpu_count(),
                 "vllm": VLLM, "config": asdict(config), "load_before": load,
