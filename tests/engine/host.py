@@ -8,7 +8,8 @@ on it), the connector's ``SchedulerStats`` and its cache's ``CacheStats``.
 
 Requests come as JSON lines on stdin, answers go as JSON lines to the file descriptor
 ``--reply-fd``; vLLM's own output goes to stdout and stderr (the tier sends them to a log).
-Operations: ``generate`` (prompts of words and image numbers, greedy), ``stats``, ``check``
+Operations: ``generate`` (prompts of words and image numbers, greedy), ``serve`` (the same
+in a closed loop of a few clients, timed), ``stats``, ``check``
 (the connector's ``check_invariants``), ``quit``.
 
     python -m tests.engine.host --model DIR --reply-fd N [--ec JSON] [--engine-args JSON]
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 from dataclasses import asdict
 from typing import Any
@@ -42,6 +44,7 @@ class Engine:
         kwargs: dict[str, Any] = {
             "max_num_seqs": 32,
             "max_num_batched_tokens": 2048,
+            "limit_mm_per_prompt": {"image": 2},
             **overrides,
         }
         if ec is not None:
@@ -55,7 +58,6 @@ class Engine:
             enforce_eager=True,
             max_model_len=MAX_MODEL_LEN,
             seed=0,
-            limit_mm_per_prompt={"image": 2},
             disable_log_stats=True,
             **kwargs,
         )
@@ -64,6 +66,7 @@ class Engine:
         self.connector = self.scheduler.ec_connector
         self.encoded: list[str] = []
         self.vision_images = 0
+        self._served = 0
         self._wrap_schedule()
         worker = core.model_executor.driver_worker.worker
         model_obj = worker.model_runner.get_model()
@@ -84,9 +87,8 @@ class Engine:
     def _count_images(self, module: Any, inputs: Any, output: Any) -> None:
         self.vision_images += int(inputs[0].shape[0])
 
-    def generate(self, requests: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
-        from vllm import SamplingParams
-
+    @staticmethod
+    def _prompts(requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         from tests.engine.tiny_llava import images
 
         prompts = []
@@ -97,6 +99,12 @@ class Engine:
             if pics:
                 prompt["multi_modal_data"] = {"image": pics}
             prompts.append(prompt)
+        return prompts
+
+    def generate(self, requests: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        prompts = self._prompts(requests)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0, ignore_eos=True)
         before_encoded, before_images = len(self.encoded), self.vision_images
         outs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -104,6 +112,50 @@ class Engine:
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "encoded": self.encoded[before_encoded:],
             "vision_images": self.vision_images - before_images,
+            **self.stats(),
+        }
+
+    def serve(
+        self, requests: list[dict[str, Any]], clients: int, max_tokens: int
+    ) -> dict[str, Any]:
+        """A closed loop over ``requests`` in order: ``clients`` requests in flight, the next
+        one added as soon as one finishes (one engine step at a time). Per request: its greedy
+        answer and its latency (added to finished, seconds); the loop's wall time and the
+        process's CPU time in it (every thread); the images through the vision tower; the
+        process's peak RSS (KiB, since it started)."""
+        import resource
+
+        from vllm import SamplingParams
+
+        prompts = self._prompts(requests)  # images made before the clock starts
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0, ignore_eos=True)
+        engine = self.llm.llm_engine
+        tokens: list[list[int]] = [[] for _ in prompts]
+        latency = [0.0] * len(prompts)
+        flying: dict[str, tuple[int, float]] = {}
+        before_encoded, before_images = len(self.encoded), self.vision_images
+        self._served += 1
+        added, start, cpu = 0, time.perf_counter(), time.process_time()
+        while added < len(prompts) or flying:
+            while added < len(prompts) and len(flying) < clients:
+                name = f"serve{self._served}-{added}"
+                got = engine.add_request(name, prompts[added], params)
+                flying[got] = flying[name] = (added, time.perf_counter())
+                added += 1
+            for out in engine.step():
+                if out.finished and out.request_id in flying:
+                    index, began = flying.pop(out.request_id)
+                    flying = {k: v for k, v in flying.items() if v[0] != index}
+                    latency[index] = time.perf_counter() - began
+                    tokens[index] = list(out.outputs[0].token_ids)
+        return {
+            "tokens": tokens,
+            "latency_s": latency,
+            "wall_s": time.perf_counter() - start,
+            "cpu_s": time.process_time() - cpu,
+            "encoded": len(self.encoded) - before_encoded,
+            "vision_images": self.vision_images - before_images,
+            "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
             **self.stats(),
         }
 

@@ -26,11 +26,12 @@ class LyingECConnector(EmbcacheECConnector):
         super().ensure_cache_available(request, num_computed_tokens)
         return True
 
-    # A property, so that it wins over an instance attribute the connector may bind to the
-    # same name (a data descriptor comes before the instance's __dict__).
+    # A property, so that it wins over the connector's own ``has_cache_item`` slot (a data
+    # descriptor of the subclass comes first); what the connector binds to the name (the
+    # truthful answer) goes to its setter.
     @property
     def has_cache_item(self) -> Callable[[str], bool]:  # type: ignore[override]
-        truthful = self.__dict__.get("has_cache_item") or super().has_cache_item
+        truthful = self.__dict__["_truthful"]
         side = self.scheduler_side
 
         def lying(identifier: str) -> bool:
@@ -44,3 +45,7 @@ class LyingECConnector(EmbcacheECConnector):
                 return False
 
         return lying
+
+    @has_cache_item.setter
+    def has_cache_item(self, truthful: Callable[[str], bool]) -> None:
+        self.__dict__["_truthful"] = truthful

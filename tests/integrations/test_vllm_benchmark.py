@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.integrations.vllm_fixtures import vllm_base
 from tests.support.callgrind import dump_totals
 from tests.support.rows import check_row
@@ -52,3 +54,68 @@ def test_callgrind_totals_are_read_from_each_dump_in_order(tmp_path: Any) -> Non
     for n, total in ((1, 1234), (2, 56)):
         (tmp_path / f"cg.out.{n}").write_text(f"events: Ir\nsummary: {total}\ntotals: {total}\n")
     assert dump_totals(out) == [1234, 56]
+
+
+# -- benchmarks/peers/vllm_engines.py: its trace and its bad inputs (no engine needed) ----------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_the_engine_benchmarks_trace_is_zipf_over_the_catalog_with_1_to_4_images() -> None:
+    from collections import Counter
+
+    from benchmarks.peers.vllm_engines import FULL, trace
+
+    prompts = trace(FULL)
+    assert prompts == trace(FULL) and len(prompts) == FULL.requests
+    catalog = range(1000, 1000 + FULL.catalog)
+    for p in prompts:
+        assert 1 <= len(p["images"]) <= 4 and len(set(p["images"])) == len(p["images"])
+        assert set(p["images"]) <= set(catalog) and len(p["words"]) == 3
+    seen = Counter(i for p in prompts for i in p["images"])
+    assert seen[1000] > seen[1001] > seen[1000 + FULL.catalog // 2], seen.most_common(3)
+    assert sum(seen.values()) > len(seen) * 2  # images repeat
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"contenders": ("none", "eccpu", "lmcache")}, "unknown contender"),
+        ({"contenders": ("embcache-pool",)}, "must include 'none'"),
+        ({"pools": ("fits", "half")}, "unknown pool size"),
+        ({"catalog": 3}, "smaller than one image"),
+        ({"requests": 0}, "requests must be"),
+        ({"master": "127.0.0.1:{port}"}, "nothing answers there"),
+        ({"master": "localhost"}, "pass 'host:port'"),
+    ],
+)
+def test_the_engine_benchmark_refuses_bad_input_before_it_starts_anything(
+    change: dict[str, Any], says: str, tmp_path: Path
+) -> None:
+    from dataclasses import asdict
+
+    from benchmarks.peers import vllm_engines
+    from embcache.errors import InvalidArgumentError
+
+    if "master" in change:
+        change = {"master": change["master"].format(port=_free_port())}
+    config = vllm_engines.Config(**{**asdict(vllm_engines.QUICK), **change})
+    proof = tmp_path / "proof"
+    with pytest.raises(InvalidArgumentError, match=says):
+        vllm_engines.run(config, "/nonexistent/python", proof)  # an engine would fail otherwise
+    assert not proof.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_the_engine_benchmarks_command_line_refuses_an_unknown_contender(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    command = [sys.executable, "-m", "benchmarks.peers.vllm_engines", "--quick",
+               "--contenders", "none,nope", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "InvalidArgumentError: unknown contender(s) ['nope']" in (
+        done.stderr
+    ), done.stderr[-2000:]
+    assert not out.exists()

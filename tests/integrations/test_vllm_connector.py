@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import pickle
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +46,10 @@ def test_every_method_we_define_has_the_signature_of_vllms_base(vllm_base: Any) 
     theirs = dict(inspect.getmembers(base, inspect.isfunction))
     ours = {n: f for n, f in vars(EmbcacheECConnector).items() if inspect.isfunction(f)}
     shared = sorted(ours.keys() & theirs.keys())
-    assert set(base.__abstractmethods__) <= set(shared)
+    # has_cache_item is a slot (EmbcacheECConnector's docstring): a callable of one identifier
+    # per role, which the tests below call in both roles
+    assert set(base.__abstractmethods__) <= {*shared, "has_cache_item"}
+    assert isinstance(vars(EmbcacheECConnector)["has_cache_item"], types.MemberDescriptorType)
     assert not EmbcacheECConnector.__abstractmethods__
     assert {"ensure_cache_available", "update_connector_output", "request_finished"} <= set(shared)
     for name in shared:
@@ -257,3 +261,29 @@ def test_a_method_of_the_other_role_raises(make_scheduler: Callable[..., Any]) -
     with pytest.raises(InvalidArgumentError, match="scheduler_side is a scheduler-role method"):
         worker.scheduler_side  # noqa: B018 (the property raises)
     assert worker.worker_side is not None and sched.scheduler_side.cache is not None
+
+
+def test_ensure_cache_available_is_one_funnel_call_and_has_cache_item_none(
+    make_scheduler: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39's few steps per request on vLLM's scheduler side: ``ensure_cache_available``
+    of a new request is one trip through the cache's funnel (``EmbeddingCache._run``: the
+    lookup that pins what is present), asked again it is none, and ``has_cache_item`` never
+    is one."""
+    sched = make_scheduler(SMALL)
+    _insert(sched, "a", 8)
+    cache = sched.scheduler_side.cache
+    steps: list[str] = []
+    run = type(cache)._run
+
+    def counted(self: Any, step: Callable[..., Any], *args: Any) -> Any:
+        steps.append(step.__name__)
+        return run(self, step, *args)
+
+    monkeypatch.setattr(type(cache), "_run", counted)
+    request = FakeRequest("r1", ["a", "b", "c"], {"a": 8, "b": 8, "c": 8}, 1)
+    assert sched.ensure_cache_available(request, 0)
+    assert len(steps) == 1, steps
+    assert sched.has_cache_item("a") and not sched.has_cache_item("b")
+    assert sched.ensure_cache_available(request, 8)  # the next step: known, nothing to do
+    assert len(steps) == 1, steps

@@ -14,6 +14,7 @@ read from the ``vllm_config`` object at construction.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +42,25 @@ MAX_MODALITIES = 64  # widths remembered (vLLM has a handful of modalities)
 
 
 class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
-    """The connector (module docstring); ``role`` picks which half runs here."""
+    """The connector (module docstring); ``role`` picks which half runs here.
+
+    ``has_cache_item(identifier)`` is True only for an item the request being scheduled holds
+    pinned READY. vLLM asks it once per scheduled item, so it is a slot, not a method: in the
+    scheduler role it holds the current request's own ``dict.__contains__`` (rebound whenever
+    the current request changes), read by a C-level member descriptor and called without a
+    Python frame; in the worker role it raises ``InvalidArgumentError``."""
+
+    __slots__ = (
+        "_dtype",
+        "_hidden",
+        "_scheduler",
+        "_width",
+        "_width_by_modality",
+        "_widths",
+        "_worker",
+        "has_cache_item",
+    )  # fmt: skip
+    has_cache_item: Callable[[str], bool]
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config, role)
@@ -62,11 +81,10 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
                 consumer=self.is_consumer,
                 producer=self.is_producer,
             )
-            # vLLM asks has_cache_item once per scheduled item: answered by the current
-            # request's own dict (a C call), rebound whenever the current request changes.
-            self.__dict__["has_cache_item"] = self._scheduler.has_item
+            self.has_cache_item = self._scheduler.has_item
         else:
             self._worker = WorkerSide(parallel.rank, torch.device(vllm_config.device_config.device))
+            self.has_cache_item = self._not_in_worker_role
 
     # -- the two halves ------------------------------------------------------------------
     @property
@@ -84,9 +102,8 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
         return self._worker_side("worker_side")
 
     # -- scheduler role ------------------------------------------------------------------
-    def has_cache_item(self, identifier: str) -> bool:
-        """True only for an item the request being scheduled holds pinned READY. (In the
-        scheduler role an instance attribute answers instead: ``SchedulerSide.has_item``.)"""
+    def _not_in_worker_role(self, identifier: str) -> bool:
+        """``has_cache_item`` in the worker role: ``InvalidArgumentError``."""
         return self._scheduler_side("has_cache_item").has_item(identifier)
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
@@ -96,7 +113,7 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
         ready = side.ensure_known(request.request_id, len(request.mm_features))
         if ready is None:
             ready = side.ensure(request.request_id, self._features(request), self._dtype)
-        self.__dict__["has_cache_item"] = side.has_item
+        self.has_cache_item = side.has_item
         return ready
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
@@ -107,7 +124,7 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
         """This step's loads and saves, for every rank."""
         side = self._scheduler_side("build_connector_meta")
         meta = side.build()
-        self.__dict__["has_cache_item"] = side.has_item
+        self.has_cache_item = side.has_item
         return meta
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
@@ -120,7 +137,7 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
         """Release the request's pins now or when its last ack comes; vLLM frees at once."""
         side = self._scheduler_side("request_finished")
         side.finish(request.request_id)
-        self.__dict__["has_cache_item"] = side.has_item
+        self.has_cache_item = side.has_item
         return False, None
 
     def stats(self) -> SchedulerStats:
