@@ -3,7 +3,8 @@ controller driven as a peer: ``sglang_wheel``), vLLM's engine-step call order (`
 and its ``ECCPUConnector`` on CPU (``vllm_cpu_connector``), the baselines, the request mixes
 (``mixes``, ``server_workload``), the result row and its check (``rows``), callgrind's output
 (``callgrind``), and for tests that start servers or ranks, this session's ports (``ports``) and
-spawned ranks that are never left behind (``processes``). Imported as ``tests.support`` (the repository root is on ``sys.path``: the
-tests' conftest puts it there, ``python -m benchmarks...`` runs from it); never from
+spawned ranks that are never left behind (``processes``). Imported as ``tests.support`` (the
+repository root is on ``sys.path``: the tests' conftest puts it there, ``python -m
+benchmarks...`` runs from it); never from
 ``benchmarks``: a test runs a benchmark as ``python -m benchmarks...`` and reads its output.
 """
