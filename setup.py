@@ -35,6 +35,7 @@ MANIFEST = CORE / "compiled-sources.sha256"
 PURE_ENV = "EMBCACHE_PURE"
 GROUP = "embcache.core.compiled"  # the shared library: embcache.core.compiled__mypyc
 BUILD_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
+IN_PLACE_COMMANDS = {"editable_wheel", "develop"}  # they build the extension modules in the tree
 
 
 def compiled_sources() -> list[Path]:
@@ -80,7 +81,8 @@ def extensions() -> list[object]:
     os.chdir(ROOT)  # mypyc names modules from paths relative to the project's root
     reason = why_pure()
     if reason is not None:
-        remove_compiled()
+        if IN_PLACE_COMMANDS & set(sys.argv[1:]):
+            remove_compiled()  # or they would still load, with their digests
         print(f"embcache: building pure Python: {reason}", file=sys.stderr)
         return []
     from mypyc.build import mypycify
