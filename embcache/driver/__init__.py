@@ -1,8 +1,9 @@
 """The driver: ``EmbeddingCache`` and ``Request`` around the pure core (``embcache.core``).
 
 It owns what the core leaves out: the lock and its hierarchy checker (``locks``), the pool
-(``pool``), the I/O threads and their wake-ups (``cache``, ``wakeups``), fences (``fencing``),
-the poison debug mode (``poison``), traces (``trace``), in-place fills (``fills``), what is
-looked up (``item``), the public ``RangeAllocator`` (``allocator``) and the ``GlobalStore``
-protocol it calls (``global_store``; stores implement it in ``embcache.store``).
+and its copies (``pool``), the I/O threads and their wake-ups (``cache``, ``wakeups``), a
+request's bodies, in-place fills among them (``request``), fences (``fencing``), the poison
+debug mode (``poison``), traces (``trace``), what is looked up (``item``), the public
+``RangeAllocator`` (``allocator``) and the ``GlobalStore`` protocol it calls
+(``global_store``; stores implement it in ``embcache.store``).
 """
