@@ -22,8 +22,8 @@ stateful tests and trace validation check.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import NamedTuple, TypeVar
 
 from embcache.core.actions import Actions
 from embcache.core.effects import Effects, Fill, LookupStart, writes_of
@@ -44,6 +44,15 @@ from embcache.errors import ClosedError, InvalidArgumentError, InvariantError, R
 NOT_FOUND = Reason.NOT_FOUND
 T = TypeVar("T")
 Ranges = list[tuple[int, ItemLike] | None]
+
+
+class _Again(NamedTuple):
+    """The item of an entry looked up again to republish it (``CacheCore.republish``)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: Hashable
+    nbytes: int
 
 
 class CacheCore(CoreQueries[Actions]):
@@ -261,6 +270,36 @@ class CacheCore(CoreQueries[Actions]):
         for entry, outcome in zip(entries, outcomes, strict=True):
             end_publish(request_id, entry, outcome)
         return self._done(Effects(None))
+
+    def republish(self, entries: Sequence[Entry]) -> Effects[list[bool]]:
+        """Publish again each entry whose publish ended FAILED (``embcache.driver.backlog``)
+        if it is still its key's entry, READY, and not doomed, tainted or being published: an
+        internal request ``republish#N`` pins it (Lookup), publishes it (Publish) and closes
+        (the publish holds its own pin), the very actions of a request's publish. An entry
+        evicted, removed or quarantined since is skipped. Per entry whether a write started."""
+        self._check_open()
+        self._batches += 1
+        request_id = f"republish#{self._batches}"
+        while request_id in self._requests:  # a caller's own request took the name
+            self._batches += 1
+            request_id = f"republish#{self._batches}"
+        rs = self._actions.open_request(request_id)
+        present = self._entries
+        live = [
+            e for e in entries
+            if present.get(e.key) is e and e.state is READY
+            and not (e.doomed or e.tainted or e.publishing)
+        ]  # fmt: skip
+        if live:
+            again = [_Again(e.key, e.shape, e.dtype, e.size) for e in live]
+            _, missed = self._actions.lookup_all(rs, again)
+            assert not missed, "a live READY entry is a hit"
+            self._counts["hits"] -= len(live)  # a republish's pin is no request's hit
+        started = self._publish(rs, [e.key for e in live])
+        writes = writes_of(rs, started)
+        wake = self._end(rs)
+        begun = {e for e in started if e is not None}
+        return self._done(Effects([e in begun for e in entries], writes=writes, wake=wake))
 
     def end_request(self, rs: RequestState) -> Effects[None]:
         """End every reservation of ``rs`` (its waiters fall back; a range still handed out

@@ -43,6 +43,11 @@ class CacheStats:
     admissions_refused: int  # BeginLoads the policy refused (reason not_admitted)
     single_flight_joins: int
     fences: int
+    # failed publishes waiting for the store, and those dropped unpublished (oldest beyond the
+    # bound; evicted, removed or quarantined first): ``embcache.driver.backlog``
+    publish_backlog: int = 0
+    publish_backlog_dropped: int = 0
+    publish_backlog_stale: int = 0
 
     @property
     def entries(self) -> int:

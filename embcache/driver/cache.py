@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -49,6 +50,7 @@ from embcache.core.lifecycle import EntryState
 from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
 from embcache.core.policy import Policy, as_policy
 from embcache.core.stats import CacheStats
+from embcache.driver.backlog import PublishBacklog, Republisher, RepublishPolicy
 from embcache.driver.fencing import FencePolicy, Fencer
 from embcache.driver.fills import InPlaceFills
 from embcache.driver.global_store import GlobalStore, get_outcome, put_outcome
@@ -67,6 +69,7 @@ __all__ = [
     "EmbeddingCache",
     "FencePolicy",
     "IOExecutor",
+    "RepublishPolicy",
     "TraceSink",
 ]
 log = logging.getLogger(__name__)
@@ -109,7 +112,8 @@ class EmbeddingCache(InPlaceFills):
     None: only ``fence()`` does). ``poison_freed`` (default: ``EMBCACHE_POISON``) is a debug
     mode that overwrites every freed range (``embcache.driver.poison``). ``pool``, when given, is
     the pool itself (``embcache.driver.pool.make_pool``; shared memory: see
-    ``embcache.driver.fills``).
+    ``embcache.driver.fills``). ``republish`` bounds the publishes that failed and are tried
+    again when the store answers (``embcache.driver.backlog``; None: never tried again).
 
     ``io_executor`` runs the store reads and writes (default: a ``ThreadPoolExecutor`` of
     ``io_workers`` threads); ``new_event`` makes the Event a request waiting on a load blocks
@@ -135,6 +139,7 @@ class EmbeddingCache(InPlaceFills):
         pool: torch.Tensor | None = None,
         io_executor: IOExecutor | None = None,
         new_event: Callable[[], threading.Event] = threading.Event,
+        republish: RepublishPolicy | None = RepublishPolicy(),  # noqa: B008 (frozen)
     ) -> None:
         check_int("capacity", capacity_bytes)  # here, not in the core: see RangeAllocator
         check_int("alignment", alignment)
@@ -157,6 +162,10 @@ class EmbeddingCache(InPlaceFills):
         ):
             raise InvalidTypeError(
                 f"io_executor must have submit and shutdown (an Executor), got {io_executor!r}"
+            )
+        if republish is not None and not isinstance(republish, RepublishPolicy):
+            raise InvalidTypeError(
+                f"republish must be a RepublishPolicy or None, got {republish!r}"
             )
         if not callable(new_event):
             raise InvalidTypeError(f"new_event must make an Event, got {new_event!r}")
@@ -190,6 +199,11 @@ class EmbeddingCache(InPlaceFills):
         self._fencer = (
             None if auto_fence is None else Fencer(auto_fence, self._fence_due, self.fence)
         )
+        self._backlog: PublishBacklog | None = None
+        self._republisher: Republisher | None = None
+        if store is not None and republish is not None:
+            self._backlog = PublishBacklog(republish.max_entries)
+            self._republisher = Republisher(republish, self._backlog, self._republish)
         self._run(self._core.start)  # Init
 
     # ------------------------------------------------------------------ public API
@@ -266,6 +280,8 @@ class EmbeddingCache(InPlaceFills):
         assert_unlocked("waiting for I/O workers")
         if self._fencer is not None:
             self._fencer.stop()
+        if self._republisher is not None:
+            self._republisher.stop()
         self._io.shutdown(wait=True)
 
     def __enter__(self) -> EmbeddingCache:
@@ -283,7 +299,16 @@ class EmbeddingCache(InPlaceFills):
     def stats(self) -> CacheStats:
         """A consistent snapshot. O(entries)."""
         with self._lock:
-            return self._core.stats(time.monotonic())
+            stats = self._core.stats(time.monotonic())
+        backlog = self._backlog
+        if backlog is None:
+            return stats
+        return dataclasses.replace(
+            stats,
+            publish_backlog=len(backlog),
+            publish_backlog_dropped=backlog.dropped,
+            publish_backlog_stale=backlog.stale,
+        )
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` naming the first broken DESIGN.md invariant. O(n log n)."""
@@ -454,6 +479,25 @@ class EmbeddingCache(InPlaceFills):
             pass  # the store failed: the writes may still read the ranges, so UNKNOWN
         finally:
             self._run(self._core.end_publishes, request_id, entries, outcomes)
+            backlog = self._backlog
+            if backlog is not None and backlog.note(entries, outcomes):
+                assert self._republisher is not None
+                self._republisher.store_answered()
+
+    def _republish(self, limit: int | None) -> None:
+        """The republisher's retry: publish again the ``limit`` oldest failed publishes (None:
+        all; ``CacheCore.republish``)."""
+        backlog = self._backlog
+        assert backlog is not None
+        entries = backlog.take(limit)
+        if not entries:
+            return
+        try:
+            started = self._run(self._core.republish, entries)
+        except BaseException:
+            backlog.requeue(entries)
+            raise
+        backlog.skipped(entries, started)
 
     def _fence_due(self, now: float) -> bool:
         """Whether the automatic fence should run now (the fencer's question)."""
