@@ -19,6 +19,7 @@ from embcache import EmbeddingCache
 from embcache.core.lifecycle import QUARANTINED
 from embcache.driver.backlog import RepublishPolicy
 from embcache.driver.item import Item
+from embcache.driver.trace import TraceLog
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import payload, raw
@@ -102,13 +103,15 @@ def test_an_ok_publish_retries_the_whole_backlog_at_once() -> None:
         cache.check_invariants()
 
 
-def test_entries_evicted_removed_or_quarantined_since_are_never_published() -> None:
+def test_entries_evicted_removed_or_quarantined_since_are_never_published(
+    trace: TraceLog | None = None,
+) -> None:
     store = FaultInjectingStore()
     evicted, removed, quarantined, kept = keys = ["evicted", "removed", "quarantined", "kept"]
     outage(store, keys, down=True)
     capacity = 6 * 1024  # six items: two more evict the two oldest idle ones
     with EmbeddingCache(
-        capacity, store=store, pin_memory=False, republish=SLOW, auto_fence=None
+        capacity, store=store, pin_memory=False, republish=SLOW, auto_fence=None, trace=trace
     ) as cache:
         for i, key in enumerate(keys):
             insert(cache, [key], seed=i)
@@ -226,3 +229,23 @@ def test_the_backlog_counters_reach_the_metrics() -> None:
     assert 'embcache_publish_backlog{cache="a"} 2.0' in text
     assert 'embcache_publish_backlog_dropped_total{cache="a"} 1.0' in text
     assert 'embcache_publish_backlog_stale_total{cache="a"} 0.0' in text
+
+
+@pytest.mark.tla
+@pytest.mark.timeout(300)
+def test_a_run_with_republishes_is_a_behaviour_of_the_spec_as_it_stands() -> None:
+    # The retries are the actions of any request's publish: TLC accepts the trace of the run
+    # above (failed publishes, a remove, a quarantine, an eviction, then the retries) with no
+    # change to the spec.
+    from tests.tla.tla_modules import load_trace
+
+    log = TraceLog()
+    test_entries_evicted_removed_or_quarantined_since_are_never_published(log)
+    events = list(log.events)
+    retries = {e["request"] for e in events if str(e.get("request", "")).startswith("republish#")}
+    assert retries, "the run retried through the republish request"
+    assert {e["action"] for e in events if e.get("request") in retries} >= {
+        "OpenRequest", "Lookup", "Publish", "Release", "CloseRequest", "EndPublish"
+    }  # fmt: skip
+    [verdict] = load_trace().validate(traces=[("republish", events)], workers=1)
+    assert verdict.accepted, verdict.describe()
