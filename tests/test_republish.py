@@ -249,3 +249,49 @@ def test_a_run_with_republishes_is_a_behaviour_of_the_spec_as_it_stands() -> Non
     }  # fmt: skip
     [verdict] = load_trace().validate(traces=[("republish", events)], workers=1)
     assert verdict.accepted, verdict.describe()
+
+
+# ------------------------------------------------------------------ every front end
+
+
+def test_the_pipelines_failed_publishes_come_back() -> None:
+    from embcache.pipeline import EncodePipeline
+    from tests.test_pipeline import FakeEncoder, encode, expected, item
+
+    store = FaultInjectingStore()
+    keys = [item(n).key for n in range(4)]
+    outage(store, keys, down=True)
+    policy = RepublishPolicy(retry_interval_s=0.02)
+    with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=policy) as cache:
+        encode(EncodePipeline(cache, FakeEncoder()), "during", list(range(4)))
+        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        outage(store, keys, down=False)
+        wait_for("the backlog to drain", lambda: cache.stats().publish_backlog == 0)
+        wait_for("the publishes to end", settled(cache, 0))
+        assert [store.object(k) for k in keys] == [raw(expected(n)) for n in range(4)]
+
+
+def test_the_sglang_adapters_failed_publishes_come_back() -> None:
+    from embcache.integrations.sglang import EmbeddingCacheController
+    from tests.support.sglang_mmencoder import DIM, DTYPE, Modality, embedding
+
+    store = FaultInjectingStore()
+    keys = ["sg-a", "sg-b", "sg-c"]
+    outage(store, keys, down=True)
+    ctl = EmbeddingCacheController(
+        store, max_pool_size_gb=(64 << 10) / (1 << 30), hidden_dims={Modality.IMAGE: DIM},
+        dtype=DTYPE,
+    )  # fmt: skip
+    try:
+        tensors = [embedding(k, 4) for k in keys]
+        ctl.wait_store_to_pool(ctl.store_to_pool_async(keys, tensors, Modality.IMAGE))
+        ctl.insert_batch(keys, Modality.IMAGE)
+        cache = ctl.cache
+        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        assert cache.stats().publish_backlog == len(keys)
+        outage(store, keys, down=False)  # the adapter's cache probes every second by default
+        wait_for("the backlog to drain", lambda: cache.stats().publish_backlog == 0)
+        wait_for("the publishes to end", settled(cache, 0))
+        assert [store.object(k) for k in keys] == [raw(t) for t in tensors]
+    finally:
+        ctl.close()
