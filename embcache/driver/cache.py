@@ -114,6 +114,9 @@ class EmbeddingCache(InPlaceFills):
     the pool itself (``embcache.driver.pool.make_pool``; shared memory: see
     ``embcache.driver.fills``). ``republish`` bounds the publishes that failed and are tried
     again when the store answers (``embcache.driver.backlog``; None: never tried again).
+    ``fence_gate``, when given, is asked by every fence once the store's fence returned:
+    False means a writer outside the cache (an in-place fill's, ``embcache.driver.fills``) may
+    still write a quarantined range, and the fence frees nothing (it is tried again later).
 
     ``io_executor`` runs the store reads and writes (default: a ``ThreadPoolExecutor`` of
     ``io_workers`` threads); ``new_event`` makes the Event a request waiting on a load blocks
@@ -140,6 +143,7 @@ class EmbeddingCache(InPlaceFills):
         io_executor: IOExecutor | None = None,
         new_event: Callable[[], threading.Event] = threading.Event,
         republish: RepublishPolicy | None = RepublishPolicy(),  # noqa: B008 (frozen)
+        fence_gate: Callable[[], bool] | None = None,
     ) -> None:
         check_int("capacity", capacity_bytes)  # here, not in the core: see RangeAllocator
         check_int("alignment", alignment)
@@ -167,6 +171,8 @@ class EmbeddingCache(InPlaceFills):
             raise InvalidTypeError(
                 f"republish must be a RepublishPolicy or None, got {republish!r}"
             )
+        if fence_gate is not None and not callable(fence_gate):
+            raise InvalidTypeError(f"fence_gate must be callable, got {fence_gate!r}")
         if not callable(new_event):
             raise InvalidTypeError(f"new_event must make an Event, got {new_event!r}")
         self._core = CacheCore(
@@ -195,6 +201,7 @@ class EmbeddingCache(InPlaceFills):
             else io_executor
         )
         self._new_event = new_event
+        self._fence_gate = fence_gate
         self._fence_policy = auto_fence
         self._fencer = (
             None if auto_fence is None else Fencer(auto_fence, self._fence_due, self.fence)
@@ -259,7 +266,8 @@ class EmbeddingCache(InPlaceFills):
 
     def fence(self) -> int:
         """Fence the store, then free the very entries quarantined before it; returns how many.
-        Refused by the lock-order check: begins nothing; raising later: abandoned, re-raised."""
+        Refused by the lock-order check: begins nothing; raising later: abandoned, re-raised;
+        closed by ``fence_gate``: abandoned, 0."""
         assert_unlocked("store fence")
         core = self._core
         begun: list[FenceSnapshot] = []  # the snapshot, even if delivering its event raises
@@ -267,10 +275,15 @@ class EmbeddingCache(InPlaceFills):
             self._run(core.begin_fence, begun)
             if self._store is not None:
                 self._store.fence()
+            gate = self._fence_gate
+            clear = gate is None or gate()  # False: an outside writer may still write
         except BaseException:
             if begun:
                 self._run(core.abandon_fence, begun[0])
             raise
+        if not clear:
+            self._run(core.abandon_fence, begun[0])
+            return 0
         return self._run(core.fence, begun[0])
 
     def close(self) -> None:
