@@ -265,3 +265,25 @@ def test_a_worker_announces_its_process_in_its_first_acks() -> None:
     assert first is not None and first.alive == {1: (identity().boot, os.getpid())}
     assert first.loaded == {} and first.saved == {}
     assert worker.acks() is None  # once
+
+
+def test_a_fence_gate_that_is_not_callable_is_refused() -> None:
+    from embcache import EmbeddingCache, InvalidTypeError
+
+    with pytest.raises(InvalidTypeError, match="fence_gate must be callable"):
+        EmbeddingCache(1 << 16, pin_memory=False, fence_gate=True)  # type: ignore[arg-type]
+
+
+def test_a_closed_fence_gate_frees_nothing_until_it_opens() -> None:
+    from embcache import EmbeddingCache, Item
+
+    writing = [True]
+    with EmbeddingCache(1 << 16, pin_memory=False, fence_gate=lambda: not writing[0]) as cache:
+        with cache.request("r") as r:
+            [offset] = r.begin_fill([Item("k", (8, WIDTH), DTYPE)])
+            assert offset is not None
+        assert cache.entry_state("k").name == "QUARANTINED"  # a fill never ended: UNKNOWN
+        assert cache.fence() == 0 and cache.entry_state("k").name == "QUARANTINED"
+        cache.check_invariants()
+        writing[0] = False
+        assert cache.fence() == 1 and cache.entry_state("k").name == "ABSENT"
