@@ -209,9 +209,10 @@ def tiny_pool_200_requests(world: World, ref: Reference) -> None:
 def outage_publishes_come_back(world: World, ref: Reference) -> None:
     """The master is killed; A serves eight new images (it encodes them, their publishes fail
     and wait in its backlog); the master restarts and, with no request to A, A's backlog is
-    written; then B serves A's prompts: B encodes none of the images A encoded during the
-    outage and still holds."""
+    written; then B (once its own client is back on the master) serves A's prompts: B
+    encodes none of the images A encoded during the outage and still holds."""
     a, b, master = world["A"], world["B"], world.master
+    ok_before = a.stats()["cache"]["publishes_ok"]
     master.kill()
     outage = [prompt([i], salt=5) for i in range(400, 408)]
     out_a = served(a, outage, ref)
@@ -228,7 +229,9 @@ def outage_publishes_come_back(world: World, ref: Reference) -> None:
         lambda: (c := a.stats()["cache"])["publish_backlog"] == 0 and c,
         PUBLISH_TIMEOUT_S,
     )
-    assert cache["publish_backlog_dropped"] == 0, cache
+    assert cache["publish_backlog_dropped"] == cache["publish_backlog_stale"] == 0, cache
+    assert cache["publishes_ok"] >= ok_before + 8, cache
+    publishing_resumed(b, range(420, 440), ref, want=1)  # B's client is back on the master
     out_b = served(b, outage, ref)
     assert not encoded & set(out_b["encoded"]), (
         f"B encoded what A encoded during the outage and holds: {out_b['encoded']}"

@@ -155,10 +155,16 @@ def test_the_check_fails_on_a_fill_freed_on_a_timeout(
     make_scheduler: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The plant: the fence frees an overdue fill's range at once (its writer presumed dead
-    # because its ack is late), as the connector did before it knew dead from slow.
-    from embcache.integrations.vllm.scheduler import SchedulerSide
+    # because its ack is late), as the connector did before it knew dead from slow: its cache
+    # is made without the fence gate.
+    from embcache import EmbeddingCache
 
-    monkeypatch.setattr(SchedulerSide, "_no_fill_writing", lambda self: True)
+    made = EmbeddingCache.__init__
+
+    def without_gate(self: EmbeddingCache, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **{**kwargs, "fence_gate": None})
+
+    monkeypatch.setattr(EmbeddingCache, "__init__", without_gate)
     sched = make_scheduler(EXTRA)
     save_owed(sched)
     with pytest.raises(AssertionError, match="a slow rank may still write was freed"):
