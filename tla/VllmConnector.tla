@@ -29,19 +29,27 @@
 (*    declared present) to every rank, in order.  A rank takes it in one   *)
 (*    step, WorkerLoad: it copies each load's slot, runs the model on the  *)
 (*    declared items (a wrong or missing tensor is recorded in `errors`)   *)
-(*    and sends one ack per load.  A rank may be slow without bound (or    *)
-(*    killed: it never takes the step), and an ack may be lost (DropAck).  *)
+(*    and sends one ack per load.  A rank may be slow without bound, and   *)
+(*    an ack may be lost (DropAck).                                        *)
+(*  - Death is not slowness.  A rank may die (Die: its process exits; it   *)
+(*    runs no step any more).  The connector cannot tell a dead rank from  *)
+(*    a slow one until vLLM says so (LearnDeath: the worker's process      *)
+(*    exited); a timeout says nothing about it.  Once a death is known,    *)
+(*    the dead rank owes nothing (it reads nothing more), and when it is   *)
+(*    Rank0 its fills end UNKNOWN and are fenced (it writes nothing more). *)
 (*  - The connector's own bookkeeping is `owed`: the (rank, load) pairs    *)
 (*    whose ack has not come.  A request's pins end when it finished and   *)
 (*    nothing of it is owed; LoseAck (the hold timeout) only marks it      *)
-(*    quarantined: its pins stay, for ever or until the late acks come.    *)
+(*    quarantined: its pins stay, for ever or until the late acks come or  *)
+(*    the owing rank is known dead.                                        *)
 (*  - The producer path (when Producer): an item r encodes gets a pool     *)
 (*    slot reserved for it, a LOADING entry that r fills (AllocSave);      *)
 (*    Rank0 writes the fresh output straight into that slot in its         *)
 (*    WorkerLoad and acks; the ack makes the entry READY, pinned by r      *)
 (*    (AckSave).  A save ack overdue (LoseAck) ends the fill UNKNOWN: the  *)
 (*    entry is QUARANTINED, its slot held until a fence frees it once      *)
-(*    Rank0 can no longer write it (FenceFill).                            *)
+(*    Rank0's late ack came or Rank0 is known dead (FenceFill): Rank0 may  *)
+(*    only be slow, and a timeout says nothing about that.                 *)
 (***************************************************************************)
 EXTENDS Naturals, Sequences, FiniteSets
 
@@ -52,12 +60,14 @@ CONSTANTS
     Slots,     \* pool slots: an entry takes one
     Producer,  \* TRUE: the producer path runs (fresh outputs are cached)
     Rank0,     \* the rank that writes fresh outputs into the pool (save_caches)
+    Mortal,    \* the ranks that may die (a model keeps its state space with {})
     Garbage,   \* a model value: the bytes of a freed or half-written slot
     NoSlot     \* a model value: the slot of an ABSENT entry
 
 ASSUME /\ Garbage \notin Keys
        /\ NoSlot \notin Slots
        /\ Rank0 \in Ranks
+       /\ Mortal \subseteq Ranks
        /\ Producer \in BOOLEAN
 
 ABSENT  == "ABSENT"
@@ -90,11 +100,15 @@ VARIABLES
     acks,      \* <<w, l>>: acks on their way to the scheduler
     errors,    \* what ranks found wrong: [rank, req, key, got] (a history)
     saving,    \* the saves whose ack from Rank0 the connector waits for
-    sacks      \* Rank0's save acks on their way to the scheduler
+    sacks,     \* Rank0's save acks on their way to the scheduler
+    dead,      \* the ranks whose process exited
+    known,     \* the ranks the connector knows dead (vLLM told it)
+    writing    \* fills ended UNKNOWN at the timeout that Rank0 may still write
 
 SaveVars == <<saving, sacks>>
+Fate == <<dead, known, writing>>
 vars == <<entry, free, pool, request, items, current, declared, allocated, meta, inbox, owed,
-          acks, errors, SaveVars>>
+          acks, errors, SaveVars, Fate>>
 
 NoEntry == [state |-> ABSENT, slot |-> NoSlot, holders |-> {}, waiters |-> {}, filler |-> NoRequest]
 Load(r, k) == [req |-> r, key |-> k, slot |-> entry[k].slot]
@@ -127,6 +141,7 @@ BeginLoad(k) ==
          /\ pool' = [pool EXCEPT ![s] = Garbage]
     /\ UNCHANGED <<request, items, current, declared, allocated, meta, inbox, owed, acks, errors,
                    SaveVars>>
+    /\ UNCHANGED Fate
 
 \* OK: READY, and the waiters (deferred requests) become holders in the same
 \* step.  FAILED: the slot is freed; the waiters will encode.
@@ -144,6 +159,7 @@ EndLoad(k, ok) ==
               /\ UNCHANGED pool
     /\ UNCHANGED <<request, items, current, declared, allocated, meta, inbox, owed, acks, errors,
                    SaveVars>>
+    /\ UNCHANGED Fate
 
 \* Any idle READY entry may be evicted at any time: its slot is free, and
 \* its bytes may be overwritten at once.
@@ -155,6 +171,7 @@ Evict(k) ==
     /\ pool' = [pool EXCEPT ![entry[k].slot] = Garbage]
     /\ UNCHANGED <<request, items, current, declared, allocated, meta, inbox, owed, acks, errors,
                    SaveVars>>
+    /\ UNCHANGED Fate
 
 -----------------------------------------------------------------------------
 (* The scheduler connector: vLLM's calls, in the engine-core process. *)
@@ -181,6 +198,7 @@ Ensure(r) ==
                   /\ UNCHANGED entry
     /\ UNCHANGED <<free, pool, items, declared, allocated, meta, inbox, owed, acks, errors,
                    SaveVars>>
+    /\ UNCHANGED Fate
 
 \* has_cache_item(k) while vLLM schedules r's encoder inputs (r is current:
 \* vLLM calls ensure_cache_available(r) just before): True only for an item
@@ -193,6 +211,7 @@ HasItem(r, k) ==
     /\ declared' = declared \cup {<<r, k>>}
     /\ UNCHANGED <<entry, free, pool, request, items, current, allocated, meta, inbox, owed, acks,
                    errors, SaveVars>>
+    /\ UNCHANGED Fate
 
 \* update_state_after_alloc(r, i) for an item declared present: a load of
 \* its slot joins the step's metadata, owed an ack by every rank, unless a
@@ -205,10 +224,11 @@ Alloc(r, k) ==
     /\ IF r \in entry[k].holders /\ ~\E l \in meta.loads : l.key = k
          THEN /\ meta' = [meta EXCEPT !.loads = @ \cup {Load(r, k)},
                                       !.declared = @ \cup {<<r, k>>}]
-              /\ owed' = owed \cup (Ranks \X {Load(r, k)})
+              /\ owed' = owed \cup ((Ranks \ known) \X {Load(r, k)})
          ELSE /\ meta' = [meta EXCEPT !.declared = @ \cup {<<r, k>>}]
               /\ UNCHANGED owed
     /\ UNCHANGED <<entry, free, pool, request, items, current, inbox, acks, errors, SaveVars>>
+    /\ UNCHANGED Fate
 
 \* build_connector_meta ends the step: its metadata goes, pickled inside
 \* SchedulerOutput, to every rank (a step without loads sends nothing the
@@ -221,6 +241,7 @@ BuildMeta ==
     /\ declared' = {}
     /\ current' = NoRequest
     /\ UNCHANGED <<entry, free, pool, request, items, allocated, owed, acks, errors, SaveVars>>
+    /\ UNCHANGED Fate
 
 \* request_finished(r), or an abort, at any time: r's waits and unallocated
 \* answers go; its pins stay until nothing of it is owed.
@@ -232,6 +253,7 @@ Finish(r) ==
          THEN ReleaseAll(r, Keys) /\ request' = [request EXCEPT ![r] = CLOSED]
          ELSE ReleaseAll(r, {}) /\ request' = [request EXCEPT ![r] = FINISHED]
     /\ UNCHANGED <<free, pool, items, allocated, meta, inbox, owed, acks, errors, SaveVars>>
+    /\ UNCHANGED Fate
 
 \* update_connector_output with rank w's ack of load l.  When nothing of a
 \* finished (or quarantined: a late ack) request is owed any more, its pins
@@ -247,16 +269,22 @@ Ack(w, l) ==
          THEN ReleaseAll(r, Keys) /\ request' = [request EXCEPT ![r] = CLOSED]
          ELSE UNCHANGED <<entry, request>>
     /\ UNCHANGED <<free, pool, items, current, declared, allocated, meta, inbox, errors, SaveVars>>
+    /\ UNCHANGED Fate
 
 \* The hold timeout: acks owed for a finished request are overdue, perhaps
-\* lost.  The request is quarantined: its pins stay, never released,
-\* evicted or reused (a rank may still read them); only late acks end them.
+\* lost, perhaps only slow.  The request is quarantined: its pins stay, never
+\* released, evicted or reused (a rank may still read them); only late acks,
+\* or the owing rank's known death (LearnDeath), end them.  Its fills end
+\* UNKNOWN (QUARANTINED: their waiters encode instead of waiting) and stay
+\* `writing`: Rank0 may still write them, so no fence frees them until its
+\* late ack or its known death.
 LoseAck(r) ==
     /\ request[r] = FINISHED
     /\ LET lost == {sv \in saving : sv.req = r}
            K == {sv.key : sv \in {o \in lost : entry[o.key].filler = r}}
            closes == OwedBy(r) = {}
        IN  /\ saving' = saving \ lost
+           /\ writing' = writing \cup lost
            /\ entry' = [k \in Keys |-> IF k \in K
                             THEN [entry[k] EXCEPT !.state = FENCED, !.filler = NoRequest,
                                                   !.waiters = {}]
@@ -265,6 +293,42 @@ LoseAck(r) ==
            /\ request' = [request EXCEPT ![r] = IF closes THEN CLOSED ELSE QUARANTINED]
     /\ UNCHANGED <<free, pool, items, current, declared, allocated, meta, inbox, owed,
                    acks, errors, sacks>>
+    /\ UNCHANGED <<dead, known>>
+
+\* A rank's process exits (killed, crashed): it runs no step any more; its
+\* acks already sent may still arrive.  Nothing tells the connector: until
+\* LearnDeath a dead rank looks exactly like a slow one.
+Die(w) ==
+    /\ w \in Mortal \ dead
+    /\ dead' = dead \cup {w}
+    /\ UNCHANGED <<entry, free, pool, request, items, current, declared, allocated, meta, inbox,
+                   owed, acks, errors, SaveVars, known, writing>>
+
+\* vLLM tells the connector that w died (its worker process exited).  w
+\* reads nothing more: the loads it owes are owed no more.  If w is Rank0 it
+\* writes nothing more: its fills end UNKNOWN (QUARANTINED, freed by
+\* FenceFill).  A finished or quarantined request owing nothing closes.
+LearnDeath(w) ==
+    /\ w \in dead \ known
+    /\ known' = known \cup {w}
+    /\ owed' = {p \in owed : p[1] # w}
+    /\ writing' = IF w = Rank0 THEN {} ELSE writing
+    /\ LET lost == IF w = Rank0 THEN saving ELSE {}
+           K == {sv.key : sv \in {o \in lost : /\ entry[o.key].filler = o.req
+                                                /\ entry[o.key].slot = o.slot}}
+           closes(r) == /\ request[r] \in {FINISHED, QUARANTINED}
+                        /\ ~\E p \in owed' : p[2].req = r
+                        /\ ~\E sv \in saving \ lost : sv.req = r
+           closed == {r \in Requests : closes(r)}
+       IN  /\ saving' = saving \ lost
+           /\ entry' = [k \in Keys |->
+                           IF k \in K
+                             THEN [entry[k] EXCEPT !.state = FENCED, !.filler = NoRequest,
+                                                   !.waiters = {}, !.holders = {}]
+                             ELSE [entry[k] EXCEPT !.holders = @ \ closed]]
+           /\ request' = [r \in Requests |-> IF r \in closed THEN CLOSED ELSE request[r]]
+    /\ UNCHANGED <<free, pool, items, current, declared, allocated, meta, inbox, acks, errors,
+                   sacks, dead>>
 
 -----------------------------------------------------------------------------
 (* The producer path: fresh encoder outputs, written by Rank0 into the pool. *)
@@ -276,6 +340,7 @@ LoseAck(r) ==
 \* output into the slot and acks.
 AllocSave(r, k) ==
     /\ Producer
+    /\ Rank0 \notin known  \* nobody would write it
     /\ request[r] = ENSURED
     /\ k \in items[r]
     /\ <<r, k>> \notin declared \cup allocated
@@ -290,6 +355,7 @@ AllocSave(r, k) ==
          /\ saving' = saving \cup {[req |-> r, key |-> k, slot |-> s]}
     /\ allocated' = allocated \cup {<<r, k>>}
     /\ UNCHANGED <<request, items, current, declared, inbox, owed, acks, errors, sacks>>
+    /\ UNCHANGED Fate
 
 \* update_connector_output with Rank0's ack of save sv: the fill ends OK,
 \* the entry is READY and pinned by r (Request.end_fill); a finished
@@ -315,8 +381,10 @@ AckSave(sv) ==
                   /\ request' = IF closes THEN [request EXCEPT ![r] = CLOSED] ELSE request
          ELSE /\ saving' = saving \ {sv}
               /\ UNCHANGED <<entry, request>>
+    /\ writing' = writing \ {sv}  \* a late ack: that write is over
     /\ UNCHANGED <<free, pool, items, current, declared, allocated, meta, inbox, owed, acks,
                    errors>>
+    /\ UNCHANGED <<dead, known>>
 
 \* A save ack that never arrives: the fill stays LOADING until LoseAck.
 DropSaveAck(sv) ==
@@ -324,18 +392,20 @@ DropSaveAck(sv) ==
     /\ sacks' = sacks \ {sv}
     /\ UNCHANGED <<entry, free, pool, request, items, current, declared, allocated, meta, inbox,
                    owed, acks, errors, saving>>
+    /\ UNCHANGED Fate
 
 \* The fence of a QUARANTINED fill: its slot is freed once no write of it by
-\* Rank0 can land any more: no step being built or that Rank0 has still to
-\* run saves into it (the fence's contract, as for any unknown outcome).
+\* Rank0 can land any more, which the connector knows only from Rank0's late
+\* ack of it or Rank0's known death (until then Rank0 may only be slow: a step
+\* it has still to run may write it).
 FenceFill(k) ==
     /\ entry[k].state = FENCED
-    /\ ~\E m \in {meta} \cup {inbox[Rank0][i] : i \in 1..Len(inbox[Rank0])} :
-           \E sv \in m.saves : sv.slot = entry[k].slot
+    /\ Rank0 \in known \/ ~\E sv \in writing : sv.key = k /\ sv.slot = entry[k].slot
     /\ entry' = [entry EXCEPT ![k] = NoEntry]
     /\ free' = free \cup {entry[k].slot}
     /\ UNCHANGED <<pool, request, items, current, declared, allocated, meta, inbox, owed, acks,
                    errors, SaveVars>>
+    /\ UNCHANGED Fate
 
 -----------------------------------------------------------------------------
 (* The worker connectors: one per rank, in the GPU worker processes. *)
@@ -345,6 +415,7 @@ FenceFill(k) ==
 \* (recorded in `errors` when the tensor is missing or holds other bytes),
 \* and build_connector_worker_meta acks each load.
 WorkerLoad(w) ==
+    /\ w \notin dead
     /\ inbox[w] # <<>>
     /\ LET m == Head(inbox[w])
            got(k) == IF \E l \in m.loads : l.key = k
@@ -364,6 +435,7 @@ WorkerLoad(w) ==
     /\ inbox' = [inbox EXCEPT ![w] = Tail(@)]
     /\ UNCHANGED <<entry, free, request, items, current, declared, allocated, meta, owed,
                    saving>>
+    /\ UNCHANGED Fate
 
 \* An ack that never arrives: a killed worker, a lost message.
 DropAck(w, l) ==
@@ -371,13 +443,14 @@ DropAck(w, l) ==
     /\ acks' = acks \ {<<w, l>>}
     /\ UNCHANGED <<entry, free, pool, request, items, current, declared, allocated, meta, inbox,
                    owed, errors, SaveVars>>
+    /\ UNCHANGED Fate
 
 \* Every request is closed or quarantined and nothing is in flight: the
 \* behaviour ends here (a stuttering step, so that TLC's deadlock check
 \* still flags any other state where nothing can happen).
 Done ==
     /\ \A r \in Requests : request[r] \in {CLOSED, QUARANTINED}
-    /\ meta = EmptyMeta /\ acks = {} /\ sacks = {} /\ \A w \in Ranks : inbox[w] = <<>>
+    /\ meta = EmptyMeta /\ acks = {} /\ sacks = {} /\ \A w \in Ranks \ dead : inbox[w] = <<>>
     /\ UNCHANGED vars
 
 -----------------------------------------------------------------------------
@@ -398,6 +471,9 @@ Init ==
     /\ errors = {}
     /\ saving = {}
     /\ sacks = {}
+    /\ dead = {}
+    /\ known = {}
+    /\ writing = {}
 
 Next ==
     \/ \E k \in Keys : BeginLoad(k) \/ EndLoad(k, TRUE) \/ EndLoad(k, FALSE) \/ Evict(k)
@@ -406,7 +482,7 @@ Next ==
     \/ \E r \in Requests, k \in Keys : HasItem(r, k) \/ Alloc(r, k) \/ AllocSave(r, k)
     \/ \E sv \in Saves : AckSave(sv) \/ DropSaveAck(sv)
     \/ BuildMeta
-    \/ \E w \in Ranks : WorkerLoad(w)
+    \/ \E w \in Ranks : WorkerLoad(w) \/ Die(w) \/ LearnDeath(w)
     \/ \E w \in Ranks, l \in Loads : Ack(w, l) \/ DropAck(w, l)
     \/ Done
 
@@ -437,6 +513,17 @@ TypeOK ==
                          got : Keys \cup {Garbage, Nothing}]
     /\ saving \subseteq Saves
     /\ sacks \subseteq Saves
+    /\ dead \subseteq Ranks
+    /\ known \subseteq Ranks
+    /\ writing \subseteq Saves
+
+\* The connector knows a rank dead only if its process exited (no death is
+\* presumed from a timeout).
+KnownIsDead == known \subseteq dead
+
+\* A fill Rank0 may still write keeps its slot: QUARANTINED, in that slot,
+\* until Rank0's late ack or its known death (a timeout alone frees nothing).
+WritingHeld == \A sv \in writing : entry[sv.key].state = FENCED /\ entry[sv.key].slot = sv.slot
 
 \* What vLLM sees.  Every item a rank's model run needed was in its
 \* encoder_cache (else: RuntimeError "Encoder cache miss", the engine dies) ...
@@ -463,7 +550,11 @@ SlotsExact ==
 \* step's metadata whose slot holds it, pinned by the load's request (one
 \* load per key and step), until every rank has run that step.
 Pinned(r, k) == entry[k].state = READY /\ r \in entry[k].holders
-InFlight == {meta} \cup UNION {{inbox[w][i] : i \in 1..Len(inbox[w])} : w \in Ranks}
+\* (A dead rank runs no step: what its inbox holds is never read, and the
+\* step being built is read by nobody once every rank is dead.)
+Alive == Ranks \ dead
+InFlight == (IF Alive = {} THEN {} ELSE {meta})
+            \cup UNION {{inbox[w][i] : i \in 1..Len(inbox[w])} : w \in Alive}
 DeclaredIsPinned ==
     /\ \A d \in declared : Pinned(d[1], d[2])
     /\ \A m \in InFlight : \A d \in m.declared :

@@ -183,13 +183,24 @@ class CacheCore:
         fx.wake = wake
         return self._done(fx)
 
-    def publish(self, rs: RequestState, keys: Sequence[str], store: bool) -> Effects[list[bool]]:
+    def publish(
+        self, rs: RequestState | None, keys: Sequence[str], store: bool
+    ) -> Effects[list[bool]]:
         """Publish each key ``rs`` holds READY (with a ``store`` only); per key whether a write
-        started; the writes to start."""
-        self._check(rs)
-        started = self._actions.publish_keys(rs, keys) if store else [None] * len(keys)
+        started; the writes to start. ``rs`` None: publish again (failed publishes retried,
+        ``embcache.driver.backlog``) under an internal request ``republish#N`` that pins each
+        key still READY, not doomed, tainted or being published (Lookup, not counted as a
+        hit), publishes it and closes in this step; a key evicted, removed or quarantined
+        since is not written."""
+        if rs is None:
+            self._check_open()
+            rs, started, wake = self._actions.republish(keys)
+        else:
+            self._check(rs)
+            started = self._actions.publish_keys(rs, keys) if store else [None] * len(keys)
+            wake = []
         fx = Effects([e is not None for e in started])
-        fx.writes = writes_of(rs, started)
+        fx.writes, fx.wake = writes_of(rs, started), wake
         return self._done(fx)
 
     def end_publishes(

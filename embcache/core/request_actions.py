@@ -16,7 +16,8 @@ request itself changes it once nothing is pending).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import NamedTuple
 
 from embcache.core.actions import Actions
 from embcache.core.effects import Fill, Looked, Served
@@ -36,17 +37,26 @@ from embcache.errors import InvalidArgumentError
 NOT_FOUND = Reason.NOT_FOUND
 
 
+class _Again(NamedTuple):
+    """The item of an entry looked up again to publish it again (``RequestActions.republish``)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: Hashable
+    nbytes: int
+
+
 class RequestActions(Actions):
     """The cache's state, its DESIGN actions and a request's bodies over them (one owner).
     Not thread-safe: the driver locks."""
 
-    def next_batch_id(self) -> str:
-        """A free id for a request-less insert's internal request (``insert#N``)."""
+    def next_batch_id(self, kind: str = "insert") -> str:
+        """A free id for an internal request (``insert#N``, ``republish#N``)."""
         self._batches += 1
-        request_id = f"insert#{self._batches}"
+        request_id = f"{kind}#{self._batches}"
         while request_id in self._requests:  # a caller's own request took the name
             self._batches += 1
-            request_id = f"insert#{self._batches}"
+            request_id = f"{kind}#{self._batches}"
         return request_id
 
     # ------------------------------------------------------------------ lookups
@@ -200,6 +210,33 @@ class RequestActions(Actions):
         """Publish(r, k) of each key: per key the entry whose range to write, or None."""
         publish = self.publish
         return [publish(rs, key) for key in keys]
+
+    def republish(
+        self, keys: Sequence[str]
+    ) -> tuple[RequestState, list[Entry | None], list[RequestState]]:
+        """Publish again each key still READY and not doomed, tainted or being published,
+        under a new internal request that pins it (Lookup; a republish is no request's hit),
+        publishes it (Publish: the write holds its own pin) and closes. The request, per key
+        the entry to write or None, the requests to wake."""
+        rs = self.open_request(self.next_batch_id("republish"))
+        entries = self._entries
+        live: dict[str, Entry] = {}  # a key twice: written once
+        for key in keys:
+            entry = entries.get(key)
+            if (
+                entry is not None
+                and entry.state is READY
+                and not (entry.doomed or entry.tainted or entry.publishing)
+            ):
+                live[key] = entry
+        if live:
+            again = [_Again(e.key, e.shape, e.dtype, e.size) for e in live.values()]
+            _, missed = self.lookup_all(rs, again)
+            assert not missed, "a live READY entry is a hit"
+            self._counts["hits"] -= len(live)
+        started = dict(zip(live, self.publish_keys(rs, list(live)), strict=True))
+        wake = self.end_request(rs)
+        return rs, [started.pop(key, None) for key in keys], wake
 
     # ------------------------------------------------------------------ the end
     def end_request(self, rs: RequestState) -> list[RequestState]:

@@ -45,6 +45,11 @@ class CacheStats:
     single_flight_joins: int
     fences: int
     build: str  # "compiled" (mypyc's extension modules) or "pure": embcache.core.build
+    # failed publishes waiting for the store, and those dropped unpublished (oldest beyond the
+    # bound; evicted, removed or quarantined first): ``embcache.driver.backlog``
+    publish_backlog: int = 0
+    publish_backlog_dropped: int = 0
+    publish_backlog_stale: int = 0
 
     @property
     def entries(self) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -50,6 +51,7 @@ from embcache.core.lifecycle import EntryState
 from embcache.core.outcomes import ItemStatus, TransferOutcome
 from embcache.core.policy import Policy, as_policy
 from embcache.core.stats import CacheStats
+from embcache.driver.backlog import PublishBacklog, Republisher, RepublishPolicy
 from embcache.driver.fencing import FencePolicy, Fencer
 from embcache.driver.global_store import GlobalStore, get_outcome, put_outcome
 from embcache.driver.item import Item, check_key
@@ -67,6 +69,7 @@ __all__ = [
     "EmbeddingCache",
     "FencePolicy",
     "IOExecutor",
+    "RepublishPolicy",
     "TraceSink",
 ]
 log = logging.getLogger(__name__)
@@ -110,7 +113,11 @@ class EmbeddingCache:
     None: only ``fence()`` does). ``poison_freed`` (default: ``EMBCACHE_POISON``) is a debug
     mode that overwrites every freed range (``embcache.driver.poison``). ``pool``, when given, is
     the pool itself (``embcache.driver.pool.make_pool``; shared memory: see
-    ``embcache.driver.request``).
+    ``embcache.driver.request``). ``republish`` bounds the publishes that failed and are tried
+    again when the store answers (``embcache.driver.backlog``; None: never tried again).
+    ``fence_gate``, when given, is asked by every fence once the store's fence returned:
+    False means a writer outside the cache (an in-place fill's, ``embcache.driver.request``) may
+    still write a quarantined range, and the fence frees nothing (it is tried again later).
 
     ``io_executor`` runs the store reads and writes (default: a ``ThreadPoolExecutor`` of
     ``io_workers`` threads); ``new_event`` makes the Event a request waiting on a load blocks
@@ -136,6 +143,8 @@ class EmbeddingCache:
         pool: torch.Tensor | None = None,
         io_executor: IOExecutor | None = None,
         new_event: Callable[[], threading.Event] = threading.Event,
+        republish: RepublishPolicy | None = RepublishPolicy(),  # noqa: B008 (frozen)
+        fence_gate: Callable[[], bool] | None = None,
     ) -> None:
         check_int("capacity", capacity_bytes)  # here, not in the core: see RangeAllocator
         check_int("alignment", alignment)
@@ -159,6 +168,12 @@ class EmbeddingCache:
             raise InvalidTypeError(
                 f"io_executor must have submit and shutdown (an Executor), got {io_executor!r}"
             )
+        if republish is not None and not isinstance(republish, RepublishPolicy):
+            raise InvalidTypeError(
+                f"republish must be a RepublishPolicy or None, got {republish!r}"
+            )
+        if fence_gate is not None and not callable(fence_gate):
+            raise InvalidTypeError(f"fence_gate must be callable, got {fence_gate!r}")
         if not callable(new_event):
             raise InvalidTypeError(f"new_event must make an Event, got {new_event!r}")
         self._core = CacheCore(
@@ -188,10 +203,16 @@ class EmbeddingCache:
             else io_executor
         )
         self._new_event = new_event
+        self._fence_gate = fence_gate
         self._fence_policy = auto_fence
         self._fencer = (
             None if auto_fence is None else Fencer(auto_fence, self._fence_due, self.fence)
         )
+        self._backlog: PublishBacklog | None = None
+        self._republisher: Republisher | None = None
+        if store is not None and republish is not None:
+            self._backlog = PublishBacklog(republish.max_entries)
+            self._republisher = Republisher(republish, self._backlog, self._republish)
         self._run(self._core.start)  # Init
 
     # ------------------------------------------------------------------ public API
@@ -263,7 +284,8 @@ class EmbeddingCache:
 
     def fence(self) -> int:
         """Fence the store, then free the very entries quarantined before it; returns how many.
-        Refused by the lock-order check: begins nothing; raising later: abandoned, re-raised."""
+        Refused by the lock-order check: begins nothing; raising later: abandoned, re-raised;
+        closed by ``fence_gate``: abandoned, 0."""
         assert_unlocked("store fence")
         core = self._core
         begun: list[FenceSnapshot] = []  # the snapshot, even if delivering its event raises
@@ -271,11 +293,13 @@ class EmbeddingCache:
             self._run(core.begin_fence, begun)
             if self._store is not None:
                 self._store.fence()
+            gate = self._fence_gate
+            clear = gate is None or gate()  # False: an outside writer may still write
         except BaseException:
             if begun:
                 self._run(core.end_fence, begun[0], False)
             raise
-        return self._run(core.end_fence, begun[0], True)
+        return self._run(core.end_fence, begun[0], clear)
 
     def close(self) -> None:
         """Stop taking requests, finish transfers in flight; the store is left to its owner."""
@@ -284,6 +308,8 @@ class EmbeddingCache:
         assert_unlocked("waiting for I/O workers")
         if self._fencer is not None:
             self._fencer.stop()
+        if self._republisher is not None:
+            self._republisher.stop()
         self._io.shutdown(wait=True)
 
     def __enter__(self) -> EmbeddingCache:
@@ -301,7 +327,16 @@ class EmbeddingCache:
     def stats(self) -> CacheStats:
         """A consistent snapshot. O(entries)."""
         with self._lock:
-            return self._core.queries.stats(time.monotonic())
+            stats = self._core.queries.stats(time.monotonic())
+        backlog = self._backlog
+        if backlog is None:
+            return stats
+        return dataclasses.replace(
+            stats,
+            publish_backlog=len(backlog),
+            publish_backlog_dropped=backlog.dropped,
+            publish_backlog_stale=backlog.stale,
+        )
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` naming the first broken DESIGN.md invariant. O(n log n)."""
@@ -385,6 +420,25 @@ class EmbeddingCache:
             pass  # the store failed: the writes may still read the ranges, so UNKNOWN
         finally:
             self._run(self._core.end_publishes, request_id, entries, outcomes)
+            backlog = self._backlog
+            if backlog is not None and backlog.note(entries, outcomes):
+                assert self._republisher is not None
+                self._republisher.store_answered()
+
+    def _republish(self, limit: int | None) -> None:
+        """The republisher's retry: publish again the ``limit`` oldest failed publishes (None:
+        all; ``CacheCore.publish`` with no request)."""
+        backlog = self._backlog
+        assert backlog is not None
+        entries = backlog.take(limit)
+        if not entries:
+            return
+        try:
+            started = self._run(self._core.publish, None, [e.key for e in entries], True)
+        except BaseException:
+            backlog.requeue(entries)
+            raise
+        backlog.skipped(entries, started)
 
     def _fence_due(self, now: float) -> bool:
         """Whether the automatic fence should run now (the fencer's question)."""

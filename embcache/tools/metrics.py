@@ -9,9 +9,10 @@ feeds (``observe_load``, ``observe_insert``) with a ``modality`` label; ``TimedS
 
 Counters (``_total``): hits, misses by reason, fallbacks by reason, loads started and ended by
 outcome, inserts, publishes started and ended by outcome, evictions and evicted bytes,
-allocation failures by reason, single-flight joins, fences. Gauges: pool capacity, allocated,
-free and largest free block in bytes, fragmentation, entries and bytes by state, pinned entries
-and bytes, age of the oldest pin, open requests.
+allocation failures by reason, single-flight joins, fences, failed publishes dropped from the
+backlog (the oldest beyond its bound; stale: evicted, removed or quarantined first). Gauges: pool
+capacity, allocated, free and largest free block in bytes, fragmentation, entries and bytes by
+state, pinned entries and bytes, age of the oldest pin, open requests, the publish backlog.
 
 A scrape costs one ``stats()`` per cache: O(entries) under the cache lock.
 """
@@ -57,6 +58,10 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("embcache_single_flight_joins", "single_flight_joins",
      "Lookups that joined a load or encode already in flight."),
     ("embcache_fences", "fences", "Store fences completed (quarantined ranges freed)."),
+    ("embcache_publish_backlog_dropped", "publish_backlog_dropped",
+     "Failed publishes dropped unretried: the oldest, beyond the backlog's bound."),
+    ("embcache_publish_backlog_stale", "publish_backlog_stale",
+     "Failed publishes not retried: evicted, removed or quarantined before the store returned."),
 )  # fmt: skip
 _COUNTERS_BY_LABEL: tuple[tuple[str, str, str, str], ...] = (
     # (metric name without _total, CacheStats dict field, label, help)
@@ -79,6 +84,8 @@ _GAUGES: tuple[tuple[str, str, str], ...] = (
     ("embcache_oldest_pin_age_seconds", "oldest_pin_age_s",
      "How long the longest-held entry has been pinned."),
     ("embcache_open_requests", "open_requests", "Requests opened and not yet closed."),
+    ("embcache_publish_backlog", "publish_backlog",
+     "Failed publishes waiting to be written when the store answers again."),
 )  # fmt: skip
 
 

@@ -136,10 +136,16 @@ def publishing_resumed(
     engine: EngineProcess, images: Sequence[int], ref: Reference, want: int = 2
 ) -> list[int]:
     """Serve one new image at a time until ``want`` of them were published (the store
-    reconnects within its probe interval; what failed to publish meanwhile is not retried)."""
+    reconnects within its probe interval; what failed to publish meanwhile is retried from
+    the backlog: each image is served once the backlog is empty, so its publish is the one
+    that ends)."""
     done = []
     for image in images:
-        before = engine.stats()["cache"]
+        before = wait_for(
+            f"engine {engine.name}'s publish backlog to empty",
+            lambda: (c := engine.stats()["cache"])["publish_backlog"] == 0 and c,
+            PUBLISH_TIMEOUT_S,
+        )
         served(engine, [prompt([image], salt=3)], ref)
         after = wait_for(
             f"engine {engine.name}'s publish of image {image} to end",
@@ -200,9 +206,43 @@ def tiny_pool_200_requests(world: World, ref: Reference) -> None:
     healthy(d)
 
 
+def outage_publishes_come_back(world: World, ref: Reference) -> None:
+    """The master is killed; A serves eight new images (it encodes them, their publishes fail
+    and wait in its backlog); the master restarts and, with no request to A, A's backlog is
+    written; then B (once its own client is back on the master) serves A's prompts: B
+    encodes none of the images A encoded during the outage and still holds."""
+    a, b, master = world["A"], world["B"], world.master
+    ok_before = a.stats()["cache"]["publishes_ok"]
+    master.kill()
+    outage = [prompt([i], salt=5) for i in range(400, 408)]
+    out_a = served(a, outage, ref)
+    encoded = set(out_a["encoded"])
+    assert len(encoded) == 8, f"A did not encode the new images: {out_a['encoded']}"
+    cache = wait_for(
+        "A's failed publishes to wait in its backlog",
+        lambda: (c := a.stats()["cache"])["publish_backlog"] >= 8 and c,
+        PUBLISH_TIMEOUT_S,
+    )
+    master.start()
+    cache = wait_for(
+        "A's backlog to be written after the restart",
+        lambda: (c := a.stats()["cache"])["publish_backlog"] == 0 and c,
+        PUBLISH_TIMEOUT_S,
+    )
+    assert cache["publish_backlog_dropped"] == cache["publish_backlog_stale"] == 0, cache
+    assert cache["publishes_ok"] >= ok_before + 8, cache
+    publishing_resumed(b, range(420, 440), ref, want=1)  # B's client is back on the master
+    out_b = served(b, outage, ref)
+    assert not encoded & set(out_b["encoded"]), (
+        f"B encoded what A encoded during the outage and holds: {out_b['encoded']}"
+    )
+    healthy(a, b)
+
+
 CHECKS: tuple[Callable[[World, Reference], None], ...] = (
     b_loads_what_a_encoded,
     b_survives_the_master,
+    outage_publishes_come_back,
     sigkill_leaves_nothing,
     tiny_pool_200_requests,
 )

@@ -29,6 +29,12 @@ def test_b_serves_on_when_the_master_dies_and_publishes_after_restart(
     checks.b_survives_the_master(world, reference)
 
 
+def test_publishes_failed_during_an_outage_are_written_when_the_master_returns(
+    world: World, reference: Reference
+) -> None:
+    checks.outage_publishes_come_back(world, reference)
+
+
 def test_an_engine_killed_leaves_nothing_and_the_other_serves_on(
     world: World, reference: Reference
 ) -> None:

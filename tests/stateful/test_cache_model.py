@@ -165,6 +165,7 @@ class CacheMachine(RuleBasedStateMachine):
             policy=make_policy(policy, **KNOBS[policy]),
             auto_fence=None,  # fences are a rule here
             io_executor=self.io,
+            republish=None,  # no retry thread racing the rules (tests/test_republish.py)
         )
         self.model = ModelCache(units * ALIGN, ALIGN, max_batch, eviction, policy, **KNOBS[policy])
         self.handles: dict[str, Any] = {}

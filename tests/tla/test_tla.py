@@ -59,7 +59,8 @@ def test_models_pass_and_mutants_are_rejected() -> None:
 def test_vllm_mutants_break_a_design_rule_first(tmp_path: Path) -> None:
     """On VllmSaves (every invariant) a design rule rejects each vLLM mutant before any rank
     or the cache goes wrong (check.py shows that on VllmEngine): DeclaredIsPinned, or for the
-    fill mutant FillHeld."""
+    fill mutant FillHeld, for a death presumed KnownIsDead, for a fill fenced on a timeout
+    WritingHeld."""
     java, jar = check.find_java(), check.find_jar()
     jobs = [check.parse_mutant(path) for path in sorted((TLA / "mutants").glob("*.mutant"))]
     vllm = [job for job in jobs if job.spec == VLLM_SPEC]
@@ -71,6 +72,10 @@ def test_vllm_mutants_break_a_design_rule_first(tmp_path: Path) -> None:
         check.prepare(job, workdir)
         outcome = check.check_one(java, jar, job, workdir)
         rule = "FillHeld" if "fill" in job.name else "DeclaredIsPinned"
+        if "death" in job.name:  # a death presumed, not told: the connector's own rule
+            rule = "KnownIsDead"
+        if "on_timeout" in job.name:  # a fill fenced with its writer not known dead
+            rule = "WritingHeld"
         assert outcome.result == rule, (job.name, outcome.output[-3000:])
 
 

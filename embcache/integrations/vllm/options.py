@@ -13,7 +13,8 @@ key_prefix         namespace of the keys in the global store ("embcache/vllm/")
 policy             eviction order and admission: "lru" or "tinylfu" ("lru"; checked by
                    ``EmbeddingCache`` when the scheduler starts)
 hold_timeout_s     how long after a request ends its missing acks are awaited before its
-                   ranges are quarantined for good (30.0)
+                   ranges are quarantined: held until the late acks come or the owing
+                   rank's worker process is seen gone, never freed on the timeout (30.0)
 embed_width        embedding width; absent: the producer's measured width per modality,
                    else the model's hidden size
 =================  =========================================================================

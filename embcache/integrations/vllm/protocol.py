@@ -51,10 +51,12 @@ class EmbcacheECMetadata(ECConnectorMetadata):  # type: ignore[misc]
 class EmbcacheECWorkerMetadata(ECConnectorWorkerMetadata):  # type: ignore[misc]
     """Acks: ``loaded[rank]`` the (step, key) loads that rank finished; ``saved[(step, key)]``
     whether rank 0 wrote that save's pool range (False: the tensor did not match, or vLLM did
-    not ask it to save that item this step)."""
+    not ask it to save that item this step); ``alive[rank]`` the worker process a rank runs in,
+    announced once (``embcache.integrations.vllm.ranks``: how its death is learned)."""
 
     loaded: dict[int, list[StepKey]] = field(default_factory=dict)
     saved: dict[StepKey, bool] = field(default_factory=dict)
+    alive: dict[int, tuple[str, int]] = field(default_factory=dict)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> EmbcacheECWorkerMetadata:
         """A new object holding the acks of both (neither is changed). O(acks)."""
@@ -63,4 +65,5 @@ class EmbcacheECWorkerMetadata(ECConnectorWorkerMetadata):  # type: ignore[misc]
         loaded = {rank: list(acks) for rank, acks in self.loaded.items()}
         for rank, acks in other.loaded.items():
             loaded.setdefault(rank, []).extend(acks)
-        return EmbcacheECWorkerMetadata(loaded, {**self.saved, **other.saved})
+        alive = {**self.alive, **other.alive}
+        return EmbcacheECWorkerMetadata(loaded, {**self.saved, **other.saved}, alive)

@@ -12,8 +12,14 @@ match) and closes a finished request once nothing of it is outstanding. The sche
 no payload byte: it only changes state.
 
 A request that finished with acks missing past ``hold_timeout_s`` is quarantined: its pins are
-held for good (a rank may still read them), only a late ack ends that hold; its fills end
-UNKNOWN (rank 0 may still write), so the cache quarantines their ranges until a fence.
+held (a slow rank may still read them); its fills end UNKNOWN (their waiters encode instead of
+waiting) and stay ``writing``: the cache's fence frees nothing while one is (``fence_gate``), as
+a slow rank 0 may still write it. A timeout says nothing about death, so it frees nothing.
+Only a late ack, or the owing rank's known death, ends that hold: ``ranks.RankWatch`` learns it
+from the rank's worker process (announced in its first acks, watched by pidfd; vLLM's own
+failure path learns it from the same exit). A dead rank owes nothing more (it reads nothing);
+a dead rank 0 writes nothing more: its fills end UNKNOWN and none is ``writing`` any more.
+Known-dead ranks are owed no new acks.
 
 vLLM calls all of this from its one scheduler thread; nothing here takes a lock of its own.
 Every container is bounded by the requests vLLM has open (plus the finished ones whose acks
@@ -46,6 +52,7 @@ from embcache.integrations.vllm.protocol import (
     StepKey,
     Transfer,
 )
+from embcache.integrations.vllm.ranks import RankWatch
 from embcache.integrations.vllm.shm import SharedPool
 
 __all__ = ["Feature", "SchedulerSide", "SchedulerStats"]
@@ -103,6 +110,9 @@ class SchedulerSide:
             raise InvalidArgumentError(f"the engine's world size must be > 0, got {ranks!r}")
         self._ranks = ranks
         self._all_ranks = (1 << ranks) - 1  # a load's missing acks: one bit per rank
+        self._live = self._all_ranks  # the ranks not known dead: the acks a new load awaits
+        self._watch = RankWatch(ranks)
+        self._writing: set[StepKey] = set()  # fills ended UNKNOWN that rank 0 may still write
         self._consumer, self._producer = consumer, producer
         self._clock = clock
         self._hold_timeout = options.hold_timeout_s
@@ -115,6 +125,7 @@ class SchedulerSide:
                 store=self._store,
                 policy=options.policy,
                 pool=self._shared.tensor,
+                fence_gate=self._no_fill_writing,
             )
         except BaseException:
             self._close_store()
@@ -184,10 +195,11 @@ class SchedulerSide:
             if self._consumer and key not in self._step_loads:
                 step_key = (self._step, key)
                 self._step_loads[key] = Transfer(key, offset, item.shape, item.dtype)
-                self._load_acks[step_key] = (request_id, self._all_ranks)
-                held.loads.add(step_key)
+                if self._live:
+                    self._load_acks[step_key] = (request_id, self._live)
+                    held.loads.add(step_key)
                 self._counts["loads"] += 1
-        elif self._producer and key not in self._step_saves:
+        elif self._producer and key not in self._step_saves and self._live & 1:
             reserved = held.request.begin_fill([item])[0]
             if reserved is None:
                 self._counts["saves_skipped"] += 1  # present (not for it), a fill owed, no space
@@ -213,13 +225,16 @@ class SchedulerSide:
             self._step_saves = {}
         self._current = None
         self.has_item = NOTHING.__contains__
-        if self._finishing:
+        if self._finishing or self._quarantined or self._writing:
             self._expire()
         return meta
 
     def absorb(self, acks: EmbcacheECWorkerMetadata) -> None:
         """``update_connector_output``: count acks, end acked fills, close what is done.
         Unknown or repeated acks are ignored. O(acks)."""
+        for rank, who in acks.alive.items():
+            if self._watch.announce(rank, who):
+                self.rank_died(rank)
         touched: list[str] = []
         load_acks = self._load_acks
         for rank, done in acks.loaded.items():
@@ -238,6 +253,7 @@ class SchedulerSide:
                 touched.append(request_id)
         ended: dict[str, list[tuple[StepKey, str, int, TransferOutcome]]] = {}
         for step_key, ok in acks.saved.items():
+            self._writing.discard(step_key)  # a late ack: that write is over
             saved = self._save_acks.pop(step_key, None)
             if saved is not None:
                 request_id, key, offset = saved
@@ -249,8 +265,43 @@ class SchedulerSide:
             touched.append(request_id)
         for request_id in touched:
             self._close_if_done(request_id)
-        if self._finishing:
+        if self._finishing or self._quarantined or self._writing:
             self._expire()
+
+    def rank_died(self, rank: int) -> None:
+        """Rank ``rank``'s worker process is gone (``RankWatch`` saw it exit, or the engine's
+        failure path says so; never a timeout): it reads and writes nothing any more. The
+        loads it owes are owed no more (a finished request owing nothing else closes); rank
+        0's fills end UNKNOWN (the cache quarantines their ranges until a fence frees them);
+        no new load awaits its ack, and without rank 0 no fill is reserved. Raises
+        ``InvalidArgumentError`` for a rank out of range. O(outstanding transfers)."""
+        if not self._watch.mark_dead(rank) and not self._live >> rank & 1:
+            return
+        bit = 1 << rank
+        self._live &= ~bit
+        touched: list[str] = []
+        for step_key, (request_id, missing) in list(self._load_acks.items()):
+            if missing & bit:
+                if missing & ~bit:
+                    self._load_acks[step_key] = (request_id, missing & ~bit)
+                    continue
+                del self._load_acks[step_key]
+                self._held[request_id].loads.discard(step_key)
+                touched.append(request_id)
+        if rank == 0:
+            self._writing.clear()
+        if rank == 0 and self._save_acks:
+            ended: dict[str, list[tuple[StepKey, str, int, TransferOutcome]]] = {}
+            for step_key, (request_id, key, offset) in sorted(self._save_acks.items()):
+                ended.setdefault(request_id, []).append((step_key, key, offset, UNKNOWN))
+            self._save_acks.clear()
+            for request_id, saves in ended.items():
+                self._end_saves(request_id, saves)
+                touched.append(request_id)
+        log.error("rank %d's worker process is gone: %d holds no longer wait for it", rank,
+                  len(touched))  # fmt: skip
+        for request_id in touched:
+            self._close_if_done(request_id)
 
     def finish(self, request_id: str) -> None:
         """``request_finished``: close now, or once every ack came. O(1)."""
@@ -295,6 +346,7 @@ class SchedulerSide:
             "quarantined": len(self._quarantined),
             "load_acks": len(self._load_acks),
             "save_acks": len(self._save_acks),
+            "writing": len(self._writing),
             "step_loads": len(self._step_loads),
             "step_saves": len(self._step_saves),
         }
@@ -350,6 +402,8 @@ class SchedulerSide:
         self._quarantined.clear()
         self._load_acks.clear()
         self._save_acks.clear()
+        self._watch.close()
+        self._writing.clear()
         self._cache.close()
         self._close_store()
 
@@ -435,7 +489,8 @@ class SchedulerSide:
 
     def _expire(self) -> None:
         """Quarantine the finished requests whose acks are overdue (oldest first): their pins
-        stay; their fills end UNKNOWN."""
+        and fills stay (a slow rank is not a dead one); then end what the ranks whose worker
+        process exited owed (``rank_died``)."""
         now = self._clock()
         for request_id, finished_at in list(self._finishing.items()):
             if now - finished_at < self._hold_timeout:
@@ -446,22 +501,29 @@ class SchedulerSide:
             for step_key in sorted(held.saves):
                 _, key, offset = self._save_acks.pop(step_key)
                 unknown.append((step_key, key, offset, UNKNOWN))
+                self._writing.add(step_key)
             if unknown:
                 self._end_saves(request_id, unknown)
             if not held.loads:
                 self._close(request_id, held)
                 continue
             self._quarantined.add(request_id)
-            missing = sorted(
-                r for k in held.loads for r in range(self._ranks) if self._load_acks[k][1] >> r & 1
-            )
+            ranks = range(self._ranks)
+            missing = {r for k in held.loads for r in ranks if self._load_acks[k][1] >> r & 1}
             log.warning(
-                "request %s: no ack from ranks %s after %g s; its %d bytes stay held",
+                "request %s: no ack from ranks %s after %g s; its %d bytes stay held until "
+                "they ack or their process is gone",
                 request_id,
-                sorted(set(missing)),
+                sorted(missing),
                 self._hold_timeout,
                 self._held_bytes(held),
             )
+        for rank in self._watch.dead_now():
+            self.rank_died(rank)
+
+    def _no_fill_writing(self) -> bool:
+        """The cache's fence gate: no fill ended UNKNOWN that rank 0 may still write."""
+        return not self._writing
 
     def _held_bytes(self, held: _Held) -> int:
         present = held.present or {}

@@ -13,6 +13,7 @@ from embcache.integrations.vllm.protocol import (
     StepKey,
     Transfer,
 )
+from embcache.integrations.vllm.ranks import identity
 from embcache.integrations.vllm.shm import PoolHandle, attach
 
 __all__ = ["WorkerSide"]
@@ -28,6 +29,7 @@ class WorkerSide:
         self._pool: torch.Tensor | None = None
         self._loaded: list[StepKey] = []
         self._saved: dict[StepKey, bool] = {}
+        self._announce = True  # the first acks say which process this rank runs in
 
     def load(self, meta: EmbcacheECMetadata, encoder_cache: dict[str, torch.Tensor]) -> None:
         """``start_load_caches``: a new tensor per load in ``encoder_cache``, then its ack.
@@ -56,16 +58,19 @@ class WorkerSide:
 
     def acks(self, meta: EmbcacheECMetadata | None = None) -> EmbcacheECWorkerMetadata | None:
         """``build_connector_worker_meta``: the acks since the last call, or None; on rank 0,
-        a save of ``meta`` (the step's metadata) never written is acked False. O(acks)."""
+        a save of ``meta`` (the step's metadata) never written is acked False; the first call
+        also announces this rank's process (``ranks.WorkerIdentity``). O(acks)."""
         if meta is not None and self.rank == 0:
             for t in meta.saves:
                 self._saved.setdefault((meta.step, t.key), False)
-        if not (self._loaded or self._saved):
+        if not (self._loaded or self._saved or self._announce):
             return None
         acks = EmbcacheECWorkerMetadata(
-            {self.rank: self._loaded} if self._loaded else {}, self._saved
+            {self.rank: self._loaded} if self._loaded else {},
+            self._saved,
+            {self.rank: (me.boot, me.pid)} if self._announce and (me := identity()) else {},
         )
-        self._loaded, self._saved = [], {}
+        self._loaded, self._saved, self._announce = [], {}, False
         return acks
 
     def _view(self, handle: PoolHandle, t: Transfer) -> torch.Tensor:

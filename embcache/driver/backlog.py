@@ -1,0 +1,189 @@
+"""Publishes that come back after an outage: the bounded backlog of failed publishes.
+
+Theory of operation. A publish that ends FAILED wrote nothing (the store refused it, or was
+unreachable: Mooncake fails items at once with ``MASTER_UNREACHABLE`` while its master is down),
+so its entry may be written again later. The cache's I/O threads hand every ended publish to
+``PublishBacklog.note``: a FAILED one joins the backlog (its key and the very ``Entry`` object),
+an OK one says the store answers. A background thread (``Republisher``) tries the backlog again:
+
+- all of it, at once after any publish ended OK (the store is back), and
+- its oldest entry alone, every ``retry_interval_s`` while the backlog is not empty: that retry
+  is the probe (while the store is still down it fails at once and the entry goes back to the
+  oldest end; when it ends OK, the rest follows at once).
+
+"The store returned" is thus "a store write succeeded": no call beyond the ``GlobalStore``
+protocol, no probe while nothing waits, and while the store stays down one write an interval.
+A retried entry joins the eviction order anew when its publish ends, as any published entry
+does; the probe moves one entry an interval. A retry is the cache's ``CacheCore.publish``
+step with no request: the same Lookup, Publish, Release and EndPublish actions as any
+request's publish, under an internal request, only for keys still READY and neither doomed
+nor tainted: an entry evicted, removed or quarantined since is dropped from the
+backlog unpublished (``stale``). A publish ending UNKNOWN never joins: its entry is quarantined.
+
+Bounded: at most ``max_entries`` wait; one more drops the oldest (``dropped``). The counters
+are in ``EmbeddingCache.stats()`` (``publish_backlog``, ``publish_backlog_dropped``,
+``publish_backlog_stale``) and the Prometheus metrics. Lock: ``_lock`` is a leaf (level
+``BACKLOG_LEVEL``), held only to move keys in or out, never across a store call or a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from embcache.core.entries import Entry
+from embcache.core.outcomes import TransferOutcome
+from embcache.driver.locks import new_lock
+from embcache.errors import ClosedError, InvalidArgumentError, InvalidTypeError
+
+__all__ = ["BACKLOG_LEVEL", "PublishBacklog", "RepublishPolicy", "Republisher"]
+log = logging.getLogger(__name__)
+
+BACKLOG_LEVEL = 4  # above the trace outbox's (3): a leaf, taken with no other lock held
+
+
+@dataclass(frozen=True)
+class RepublishPolicy:
+    """How many failed publishes wait for the store (``max_entries``, the oldest dropped
+    beyond it) and how often they are tried again while it stays down (``retry_interval_s``)."""
+
+    max_entries: int = 4096
+    retry_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        n = self.max_entries
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise InvalidTypeError(f"max_entries must be an int, got {n!r}")
+        if n <= 0:
+            raise InvalidArgumentError(f"max_entries must be > 0, got {n}")
+        s = self.retry_interval_s
+        if isinstance(s, bool) or not isinstance(s, int | float):
+            raise InvalidTypeError(f"retry_interval_s must be a number, got {s!r}")
+        if not (math.isfinite(s) and s > 0):
+            raise InvalidArgumentError(f"retry_interval_s must be a finite number > 0, got {s}")
+
+
+class PublishBacklog:
+    """The failed publishes waiting for the store, oldest first, at most ``max_entries``
+    (one key: its latest entry). Thread-safe; every method O(its arguments), ``take`` O(n)."""
+
+    def __init__(self, max_entries: int) -> None:
+        self._max = max_entries
+        self._waiting: OrderedDict[str, Entry] = OrderedDict()
+        self._retrying: dict[str, Entry] = {}  # taken by ``take``, not yet ended
+        self._lock = new_lock(BACKLOG_LEVEL, "publish backlog lock")
+        self.dropped = 0  # the oldest, dropped for a newer one beyond ``max_entries``
+        self.stale = 0  # evicted, removed or quarantined before their retry: never published
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._waiting) + len(self._retrying)
+
+    def note(self, entries: Sequence[Entry], outcomes: Sequence[TransferOutcome]) -> bool:
+        """Ended publishes: each FAILED one waits (a retry's goes back to the oldest end);
+        returns whether one ended OK (the store answers)."""
+        ok = False
+        with self._lock:
+            waiting, retrying = self._waiting, self._retrying
+            back: list[Entry] = []
+            for entry, outcome in zip(entries, outcomes, strict=True):
+                key = entry.key
+                retried = retrying.get(key) is entry
+                if retried:
+                    del retrying[key]
+                if outcome is TransferOutcome.OK:
+                    ok = True
+                elif outcome is TransferOutcome.FAILED:
+                    if retried:
+                        back.append(entry)
+                    else:
+                        waiting.pop(key, None)
+                        waiting[key] = entry
+            for entry in reversed(back):
+                if entry.key not in waiting:  # (a newer failure of the key wins)
+                    waiting[entry.key] = entry
+                    waiting.move_to_end(entry.key, last=False)
+            while len(waiting) + len(retrying) > self._max and waiting:
+                waiting.popitem(last=False)
+                self.dropped += 1
+        return ok
+
+    def take(self, limit: int | None = None) -> list[Entry]:
+        """The ``limit`` oldest waiting entries (None: all), oldest first, now being retried
+        (each then ends in ``note``, ``skipped`` or ``requeue``). O(taken)."""
+        with self._lock:
+            waiting = self._waiting
+            n = len(waiting) if limit is None else min(limit, len(waiting))
+            taken = [waiting.popitem(last=False)[1] for _ in range(n)]
+            self._retrying.update((e.key, e) for e in taken)
+            return taken
+
+    def skipped(self, entries: Sequence[Entry], started: Sequence[bool]) -> None:
+        """Retries that did not start (the entry is gone, busy or quarantined): forgotten."""
+        with self._lock:
+            for entry, begun in zip(entries, started, strict=True):
+                if not begun and self._retrying.get(entry.key) is entry:
+                    del self._retrying[entry.key]
+                    self.stale += 1
+
+    def requeue(self, entries: Sequence[Entry]) -> None:
+        """Taken entries whose retry could not run (the cache refused the step): back, oldest."""
+        self.note(entries, [TransferOutcome.FAILED] * len(entries))
+
+
+class Republisher:
+    """The background thread of one cache's backlog. ``retry(limit)`` is the cache's own retry
+    of the ``limit`` oldest (None: all; a bound method, held weakly: a cache dropped without
+    ``close()`` ends its thread)."""
+
+    def __init__(
+        self,
+        policy: RepublishPolicy,
+        backlog: PublishBacklog,
+        retry: Callable[[int | None], None],
+    ) -> None:
+        self._policy = policy
+        self._backlog = backlog
+        self._retry = weakref.WeakMethod(retry)
+        self._wake = threading.Event()
+        self._answered = False  # a publish ended OK since the last retry
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="embcache-republish", daemon=True)
+        self._thread.start()
+
+    def store_answered(self) -> None:
+        """A publish ended OK: retry all that waits now rather than probe at the next interval."""
+        self._answered = True
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Stop and wait for a retry in progress to be handed to the I/O pool."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._policy.retry_interval_s)
+            self._wake.clear()
+            answered, self._answered = self._answered, False
+            if self._stop:
+                return
+            if not len(self._backlog):
+                continue
+            retry = self._retry()
+            if retry is None:
+                return  # the cache is gone
+            try:
+                retry(None if answered else 1)
+            except ClosedError:
+                return
+            except Exception:  # kept waiting; tried again at the next interval
+                log.warning("retrying failed publishes raised", exc_info=True)
+            del retry

@@ -1,0 +1,149 @@
+"""Publishes that come back after an outage, on a real ``mooncake_master`` that is killed and
+restarted (``embcache.driver.backlog``; no mocks).
+
+While the master is down, worker A serves and inserts: every publish fails (``RPC_FAIL``, then
+``MASTER_UNREACHABLE`` at once) and waits in A's backlog. When the master is back, A's probe
+gets through and the backlog is written, with no request to A; a second worker B then loads
+those keys from the global store (global hits) and reads A's bytes. What A removed or evicted
+meanwhile is not written; a backlog bounded to fewer entries than failed drops the oldest.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import ExitStack
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from embcache import EmbeddingCache
+from embcache.core.outcomes import Reason, Status
+from embcache.driver.backlog import RepublishPolicy
+from embcache.driver.item import Item
+from embcache.store.mooncake import MooncakeStore
+from tests.helpers import payload
+
+if TYPE_CHECKING:
+    from tests.integration.conftest import MooncakeMaster
+
+pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(180)]
+
+SHAPE = (256, 256)  # bfloat16: 128 KiB an item
+ITEM_BYTES = 128 << 10
+SEGMENT_BYTES = 64 << 20
+WAIT_S = 60.0
+
+
+def unique(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:10]}"
+
+
+def open_worker(
+    stack: ExitStack, master: MooncakeMaster, capacity: int, republish: RepublishPolicy
+) -> EmbeddingCache:
+    store = stack.enter_context(
+        MooncakeStore(
+            **master.store_kwargs(), global_segment_size=SEGMENT_BYTES, reconnect_interval_s=0.2
+        )
+    )
+    cache = stack.enter_context(
+        EmbeddingCache(capacity, store=store, pin_memory=False, republish=republish)
+    )
+    store.connect()
+    return cache
+
+
+def wait_for(what: str, done: object, timeout: float = WAIT_S) -> None:
+    assert callable(done)
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def items(keys: list[str]) -> list[Item]:
+    return [Item(k, SHAPE, torch.bfloat16) for k in keys]
+
+
+def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
+    private_mooncake_master: MooncakeMaster,
+) -> None:
+    master = private_mooncake_master
+    probe = RepublishPolicy(retry_interval_s=0.2)
+    with ExitStack() as stack:
+        a = open_worker(stack, master, 8 * ITEM_BYTES, probe)
+        bounded = open_worker(stack, master, 16 * ITEM_BYTES, RepublishPolicy(2, 0.2))
+        b = open_worker(stack, master, 32 * ITEM_BYTES, probe)
+        master.kill()
+
+        # A serves during the outage: 6 fresh images, removes one, then 4 more (8 fit): the
+        # oldest idle one is evicted. What A still holds: 4 of the first 6 and the 4 more.
+        first = [unique("outage") for _ in range(6)]
+        more = [unique("more") for _ in range(4)]
+        tensors = {k: payload(SHAPE, torch.bfloat16, i) for i, k in enumerate(first + more)}
+        for key in first:
+            with a.request(unique("serve")) as request:
+                assert request.lookup(items([key]))[0].status is Status.MISS
+                assert request.insert([key], [tensors[key]]) == [True]
+        wait_for("A's failed publishes", lambda: a.stats().publishes_failed >= len(first))
+        removed = first[3]
+        assert a.remove(removed)
+        with a.request(unique("serve")) as request:
+            assert request.insert(more, [tensors[k] for k in more]) == [True] * len(more)
+        evicted = [k for k in first if k != removed and a.entry_state(k).name == "ABSENT"]
+        assert len(evicted) == 1, "4 into 3 free slots evict the oldest"
+        held = [k for k in first + more if k not in (removed, *evicted)]
+        wait_for("A's failed publishes", lambda: a.stats().publishes_failed >= 10)
+
+        # A worker whose backlog holds 2: 5 fail, the 3 oldest are dropped.
+        dropped_keys = [unique("bounded") for _ in range(5)]
+        bounded_tensors = [payload(SHAPE, torch.bfloat16, 50 + i) for i in range(5)]
+        for key, tensor in zip(dropped_keys, bounded_tensors, strict=True):
+            with bounded.request(unique("serve")) as request:
+                assert request.insert([key], [tensor]) == [True]
+        wait_for("the bounded worker's failures", lambda: bounded.stats().publishes_failed >= 5)
+        stats = bounded.stats()
+        assert (stats.publish_backlog, stats.publish_backlog_dropped) == (2, 3)
+        assert a.stats().publish_backlog >= len(held)
+        assert all(s.publishes_ok == 0 for s in (a.stats(), bounded.stats()))
+
+        master.start()  # nothing is asked of A or of the bounded worker: their probes find it
+        for worker in (a, bounded):
+            wait_for("the backlog to drain", lambda w=worker: w.stats().publish_backlog == 0)
+        stats = a.stats()
+        assert stats.publishes_ok == len(held), stats
+        assert stats.publish_backlog_stale == 2  # the removed and the evicted one
+        assert stats.publish_backlog_dropped == 0
+        assert bounded.stats().publishes_ok == 2
+
+        # B serves A's trace: a global hit for every image A still holds, none for the others.
+        # (B's client finds the restarted master on its first calls: those may fail and fall
+        # back, as after any restart; B tries again until served, bounded.)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            with b.request(unique("b")) as request:
+                statuses = request.lookup(items(held), prefetch=True)
+                assert request.wait(WAIT_S)
+                views = request.embeddings()
+                if all(v is not None for v in views):
+                    assert [s.status for s in statuses] == [Status.LOADING] * len(held)
+                    for key, view in zip(held, views, strict=True):
+                        assert view is not None
+                        assert torch.equal(view.view(torch.uint8), tensors[key].view(torch.uint8))
+                    break
+            b.clear()
+            assert time.monotonic() < deadline, f"B never loaded A's images: {statuses}"
+            time.sleep(0.2)
+        with b.request(unique("b-gone")) as request:
+            statuses = request.lookup(items([removed, *evicted]), prefetch=True)
+        assert [s.reason for s in statuses] == [Reason.NOT_FOUND] * 2, statuses
+        with b.request(unique("b-bounded")) as request:
+            statuses = request.lookup(items(dropped_keys), prefetch=True)
+            assert request.wait(WAIT_S)
+            mask = request.fallback_mask().tolist()
+        assert mask == [1, 1, 1, 0, 0], "the 3 oldest were dropped, the 2 newest published"
+        for worker in (a, bounded, b):
+            worker.check_invariants()
+            assert worker.stats().open_requests == 0

@@ -1,0 +1,297 @@
+"""Publishes that come back after an outage (``embcache.driver.backlog``), in-process store.
+
+The real-master form (a killed and restarted ``mooncake_master``, a second worker getting the
+global hits) is ``tests/integration/test_mooncake_republish.py``; these tests pin down the
+backlog's rules with faults injected per key: FAILED publishes wait and are written once the
+store answers; the oldest beyond the bound are dropped and counted; an entry evicted, removed or
+quarantined since is never written; bad settings raise a specific error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from embcache import EmbeddingCache
+from embcache.core.lifecycle import QUARANTINED
+from embcache.driver.backlog import RepublishPolicy
+from embcache.driver.item import Item
+from embcache.driver.trace import TraceLog
+from embcache.errors import InvalidArgumentError, InvalidTypeError
+from embcache.testing import Fault, FaultInjectingStore
+from tests.helpers import payload, raw
+
+pytestmark = pytest.mark.timeout(60)
+
+ROW = (4, 64)  # float32: 1 KiB an item
+SLOW = RepublishPolicy(retry_interval_s=60.0)  # no interval probe: only an OK publish retries
+
+
+def wait_for(what: str, done: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def outage(store: FaultInjectingStore, keys: list[str], down: bool) -> None:
+    for key in keys:
+        store.inject(key, Fault.FAIL if down else None)
+
+
+def insert(cache: EmbeddingCache, keys: list[str], seed: int = 0) -> list[torch.Tensor]:
+    tensors = [payload(ROW, torch.float32, seed + i) for i in range(len(keys))]
+    with cache.request(f"insert-{keys[0]}") as request:
+        assert request.insert(keys, tensors) == [True] * len(keys)
+    return tensors
+
+
+def settled(cache: EmbeddingCache, started: int) -> Callable[[], bool]:
+    """Every publish started so far has ended."""
+
+    def done() -> bool:
+        s = cache.stats()
+        return s.publishes_started >= started and s.publishes_started == (
+            s.publishes_ok + s.publishes_failed + s.publishes_unknown
+        )
+
+    return done
+
+
+def test_failed_publishes_are_written_when_the_store_answers_by_the_interval_probe() -> None:
+    store = FaultInjectingStore()
+    keys = [f"k{i}" for i in range(5)]
+    outage(store, keys, down=True)
+    policy = RepublishPolicy(retry_interval_s=0.02)
+    with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=policy) as cache:
+        tensors = insert(cache, keys)
+        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        assert cache.stats().publish_backlog == len(keys)
+        time.sleep(0.1)  # probes while the store is down: one entry each, back to the backlog
+        stats = cache.stats()
+        assert stats.publish_backlog == len(keys)
+        assert stats.hits == 0, "a retry's pin is no request's hit"
+        assert all(store.object(k) is None for k in keys)
+        outage(store, keys, down=False)
+        wait_for("the backlog to drain", lambda: cache.stats().publish_backlog == 0)
+        wait_for("the publishes to end", settled(cache, 0))
+        for key, tensor in zip(keys, tensors, strict=True):
+            assert store.object(key) == raw(tensor)
+        stats = cache.stats()
+        assert (stats.publish_backlog_dropped, stats.publish_backlog_stale, stats.hits) == (0, 0, 0)
+        assert stats.pinned_entries == stats.open_requests == 0
+        cache.check_invariants()
+
+
+def test_an_ok_publish_retries_the_whole_backlog_at_once() -> None:
+    store = FaultInjectingStore()
+    keys = [f"k{i}" for i in range(4)]
+    outage(store, keys, down=True)
+    with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=SLOW) as cache:
+        tensors = insert(cache, keys)
+        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        outage(store, keys, down=False)
+        time.sleep(0.05)
+        assert cache.stats().publish_backlog == len(keys), "no probe within the interval"
+        insert(cache, ["fresh"], seed=100)  # the store answers this one: the backlog follows
+        wait_for("the backlog to drain", lambda: cache.stats().publish_backlog == 0)
+        wait_for("the publishes to end", settled(cache, 0))
+        assert [store.object(k) for k in keys] == [raw(t) for t in tensors]
+        cache.check_invariants()
+
+
+def test_entries_evicted_removed_or_quarantined_since_are_never_published(
+    trace: TraceLog | None = None,
+) -> None:
+    store = FaultInjectingStore()
+    evicted, removed, quarantined, kept = keys = ["evicted", "removed", "quarantined", "kept"]
+    outage(store, keys, down=True)
+    capacity = 6 * 1024  # six items: two more evict the two oldest idle ones
+    with EmbeddingCache(
+        capacity, store=store, pin_memory=False, republish=SLOW, auto_fence=None, trace=trace
+    ) as cache:
+        for i, key in enumerate(keys):
+            insert(cache, [key], seed=i)
+        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        assert cache.remove(removed)
+        store.inject(quarantined, Fault.UNKNOWN)  # a second publish of it ends UNKNOWN
+        with cache.request("quarantine") as request:
+            request.lookup([Item(quarantined, ROW, torch.float32)])
+            assert request.publish([quarantined]) == [True]
+            wait_for("the UNKNOWN publish", lambda: cache.stats().publishes_unknown == 1)
+        assert cache.entry_state(quarantined) is QUARANTINED
+        with cache.request("touch") as request:  # ``kept`` is newer: ``evicted`` is the oldest
+            request.lookup([Item(kept, ROW, torch.float32)])
+        outage(store, keys, down=False)
+        store.inject(quarantined, None)
+        insert(cache, ["x1", "x2", "x3", "x4"], seed=10)  # evicts ``evicted``; OK: retries
+        wait_for("the backlog to empty", lambda: cache.stats().publish_backlog == 0)
+        wait_for("the publishes to end", settled(cache, 0))
+        assert store.object(kept) is not None
+        assert [store.object(k) for k in (evicted, removed, quarantined)] == [None] * 3
+        stats = cache.stats()
+        assert stats.publish_backlog_stale == 3
+        assert stats.publish_backlog_dropped == 0
+        cache.check_invariants()
+
+
+def test_the_backlog_is_bounded_oldest_dropped_first_and_counted() -> None:
+    store = FaultInjectingStore()
+    keys = [f"k{i}" for i in range(7)]
+    outage(store, keys, down=True)
+    policy = RepublishPolicy(max_entries=3, retry_interval_s=60.0)
+    with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=policy) as cache:
+        tensors = [t for i, key in enumerate(keys) for t in insert(cache, [key], seed=i)]
+        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        stats = cache.stats()
+        assert (stats.publish_backlog, stats.publish_backlog_dropped) == (3, 4)
+        outage(store, keys, down=False)
+        insert(cache, ["fresh"], seed=100)
+        wait_for("the backlog to drain", lambda: cache.stats().publish_backlog == 0)
+        wait_for("the publishes to end", settled(cache, 0))
+        assert [store.object(k) for k in keys[:4]] == [None] * 4, "the oldest were dropped"
+        assert [store.object(k) for k in keys[4:]] == [raw(t) for t in tensors[4:]]
+        assert cache.stats().publish_backlog_dropped == 4
+        cache.check_invariants()
+
+
+def test_a_retry_that_fails_again_keeps_its_place_and_the_bound() -> None:
+    store = FaultInjectingStore()
+    keys = [f"k{i}" for i in range(3)]
+    outage(store, keys, down=True)
+    policy = RepublishPolicy(max_entries=3, retry_interval_s=0.01)
+    with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=policy) as cache:
+        for i, key in enumerate(keys):
+            insert(cache, [key], seed=i)
+        wait_for("several failed probes", lambda: cache.stats().publishes_failed >= 20)
+        stats = cache.stats()
+        assert (stats.publish_backlog, stats.publish_backlog_dropped) == (3, 0)
+        store.inject("late", Fault.FAIL)
+        insert(cache, ["late"], seed=9)  # the fourth failure drops the oldest: k0
+        wait_for("the drop", lambda: cache.stats().publish_backlog_dropped == 1)
+        outage(store, [*keys, "late"], down=False)
+        wait_for("the backlog to drain", lambda: cache.stats().publish_backlog == 0)
+        wait_for("the publishes to end", settled(cache, 0))
+        assert store.object("k0") is None
+        assert all(store.object(k) is not None for k in ("k1", "k2", "late"))
+        cache.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"max_entries": 0}, InvalidArgumentError),
+        ({"max_entries": -1}, InvalidArgumentError),
+        ({"max_entries": 2.5}, InvalidTypeError),
+        ({"max_entries": True}, InvalidTypeError),
+        ({"retry_interval_s": 0}, InvalidArgumentError),
+        ({"retry_interval_s": -1.0}, InvalidArgumentError),
+        ({"retry_interval_s": float("inf")}, InvalidArgumentError),
+        ({"retry_interval_s": float("nan")}, InvalidArgumentError),
+        ({"retry_interval_s": "1"}, InvalidTypeError),
+    ],
+)
+def test_bad_backlog_settings_raise_a_specific_error(
+    kwargs: dict[str, object], error: type[Exception]
+) -> None:
+    with pytest.raises(error):
+        RepublishPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_cache_refuses_a_republish_that_is_not_a_policy() -> None:
+    store = FaultInjectingStore()
+    with pytest.raises(InvalidTypeError, match="republish"):
+        EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=4096)  # type: ignore[arg-type]
+    assert store.pool is None, "nothing was registered"
+
+
+def test_the_backlog_counters_reach_the_metrics() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from embcache.tools.metrics import CacheMetrics
+
+    store = FaultInjectingStore()
+    keys = [f"k{i}" for i in range(3)]
+    outage(store, keys, down=True)
+    policy = RepublishPolicy(max_entries=2, retry_interval_s=60.0)
+    with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=policy) as cache:
+        insert(cache, keys)
+        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        metrics = CacheMetrics()
+        metrics.add("a", cache)
+        registry = CollectorRegistry()
+        registry.register(metrics)
+        text = generate_latest(registry).decode()
+    assert 'embcache_publish_backlog{cache="a"} 2.0' in text
+    assert 'embcache_publish_backlog_dropped_total{cache="a"} 1.0' in text
+    assert 'embcache_publish_backlog_stale_total{cache="a"} 0.0' in text
+
+
+@pytest.mark.tla
+@pytest.mark.timeout(300)
+def test_a_run_with_republishes_is_a_behaviour_of_the_spec_as_it_stands() -> None:
+    # The retries are the actions of any request's publish: TLC accepts the trace of the run
+    # above (failed publishes, a remove, a quarantine, an eviction, then the retries) with no
+    # change to the spec.
+    from tests.tla.tla_modules import load_trace
+
+    log = TraceLog()
+    test_entries_evicted_removed_or_quarantined_since_are_never_published(log)
+    events = list(log.events)
+    retries = {e["request"] for e in events if str(e.get("request", "")).startswith("republish#")}
+    assert retries, "the run retried through the republish request"
+    assert {e["action"] for e in events if e.get("request") in retries} >= {
+        "OpenRequest", "Lookup", "Publish", "Release", "CloseRequest", "EndPublish"
+    }  # fmt: skip
+    [verdict] = load_trace().validate(traces=[("republish", events)], workers=1)
+    assert verdict.accepted, verdict.describe()
+
+
+# ------------------------------------------------------------------ every front end
+
+
+def test_the_pipelines_failed_publishes_come_back() -> None:
+    from embcache.pipeline import EncodePipeline
+    from tests.test_pipeline import FakeEncoder, encode, expected, item
+
+    store = FaultInjectingStore()
+    keys = [item(n).key for n in range(4)]
+    outage(store, keys, down=True)
+    policy = RepublishPolicy(retry_interval_s=0.02)
+    with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=policy) as cache:
+        encode(EncodePipeline(cache, FakeEncoder()), "during", list(range(4)))
+        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        outage(store, keys, down=False)
+        wait_for("the backlog to drain", lambda: cache.stats().publish_backlog == 0)
+        wait_for("the publishes to end", settled(cache, 0))
+        assert [store.object(k) for k in keys] == [raw(expected(n)) for n in range(4)]
+
+
+def test_the_sglang_adapters_failed_publishes_come_back() -> None:
+    from embcache.integrations.sglang import EmbeddingCacheController
+    from tests.support.sglang_mmencoder import DIM, DTYPE, Modality, embedding
+
+    store = FaultInjectingStore()
+    keys = ["sg-a", "sg-b", "sg-c"]
+    outage(store, keys, down=True)
+    ctl = EmbeddingCacheController(
+        store, max_pool_size_gb=(64 << 10) / (1 << 30), hidden_dims={Modality.IMAGE: DIM},
+        dtype=DTYPE,
+    )  # fmt: skip
+    try:
+        tensors = [embedding(k, 4) for k in keys]
+        ctl.wait_store_to_pool(ctl.store_to_pool_async(keys, tensors, Modality.IMAGE))
+        ctl.insert_batch(keys, Modality.IMAGE)
+        cache = ctl.cache
+        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        assert cache.stats().publish_backlog == len(keys)
+        outage(store, keys, down=False)  # the adapter's cache probes every second by default
+        wait_for("the backlog to drain", lambda: cache.stats().publish_backlog == 0)
+        wait_for("the publishes to end", settled(cache, 0))
+        assert [store.object(k) for k in keys] == [raw(t) for t in tensors]
+    finally:
+        ctl.close()
