@@ -312,6 +312,9 @@ class Bench:
         self.proof.mkdir(parents=True, exist_ok=True)
         path = self.proof / f"{contender}-{pool}.json"
         env = {k: v for k, v in attempt.env.items() if k != "MOONCAKE_CONFIG_PATH"}
+        if "MOONCAKE_CONFIG_PATH" in attempt.env:  # a temporary file: keep what it said
+            what = {"mooncake_config": json.loads(Path(attempt.env["MOONCAKE_CONFIG_PATH"])
+                                                  .read_text()), **what}  # fmt: skip
         path.write_text(json.dumps({
             "vllm": VLLM, "contender": contender, "pool": pool, "note": attempt.note,
             "ec_transfer_config": attempt.ec, "env": env, "engine_args": ENGINE_ARGS,
