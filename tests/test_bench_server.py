@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.server import breakdown
+from tests.support import breakdown
 from tests.support.server_workload import MAX_IMAGES, MIXES, TOKENS, make_encoder, make_workload
 
 ROOT = Path(__file__).resolve().parents[1]

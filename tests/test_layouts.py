@@ -221,7 +221,7 @@ class CopySpy:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[CopySpy]:
-        saved = (pool_module._memmove, pool_module._memmove_releasing, pool_module._bytes_only)
+        saved = (pool_module.memmove, pool_module.memmove_releasing, pool_module.bytes_only)
         fast, releasing, bytes_only = saved
 
         def count_memmove(move: Callable[..., Any]) -> Callable[..., Any]:
@@ -239,13 +239,13 @@ class CopySpy:
 
         pool_module_bytes_only = bytes_only
         # the copy paths are module globals that ``copy_in`` looks up at each call
-        pool_module._memmove = count_memmove(fast)
-        pool_module._memmove_releasing = count_memmove(releasing)
-        pool_module._bytes_only = spy_bytes_only
+        pool_module.memmove = count_memmove(fast)
+        pool_module.memmove_releasing = count_memmove(releasing)
+        pool_module.bytes_only = spy_bytes_only
         try:
             yield self
         finally:
-            pool_module._memmove, pool_module._memmove_releasing, pool_module._bytes_only = saved
+            pool_module.memmove, pool_module.memmove_releasing, pool_module.bytes_only = saved
 
     def took(self) -> str:
         paths = [p for p, n in self.counts.items() if n]
@@ -437,7 +437,7 @@ def rows_dense_bytes_only(tensor: torch.Tensor, entry: Any) -> bool:
 def test_a_layout_blind_fast_path_fails_the_property(
     front_end: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(pool_module, "_bytes_only", rows_dense_bytes_only)
+    monkeypatch.setattr(pool_module, "bytes_only", rows_dense_bytes_only)
 
     @settings(database=None)
     @given(drawn=layouts())

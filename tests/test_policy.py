@@ -173,7 +173,7 @@ def test_adaptive_hits_decay_every_period() -> None:
     """At the end of every period (max(resident, min_entries) = 2 lookups) both shadows' hits
     are multiplied by ``decay``: the old hits weigh less than this period's."""
     policy = adaptive_after(["a"] * 5, decay=0.5)  # a hit at lookups 2 to 5; periods end at 2, 4
-    assert (policy._lru_hits, policy._filter_hits) == (2.25, 2.25)  # (1 x 0.5 + 2) x 0.5 + 1
+    assert policy.shadow_hits() == (2.25, 2.25)  # (1 x 0.5 + 2) x 0.5 + 1
 
 
 @given(st.lists(st.tuples(st.booleans(), KEYS), max_size=100))

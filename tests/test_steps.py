@@ -18,6 +18,7 @@ import torch
 from embcache import EmbeddingCache, EncodePipeline, Item, Request, Status
 from embcache.integrations.sglang import EmbeddingCacheController
 from embcache.testing import FaultInjectingStore
+from tests.support.funnel import Funnel, replace_funnel
 from tests.support.sglang_mmencoder import DIM, DTYPE, Encoder, serve
 
 SHAPE = (4, 16)
@@ -31,13 +32,15 @@ class Steps:
     def __init__(self, cache: EmbeddingCache) -> None:
         self.names: list[str] = []
         self._lock = threading.Lock()
-        def counting(step: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                self.names.append(step.__name__)
-            return run(step, *args, **kwargs)
+        def wrap(run: Funnel) -> Funnel:
+            def counting(step: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+                with self._lock:
+                    self.names.append(step.__name__)
+                return run(step, *args, **kwargs)
 
-        # private: the funnel itself is counted (every step of the cache and its requests)
-        run, cache._run = cache._run, counting  # type: ignore[method-assign]
+            return counting
+
+        replace_funnel(cache, wrap)
 
     def take(self) -> tuple[list[str], list[str]]:
         """The request steps and the I/O steps since the last call."""

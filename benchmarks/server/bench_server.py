@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 
-from benchmarks.server import breakdown
 from benchmarks.server.contenders import (
     Contender,
     Lane,
@@ -53,7 +52,7 @@ from benchmarks.server.contenders import (
 from benchmarks.server.fleet import run_fleet
 from benchmarks.server.scale import run_scale
 from benchmarks.server.workload import SIZES, Config, MeteredEncoder
-from tests.support import sglang_wheel
+from tests.support import breakdown, sglang_wheel
 from tests.support.server_workload import MIXES, Image, make_encoder, make_workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -227,7 +226,7 @@ def measure(config: Config) -> dict[str, Any]:
 
 
 def measure_breakdown(config: Config, mixes: dict[str, Any] | None) -> dict[str, Any]:
-    """Per mix and contender, where the cache time goes (``benchmarks.server.breakdown``): the
+    """Per mix and contender, where the cache time goes (``tests.support.breakdown``): the
     mixes served again with every contender's cache calls profiled, the contenders taking
     turns segment by segment, the first segment unprofiled (warm-up). ``mixes``: the unprofiled
     rows of the same run, to scale each share to ms per request (None: shares only)."""

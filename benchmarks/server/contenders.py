@@ -33,11 +33,11 @@ from typing import Any
 import torch
 
 from benchmarks.peers.bench_sglang_adapter import NullGlobalStore, SGLangSide, Size
-from benchmarks.server.breakdown import Profiles
 from benchmarks.server.workload import MeteredEncoder
 from embcache import EmbeddingCache, EncodePipeline, GlobalStore
 from embcache.integrations.sglang import EmbeddingCacheController
 from tests.support.baselines import OriginalPRController
+from tests.support.breakdown import Profiles
 from tests.support.server_workload import Image
 
 POLL_S = 0.005  # MMEncoder's prefetch polling

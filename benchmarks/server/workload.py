@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.server.breakdown import Profiles
 from embcache.tools.encoders import TinyViT
+from tests.support.breakdown import Profiles
 from tests.support.server_workload import MIXES
 
 

@@ -406,6 +406,10 @@ class AdaptivePolicy(TinyLfuPolicy):
         self.use_filter = True  # the expert admit follows now
         self.switches = 0
 
+    def shadow_hits(self) -> tuple[float, float]:
+        """The LRU shadow's and the filter shadow's hits, as decayed so far. O(1)."""
+        return self._lru_hits, self._filter_hits
+
     def record(self, key: str) -> None:
         """Count one lookup of ``key`` (``TinyLfuPolicy.record`` written out: this runs on
         every hit), play it in both shadows, and follow the shadow with more hits."""

@@ -130,9 +130,9 @@ class PoolViews:
         outcomes = [TransferOutcome.FAILED] * len(filling)
         for i, (entry, tensor) in enumerate(filling):
             try:
-                if _bytes_only(tensor, entry):
+                if bytes_only(tensor, entry):
                     nbytes = tensor.nbytes
-                    move = _memmove_releasing if nbytes >= self.RELEASE_BYTES else _memmove
+                    move = memmove_releasing if nbytes >= self.RELEASE_BYTES else memmove
                     move(self._base + entry.offset, tensor.data_ptr(), nbytes)
                 else:
                     _check_strided(tensor)
@@ -146,13 +146,13 @@ class PoolViews:
 
 # memmove through ctypes: a PYFUNCTYPE call keeps the interpreter lock, a CFUNCTYPE one
 # (``ctypes.memmove``) releases it while it copies.
-_memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
+memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
     ctypes._memmove_addr  # type: ignore[attr-defined]
 )
-_memmove_releasing = ctypes.memmove
+memmove_releasing = ctypes.memmove
 
 
-def _bytes_only(tensor: torch.Tensor, entry: Entry) -> bool:
+def bytes_only(tensor: torch.Tensor, entry: Entry) -> bool:
     """Whether ``copy_`` of ``tensor`` into ``entry``'s view would only copy its bytes: a plain
     CPU tensor, contiguous, of the entry's dtype and shape (no broadcast, no conversion), not
     quantized, with no lazy conjugate or negation bit to apply."""

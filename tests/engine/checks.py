@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tests.engine.engines import (
+from tests.support.engines import (
     MISS,
     EngineProcess,
     Prompt,

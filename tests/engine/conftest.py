@@ -17,7 +17,8 @@ import pytest
 
 from embcache.store.mooncake_master import MooncakeMaster
 from tests.engine.checks import POOL_AB, POOL_D, Reference
-from tests.engine.engines import (
+from tests.support import ports
+from tests.support.engines import (
     ROOT,
     EngineProcess,
     World,
@@ -25,7 +26,6 @@ from tests.engine.engines import (
     mooncake_env,
     start_all,
 )
-from tests.support import ports
 
 D_ENGINE_ARGS = {"max_num_batched_tokens": 256}  # vLLM's own encoder cache: about 6 images
 Builder = Callable[..., World]

@@ -14,7 +14,7 @@ import pytest
 
 from tests.engine import checks
 from tests.engine.checks import Reference
-from tests.engine.engines import EngineCallFailed, World
+from tests.support.engines import EngineCallFailed, World
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

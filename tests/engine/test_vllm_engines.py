@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.peers import vllm_engines
-from benchmarks.peers.vllm_engines import QUICK, Attempt, Config
-from tests.engine.engines import MISS, embcache_ec, mooncake_env
+from tests.support import vllm_engines
+from tests.support.engines import MISS, embcache_ec, mooncake_env
+from tests.support.vllm_engines import QUICK, Attempt, Config
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 

@@ -68,7 +68,7 @@ def _free_port() -> int:
 def test_the_engine_benchmarks_trace_is_zipf_over_the_catalog_with_1_to_4_images() -> None:
     from collections import Counter
 
-    from benchmarks.peers.vllm_engines import FULL, trace
+    from tests.support.vllm_engines import FULL, trace
 
     prompts = trace(FULL)
     assert prompts == trace(FULL) and len(prompts) == FULL.requests
@@ -98,8 +98,8 @@ def test_the_engine_benchmark_refuses_bad_input_before_it_starts_anything(
 ) -> None:
     from dataclasses import asdict
 
-    from benchmarks.peers import vllm_engines
     from embcache.errors import InvalidArgumentError
+    from tests.support import vllm_engines
 
     if "master" in change:
         change = {"master": change["master"].format(port=_free_port())}

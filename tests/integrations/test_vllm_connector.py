@@ -28,6 +28,7 @@ from tests.integrations.vllm_replay import (
     embedding,
     requests,
 )
+from tests.support.funnel import replace_funnel
 
 __all__ = ["make_scheduler", "vllm_base"]
 pytestmark = pytest.mark.timeout(300)
@@ -274,13 +275,15 @@ def test_ensure_cache_available_is_one_funnel_call_and_has_cache_item_none(
     _insert(sched, "a", 8)
     cache = sched.scheduler_side.cache
     steps: list[str] = []
-    run = type(cache)._run
 
-    def counted(self: Any, step: Callable[..., Any], *args: Any) -> Any:
-        steps.append(step.__name__)
-        return run(self, step, *args)
+    def counting(run: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(step: Callable[..., Any], *args: Any) -> Any:
+            steps.append(step.__name__)
+            return run(step, *args)
 
-    monkeypatch.setattr(type(cache), "_run", counted)
+        return counted
+
+    replace_funnel(cache, counting)
     request = FakeRequest("r1", ["a", "b", "c"], {"a": 8, "b": 8, "c": 8}, 1)
     assert sched.ensure_cache_available(request, 0)
     assert len(steps) == 1, steps

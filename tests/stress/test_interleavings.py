@@ -68,6 +68,7 @@ from embcache.driver.wakeups import resolve
 from embcache.errors import ClosedError
 from embcache.testing import Fault, FaultInjectingStore
 from tests.support.compiled import core_is_compiled
+from tests.support.funnel import replace_funnel
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(120)]
 
@@ -1016,8 +1017,7 @@ def stale_wake_up_run(self: EmbeddingCache, step: Callable[..., Effects[Any]], *
 
 def test_the_scheduler_finds_the_stale_wake_up_bug_of_3dfca44() -> None:
     def mutant(w: World) -> None:
-        # private: the self-test plants the old bug into the funnel itself
-        w.cache._run = types.MethodType(stale_wake_up_run, w.cache)  # type: ignore[method-assign]
+        replace_funnel(w.cache, lambda _: types.MethodType(stale_wake_up_run, w.cache))
         wake_up_vs_lookup_of_another_loading_key(w)
 
     result = explore(checked(mutant))
@@ -1061,8 +1061,7 @@ def test_the_explorer_finds_a_late_poison_deterministically() -> None:
     within the scenario's limit (the default schedule passes: the bug needs a preemption)."""
 
     def mutant(w: World) -> None:
-        # private: the self-test plants the late poison into the funnel itself
-        w.cache._run = types.MethodType(late_poison_run, w.cache)  # type: ignore[method-assign]
+        replace_funnel(w.cache, lambda _: types.MethodType(late_poison_run, w.cache))
         poison_vs_next_allocation(w)
 
     options = OPTIONS["poison vs next allocation of the range"]

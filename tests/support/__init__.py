@@ -3,7 +3,9 @@ controller driven as a peer: ``sglang_wheel``), vLLM's engine-step call order (`
 and its ``ECCPUConnector`` on CPU (``vllm_cpu_connector``), the baselines, the request mixes
 (``mixes``, ``server_workload``), the result row and its check (``rows``), callgrind's output
 (``callgrind``), and for tests that start servers or ranks, this session's ports (``ports``) and
-spawned ranks that are never left behind (``processes``). Imported as ``tests.support`` (the
+spawned ranks that are never left behind (``processes``); the profiler that splits a cache's
+time by what ran (``breakdown``) and the engine-level vLLM benchmark (``vllm_engines``), whose
+quick form the engine tier runs. Imported as ``tests.support`` (the
 repository root is on ``sys.path``: the tests' conftest puts it there, ``python -m
 benchmarks...`` runs from it); never from
 ``benchmarks``: a test runs a benchmark as ``python -m benchmarks...`` and reads its output.
