@@ -415,6 +415,27 @@ def test_cache_reports_a_reason_for_every_item_it_does_not_serve(cache: Embeddin
         assert request.fallback_reasons() != [None]
 
 
+def test_an_all_hit_answer_copies_each_byte_out_of_the_pool_once(
+    cache: EmbeddingCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pipeline = EncodePipeline(cache, FakeEncoder())
+    encode(pipeline, "r1", [1, 2, 3])
+    cats: list[int] = []
+    cat = torch.cat
+
+    def counted(tensors: Sequence[torch.Tensor], *args: object, **kwargs: object) -> torch.Tensor:
+        cats.append(len(tensors))
+        return cat(tensors, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "cat", counted)
+    got = encode(pipeline, "r2", [3, 1, 2])
+    monkeypatch.undo()
+    assert_same(got, reference([3, 1, 2]))
+    assert cats == [3], "the held views concatenated once, into the answer"
+    cache.remove("img-1")  # the answer is no view of the pool: it outlives the entry
+    assert_same(got, reference([3, 1, 2]))
+
+
 # ---------------------------------------------------------------------------- on_insert
 def test_on_insert_sees_each_insert_of_fresh_outputs(cache: EmbeddingCache) -> None:
     seen: list[tuple[int, float]] = []

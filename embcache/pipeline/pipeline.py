@@ -371,6 +371,8 @@ class EncodePipeline:
     def _assemble(
         plan: Plan, mask: list[bool], hits: torch.Tensor, fresh: dict[str, torch.Tensor]
     ) -> torch.Tensor:
+        if not any(mask):
+            return hits  # every item held: the held rows, in order, are the answer (no copy)
         pieces: list[torch.Tensor] = []
         row = 0
         for item, masked in zip(plan.items, mask, strict=True):
