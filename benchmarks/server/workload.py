@@ -93,7 +93,7 @@ class Config:
     segments: int = 6  # the first warms up
     zipf_s: float = 0.9
     pool_fraction: float = 0.25  # pool bytes / the hot images' bytes
-    best_policy: str = "adaptive"  # ahead of tinylfu on drift, within 1.5 points elsewhere
+    best_policy: str = "adaptive"  # follows tinylfu or lru, whichever its shadows say hits more
     sglang_page_bytes: int = 256 * 1024  # SGLang's default: 128 tokens of 1024 bf16
     seed: int = 0
     mixes: tuple[str, ...] = MIXES
