@@ -6,9 +6,9 @@ ranges (debug mode, before the lock goes), arm or drop wake-ups (``waiting``, ``
 wake the ``wake`` requests (under the lock), then, with no lock held, deliver the trace
 ``events``, start the store reads (``loads``) and writes (``writes``) on the I/O pool. Each
 transfer reports its outcome back through a later step (``end_loads``, ``end_publishes``).
-Fields with nothing to do are class-level defaults (shared empty tuples and None): a step that
-only answers sets one field and allocates no list. A class, not a named tuple: the driver reads
-every field of every step, and a named tuple's field goes through its descriptor.
+Fields with nothing to do are shared empty tuples: a step that only answers allocates no list.
+A slotted class, not a named tuple: the driver reads every field of every step, and a slot is
+read in one specialized instruction where a named tuple's field goes through its descriptor.
 """
 
 from __future__ import annotations
@@ -32,20 +32,20 @@ class Writes(NamedTuple):
 class Effects(Generic[T]):
     """One step's answer and what the driver must do about it (see the module docstring).
 
-    Made with the result alone; a step sets the fields it has something for after. The
-    others keep their class-level defaults (nothing to do), so an answer costs one store
-    (the compiled build sets the defaults in its constructor)."""
+    Made with the result alone; a step sets the fields it has something for after (a slot
+    store costs next to nothing; keywords would cost a dict per call)."""
 
-    loads: Sequence[Entry] = ()  # store reads to start (then ``end_loads``)
-    writes: Writes | None = None  # store writes to start (then ``end_publishes``)
-    wake: Sequence[RequestState] = ()  # requests whose wait may have ended
-    waiting: RequestState | None = None  # a request whose lookup ended: arm its wake-up
-    closed: RequestState | None = None  # a request that closed: wake and drop its wake-up
-    freed: Sequence[tuple[int, int]] = ()  # ranges freed (``record_freed``)
-    events: Sequence[dict[str, Any]] = ()  # trace events, in ``seq`` order
+    __slots__ = ("closed", "events", "freed", "loads", "result", "waiting", "wake", "writes")
 
     def __init__(self, result: T) -> None:
         self.result = result
+        self.loads: Sequence[Entry] = ()  # store reads to start (then ``end_loads``)
+        self.writes: Writes | None = None  # store writes to start (then ``end_publishes``)
+        self.wake: Sequence[RequestState] = ()  # requests whose wait may have ended
+        self.waiting: RequestState | None = None  # a request whose lookup ended: arm its wake-up
+        self.closed: RequestState | None = None  # a request that closed: wake and drop it
+        self.freed: Sequence[tuple[int, int]] = ()  # ranges freed (``record_freed``)
+        self.events: Sequence[dict[str, Any]] = ()  # trace events, in ``seq`` order
 
 
 # One range an insert must fill, ``(i, entry)``: ``items[i]``'s bytes into ``entry``'s range.

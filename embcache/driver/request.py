@@ -78,13 +78,11 @@ class Request:
     def __init__(self, cache: CachePort, state: RequestState) -> None:
         self._cache = cache
         self._state = state
-
-    # What it keeps of its steps' results (class-level defaults: a request sets only those
-    # its steps give it).
-    _items: list[Item] | None = None  # what it looked up, in order
-    _served: Served | None = None  # what it may read, from its last step; None: ask
-    _reserved: dict[str, Entry] | None = None  # the ranges its lookups reserved
-    _handed: dict[str, Entry] | None = None  # the ranges begin_fill handed out
+        # What it keeps of its steps' results.
+        self._items: list[Item] | None = None  # what it looked up, in order
+        self._served: Served | None = None  # what it may read, from its last step; None: ask
+        self._reserved: dict[str, Entry] | None = None  # the ranges its lookups reserved
+        self._handed: dict[str, Entry] | None = None  # the ranges begin_fill handed out
 
     @property
     def request_id(self) -> str:
