@@ -103,4 +103,7 @@ def extensions() -> list[object]:
 
 
 if __name__ == "__main__":  # as build backends run it; tests/test_compiled.py imports it
-    setup(ext_modules=extensions(), package_data={"embcache.core": [MANIFEST.name]})
+    modules = extensions()
+    # the digests go with the compiled modules only: a pure wheel built in a tree where an
+    # editable compiled build left them must not carry them
+    setup(ext_modules=modules, package_data={"embcache.core": [MANIFEST.name] if modules else []})
