@@ -24,7 +24,6 @@ from embcache.core.effects import Fill, Looked, Served
 from embcache.core.entries import Entry, ItemLike, RequestState, matches
 from embcache.core.lifecycle import READY
 from embcache.core.outcomes import (
-    HIT,
     LOADING_STATUS,
     MISSES,
     RESERVED_STATUS,
@@ -101,9 +100,7 @@ class RequestActions(Actions):
             pairs = zip(items, statuses, strict=True)
             ask = sorted({it.key for it, s in pairs if s.reason is NOT_FOUND})
             return Looked(rs, statuses, ask, None, fills)
-        served = None
-        if serve and not rs.pending():
-            served = self._served_first(items, statuses) if first else self.served(rs)
+        served = self.served(rs) if serve and not rs.pending() else None
         return Looked(rs, statuses, [], served, fills)
 
     def finish_lookup(
@@ -138,17 +135,6 @@ class RequestActions(Actions):
                 ranges.append((entry.offset, item))
                 reasons.append(None)
         return Served(ranges, reasons, not rs.pending())
-
-    def _served_first(self, items: Sequence[ItemLike], statuses: list[ItemStatus]) -> Served:
-        """``served`` of a request whose only lookup, of ``items``, ended with ``statuses``
-        and nothing pending: a HIT reads its pinned range; any other item falls back on its
-        miss's reason (NOT_FOUND for the misses it reserved)."""
-        entries = self._entries
-        pairs = list(zip(items, statuses, strict=True))
-        ranges: list[tuple[int, ItemLike] | None]
-        ranges = [(entries[it.key].offset, it) if st is HIT else None for it, st in pairs]
-        reasons = [None if st is HIT else st.reason or NOT_FOUND for _, st in pairs]
-        return Served(ranges, reasons, True)
 
     # ------------------------------------------------------------------ inserts and fills
     def plan_fills(self, rs: RequestState, items: Sequence[ItemLike], hand_out: bool) -> list[Fill]:
