@@ -295,3 +295,24 @@ def test_the_sglang_adapters_failed_publishes_come_back() -> None:
         assert [store.object(k) for k in keys] == [raw(t) for t in tensors]
     finally:
         ctl.close()
+
+
+def test_a_full_backlog_drops_the_oldest_even_while_it_is_being_retried() -> None:
+    from embcache.core.entries import Entry
+    from embcache.core.outcomes import TransferOutcome
+    from embcache.driver.backlog import PublishBacklog
+
+    failed = TransferOutcome.FAILED
+    e = {k: Entry(k, (1,), "u8", 0, 1) for k in "abcd"}
+    backlog = PublishBacklog(2)
+    backlog.note([e["a"], e["b"]], [failed, failed])
+    assert backlog.take(1) == [e["a"]]  # the probe retries the oldest
+    backlog.note([e["c"]], [failed])  # a third failure: the oldest (a, in flight) goes
+    assert (len(backlog), backlog.dropped) == (2, 1)
+    backlog.note([e["a"]], [failed])  # the dropped retry ends: it does not come back
+    assert (len(backlog), backlog.dropped) == (2, 1)
+    assert backlog.take() == [e["b"], e["c"]]
+    backlog.note([e["d"]], [failed])  # b, the oldest, dropped while in flight
+    backlog.skipped([e["b"], e["c"]], [False, False])  # c is gone from the cache: stale
+    assert (len(backlog), backlog.dropped, backlog.stale) == (1, 2, 1)
+    assert backlog.take() == [e["d"]]

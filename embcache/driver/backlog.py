@@ -75,7 +75,8 @@ class PublishBacklog:
     def __init__(self, max_entries: int) -> None:
         self._max = max_entries
         self._waiting: OrderedDict[str, Entry] = OrderedDict()
-        self._retrying: dict[str, Entry] = {}  # taken by ``take``, not yet ended
+        self._retrying: dict[str, Entry] = {}  # taken by ``take``, not yet ended; oldest first
+        self._forgotten: set[str] = set()  # retries in flight dropped as the oldest
         self._lock = new_lock(BACKLOG_LEVEL, "publish backlog lock")
         self.dropped = 0  # the oldest, dropped for a newer one beyond ``max_entries``
         self.stale = 0  # evicted, removed or quarantined before their retry: never published
@@ -93,9 +94,11 @@ class PublishBacklog:
             back: list[Entry] = []
             for entry, outcome in zip(entries, outcomes, strict=True):
                 key = entry.key
-                retried = retrying.get(key) is entry
-                if retried:
-                    del retrying[key]
+                if key in self._forgotten:  # a retry dropped while in flight: it ends here
+                    self._forgotten.discard(key)
+                    ok = ok or outcome is TransferOutcome.OK
+                    continue
+                retried = retrying.pop(key, None) is not None  # (a retry writes the key's entry)
                 if outcome is TransferOutcome.OK:
                     ok = True
                 elif outcome is TransferOutcome.FAILED:
@@ -108,8 +111,13 @@ class PublishBacklog:
                 if entry.key not in waiting:  # (a newer failure of the key wins)
                     waiting[entry.key] = entry
                     waiting.move_to_end(entry.key, last=False)
-            while len(waiting) + len(retrying) > self._max and waiting:
-                waiting.popitem(last=False)
+            while len(waiting) + len(retrying) > self._max:
+                if retrying:  # taken from the oldest end: older than any waiting entry
+                    key = next(iter(retrying))
+                    del retrying[key]
+                    self._forgotten.add(key)
+                else:
+                    waiting.popitem(last=False)
                 self.dropped += 1
         return ok
 
@@ -127,9 +135,11 @@ class PublishBacklog:
         """Retries that did not start (the entry is gone, busy or quarantined): forgotten."""
         with self._lock:
             for entry, begun in zip(entries, started, strict=True):
-                if not begun and self._retrying.get(entry.key) is entry:
-                    del self._retrying[entry.key]
+                if begun:
+                    continue
+                if self._retrying.pop(entry.key, None) is not None:
                     self.stale += 1
+                self._forgotten.discard(entry.key)
 
     def requeue(self, entries: Sequence[Entry]) -> None:
         """Taken entries whose retry could not run (the cache refused the step): back, oldest."""
