@@ -9,6 +9,7 @@ counted apart. A planted extra step is caught."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -158,6 +159,13 @@ def test_the_sglang_adapter_serves_mmencoder_in_two_steps_and_three_with_misses(
         keys, tokens = ["m1", "m2"], [4, 4]
         first = serve(controller, 0, 1, "r1", keys, tokens, Encoder())  # misses, stored
         first.finish()
+        deadline = time.monotonic() + 10  # the publish ends on an I/O thread: wait for it
+        while time.monotonic() < deadline:
+            stats = controller.cache.stats()
+            ended = stats.publishes_ok + stats.publishes_failed + stats.publishes_unknown
+            if stats.publishes_started and ended == stats.publishes_started:
+                break
+            time.sleep(0.01)
         names, io = steps.take()
         assert names == ["begin_lookup", "end_inserts", "end_request"], names
         assert io == ["end_publishes"], io  # the publish's end, on an I/O thread
