@@ -58,9 +58,11 @@ def encoder() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One tiny run of the verify, mixes, breakdown and scale parts: its JSON and plot."""
+    """One tiny run of the verify, mixes (twice: medians), breakdown and scale parts: its JSON
+    and plot."""
     out = tmp_path_factory.mktemp("server")
     command = ["--size", "tiny", "--parts", "verify", "mixes", "breakdown", "scale"]
+    command += ["--repeats", "2"]
     command += ["--json", str(out / "r.json")]
     if HAS_MATPLOTLIB:
         command += ["--plot", str(out / "r.png")]
@@ -126,11 +128,28 @@ def test_a_tiny_run_gives_every_row_json_and_a_plot(tiny_run: dict[str, Any]) ->
         entries = [r["entries"] for r in rows]
         assert entries == sorted(entries) and entries[0] < entries[-1], "bigger pools hold more"
         assert all(r["placeholders"] > 0 and r["requests"] > 0 for r in rows)
-    assert result["machine"]["date"]
+    assert result["machine"]["date"] and result["machine"]["build"] in ("compiled", "pure")
+    assert len(result["repeats"]) == 2
+    for mix, rows in result["mixes"].items():
+        for name, row in rows.items():
+            each = [run[mix][name]["requests_per_s"] for run in result["repeats"]]
+            low, high = result["spread"][mix][name]["requests_per_s"]
+            assert (low, high) == (min(each), max(each))
+            assert row["requests_per_s"] == pytest.approx(sum(each) / 2), "the median of two"
+        for name, target in result["targets"][mix].items():
+            assert name.startswith("embcache")
+            assert target["met"] == (
+                target["vs_fastest_contender"] >= 1 and target["share_over_minimal_pts"] <= 3
+            ), target
     table = result["headline"].splitlines()  # the README's table (--headline)
     assert len(table) == 2 + len(result["mixes"]["steady"])
     if HAS_MATPLOTLIB:
         assert (tiny_run["out"] / "r.png").stat().st_size > 0
+
+
+def test_a_repeat_count_below_one_is_refused() -> None:
+    done = bench_server("--size", "tiny", "--parts", "mixes", "--repeats", "0", timeout=120)
+    assert done.returncode == 2 and "--repeats must be at least 1, not 0" in done.stderr
 
 
 def test_the_breakdown_splits_every_cache_time_and_scales_it(tiny_run: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ import json
 import logging
 import platform
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -309,6 +310,62 @@ def verify(config: Config) -> dict[str, Any]:
     return {"contenders": out, "skipped": skipped}
 
 
+SPREAD = ("requests_per_s", "p50_ms", "p99_ms", "cache_share", "cache_ms_per_request")
+
+
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from repeated ``measure`` runs: each number the median over the runs, each
+    timing's range over the runs in ``spread`` ([low, high]), the runs themselves in
+    ``repeats``, the ratios and the targets recomputed from the medians."""
+    if len(runs) == 1:
+        out = dict(runs[0])
+    else:
+        out = dict(runs[0], mixes={}, spread={}, repeats=[r["mixes"] for r in runs])
+        for mix, rows in runs[0]["mixes"].items():
+            for name, first in rows.items():
+                each = [r["mixes"][mix][name] for r in runs]
+                row = dict(first)
+                for key, value in first.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        middle = statistics.median(e[key] for e in each)
+                        row[key] = round(middle) if isinstance(value, int) else middle
+                out["mixes"].setdefault(mix, {})[name] = row
+                out["spread"].setdefault(mix, {})[name] = {
+                    key: [min(e[key] for e in each), max(e[key] for e in each)] for key in SPREAD
+                }
+        out["ratios"] = ratios(out["mixes"], out["config"]["best_policy"])
+    out["targets"] = targets(out["mixes"], out["config"]["best_policy"])
+    return out
+
+
+def targets(mixes: dict[str, dict[str, dict[str, Any]]], best: str) -> dict[str, dict[str, Any]]:
+    """Per mix, the end-to-end targets: embcache's pipeline and adapter serve at least every
+    contender's requests/s, and spend at most the minimal controller's (the original PR's) cache
+    share plus 3 points."""
+    out: dict[str, dict[str, Any]] = {}
+    for mix, rows in mixes.items():
+        others = {n: r for n, r in rows.items() if not n.startswith("embcache") and n != "no cache"}
+        minimal = rows.get("original PR")
+        for ours in (f"embcache adapter {best}", f"embcache pipeline {best}"):
+            mine = rows[ours]
+            fastest = max(others.values(), key=lambda r: r["requests_per_s"], default=None)
+            out.setdefault(mix, {})[ours] = {
+                "vs_fastest_contender": (
+                    mine["requests_per_s"] / fastest["requests_per_s"] if fastest else None
+                ),
+                "share_over_minimal_pts": (
+                    100 * (mine["cache_share"] - minimal["cache_share"]) if minimal else None
+                ),
+                "met": bool(
+                    fastest
+                    and minimal
+                    and mine["requests_per_s"] >= fastest["requests_per_s"]
+                    and mine["cache_share"] <= minimal["cache_share"] + 0.03
+                ),
+            }
+    return out
+
+
 def ratios(mixes: dict[str, dict[str, dict[str, Any]]], best: str) -> dict[str, dict[str, Any]]:
     """Per mix: embcache's requests/s over SGLang's, and its p99 over SGLang's."""
     out: dict[str, dict[str, Any]] = {}
@@ -376,6 +433,16 @@ def mix_table(result: dict[str, Any]) -> list[str]:
                 f"{mix:9} {name:28} {r['throughput_vs_sglang']:.2f}x SGLang's requests/s, "
                 f"p99 {r['p99_vs_sglang']:.2f}x SGLang's"
             )
+    for mix, by_side in result.get("targets", {}).items():
+        for name, t in by_side.items():
+            if t["vs_fastest_contender"] is not None:
+                lines.append(
+                    f"{mix:9} {name:28} {t['vs_fastest_contender']:.2f}x the fastest other "
+                    f"contender's requests/s, cache share {t['share_over_minimal_pts']:+.1f} pts "
+                    f"over the minimal controller's: target {'met' if t['met'] else 'missed'}"
+                )
+    if "repeats" in result:
+        lines.append(f"medians of {len(result['repeats'])} repeats; spreads in the JSON")
     for name, why in result.get("skipped", {}).items():
         lines.append(f"skipped {name}: {why}")
     return lines
@@ -396,14 +463,19 @@ def headline(result: dict[str, Any]) -> str:
     ]
     for name in names:
         cells = []
-        for rows in mixes.values():
+        for mix, rows in mixes.items():
             r, theirs = rows[name], rows.get(SGLANG)
             vs = p99 = ""
             if theirs is not None and name != SGLANG:
                 vs = f" ({r['requests_per_s'] / theirs['requests_per_s']:.2f}x)"
                 p99 = f" ({r['p99_ms'] / theirs['p99_ms']:.2f}x)"
+            spread = result.get("spread", {}).get(mix, {}).get(name)
+            rps = f"{r['requests_per_s']:.1f}"
+            if spread:
+                low, high = spread["requests_per_s"]
+                rps += f" [{low:.0f}-{high:.0f}]"
             cells.append(
-                f"{r['requests_per_s']:.1f}{vs}, {r['p99_ms']:.0f}{p99}, "
+                f"{rps}{vs}, {r['p99_ms']:.0f}{p99}, "
                 f"{r['encoder_tokens_saved'] / 1e3:.0f}k, {100 * r['cache_share']:.0f}%"
             )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -442,12 +514,36 @@ def machine() -> dict[str, Any]:
     """Where and when the numbers were taken."""
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": _commit(),
+        "build": stats_build(),
         "host": platform.node(),
         "cpus": _cpus(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "load_1min": _load(),
     }
+
+
+def _commit() -> str | None:
+    """The checkout's commit, with "+dirty" when files differ from it (None outside git)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True)
+    except OSError:
+        return None
+    return (head + ("+dirty" if dirty.stdout.strip() else "")) or None
+
+
+def stats_build() -> str:
+    """Which build of embcache's core runs ("compiled" or "pure")."""
+    from embcache.core.build import loaded_build
+
+    return loaded_build()
 
 
 def _cpus() -> int:
@@ -472,6 +568,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mixes", nargs="+", choices=MIXES, default=list(MIXES))
     parser.add_argument("--requests", type=int, default=None, help="requests per mix")
     parser.add_argument("--best-policy", default=None, help="embcache's policy besides lru")
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="measure the mixes this many times; rows are medians, with each figure's spread",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
     parser.add_argument("--plot", type=Path, default=None, help="write the plot here (PNG)")
     parser.add_argument(
@@ -498,8 +598,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {"machine": machine(), "size": size, "config": asdict(config)}
     if "verify" in args.parts:
         result["verify"] = verify(config)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, not {args.repeats}")
     if "mixes" in args.parts:
-        result.update(measure(config))
+        runs = []
+        for n in range(args.repeats):
+            if args.repeats > 1:
+                print(f"repeat {n + 1} of {args.repeats}", file=sys.stderr, flush=True)
+            runs.append(measure(config))
+        result.update(median_of(runs))
         result["headline"] = headline(result)  # the README's table, as --headline prints it
     if "breakdown" in args.parts:
         result["breakdown"] = measure_breakdown(config, result.get("mixes"))
