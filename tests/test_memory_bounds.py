@@ -143,7 +143,7 @@ def test_per_entry_tables_reach_their_bound_at_the_most_entries_and_stay_within_
     assert full - half > 2 * slack, (half, full)
 
 
-@pytest.mark.parametrize(("policy", "most"), [("lru", 600), ("tinylfu", 1000), ("adaptive", 1200)])
+@pytest.mark.parametrize(("policy", "most"), [("lru", 512), ("tinylfu", 1000), ("adaptive", 1200)])
 def test_metadata_per_entry_the_pool_can_hold(policy: str, most: int) -> None:
     """The README's "about 0.5 KB of metadata per entry the pool can hold" (lru; DESIGN.md
     states each policy's): a 1 MiB pool churned at its capacity in entries (4096 one-unit

@@ -19,7 +19,7 @@ same allocator behind its own lock.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from sortedcontainers import SortedList
 
@@ -151,16 +151,24 @@ class BestFitAllocator:
         if index == len(by_size):
             return None
         key: int = by_size.pop(index)
-        end = self._free.pop((key % units) << shift)
-        offset = self._end[end]  # the stored int: one object per boundary saves memory
-        self._allocated[offset] = middle = offset + size
+        # One int object per boundary, shared by the maps, saves memory (32 B a boundary, up
+        # to 3 a block). Read through ``Any`` so that the compiled build keeps them boxed too:
+        # an ``int`` read is unboxed there and boxed anew on each store (596 B of metadata an
+        # entry at 100k entries, not 508).
+        free: dict[int, Any] = self._free
+        ends: dict[int, Any] = self._end
+        end = free.pop((key % units) << shift)
+        offset = ends[end]
+        middle = offset + size
+        self._allocated[offset] = middle
         if middle < end:
-            self._free[middle] = end
-            self._end[middle] = offset
-            self._end[end] = middle
+            free[middle] = end
+            ends[middle] = offset
+            ends[end] = middle
             by_size.add(((end - middle) >> shift) * units + (middle >> shift))
         self._allocated_bytes += size
-        return offset
+        allocated: int = offset
+        return allocated
 
     def free(self, offset: int) -> int:
         """Free the range starting at ``offset``; returns its size. O(log n).
