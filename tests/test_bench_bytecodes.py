@@ -26,7 +26,12 @@ def test_bytecode_counts_are_exact_and_name_every_row(tmp_path: Path) -> None:
     for row in rows:
         check_row(row)
     names = [row["name"] for row in rows]
-    for what in ("8-item all-hit request", "evicting insert in a request", "evicting cache.insert"):
+    for what in (
+        "8-item all-hit request",
+        "8-item all-hit in two steps",
+        "evicting insert in a request",
+        "evicting cache.insert",
+    ):
         for unit in ("bytecodes", "python calls", "C calls"):
             assert sum(name.startswith(f"{unit}, {what}") for name in names) == 1, (unit, what)
     try:

@@ -13,7 +13,9 @@ Each side runs a warm-up, then ``low`` operations, then ``high``; the cost of on
 - 8-item all-hit request over a pool of ``entries`` 256 B entries (bf16, CPU): ours is
   ``cache.request()``, ``lookup(items, prefetch=False)``, ``embeddings()``, close, through the
   public API; SGLang's is ``get_pool_views(keys)`` + ``release_pool_views(keys)`` with 256 B
-  pages (one entry a page). Each request takes 8 distinct keys, the same on both sides.
+  pages (one entry a page). Each request takes 8 distinct keys, the same on both sides. Ours
+  also in two steps: ``cache.lookup(id, items, prefetch=False)`` (open and look up in one
+  step), ``embeddings()`` (no step: the lookup's answer), close.
 - evicting insert: the pool holds exactly ``entries`` 256 B entries, the oldest half pinned by
   an open request, so each insert of a fresh key evicts one idle entry (as
   ``benchmarks.micro.bench_eviction``). Ours two ways: a request inserting one item, closed; and
@@ -76,8 +78,12 @@ def ours_cache(entries: int) -> EmbeddingCache:
     )
 
 
-def ours_hit(entries: int, batches: list[list[str]]) -> tuple[Op, Callable[[int], None]]:
-    """Ours' 8-item all-hit request, and a check of what the first ``n`` ops did (uncounted)."""
+def ours_hit(
+    entries: int, batches: list[list[str]], two_steps: bool = False
+) -> tuple[Op, Callable[[int], None]]:
+    """Ours' 8-item all-hit request, and a check of what the first ``n`` ops did (uncounted):
+    ``cache.request()``, ``lookup``, ``embeddings()``, close; or, ``two_steps``,
+    ``cache.lookup(id, items)`` (open and look up in one step), ``embeddings()``, close."""
     cache = ours_cache(entries)
     tensor = torch.zeros(SHAPE, dtype=torch.bfloat16)
     with cache.request("fill") as fill:
@@ -90,13 +96,18 @@ def ours_hit(entries: int, batches: list[list[str]]) -> tuple[Op, Callable[[int]
             request.lookup(requests[n], prefetch=False)
             request.embeddings()
 
+    def op_in_two_steps(n: int) -> None:
+        request, _ = cache.lookup(f"h{n}", requests[n], prefetch=False)
+        with request:
+            request.embeddings()
+
     def check(done: int) -> None:
         stats = cache.stats()
         assert stats.hits - hits == BATCH * done and not stats.misses_by_reason, stats
         assert stats.pinned_entries == 0 and stats.open_requests == 0, stats
         cache.check_invariants()
 
-    return op, check
+    return (op_in_two_steps if two_steps else op), check
 
 
 def sglang_hit(entries: int, batches: list[list[str]]) -> tuple[Op, Callable[[int], None]]:
@@ -167,6 +178,7 @@ def sides_of(entries: int, ops: int) -> tuple[dict[str, tuple[Op, Callable[[int]
     why = bench_peers.sglang_missing()
     sides: dict[str, tuple[Op, Callable[[int], None]]] = {
         "ours hit": ours_hit(entries, batches),
+        "ours hit in two steps": ours_hit(entries, batches, two_steps=True),
         "ours evicting insert": ours_evicting(entries, request_less=False),
         "ours request-less insert": ours_evicting(entries, request_less=True),
     }
@@ -218,6 +230,10 @@ def bytecode_rows(entries: int = 1_000, ops: int = 50) -> list[Row]:
     pool = f"{entries} entries"
     compared = {
         f"{BATCH}-item all-hit request, {pool}": ("ours hit", "sglang hit"),
+        f"{BATCH}-item all-hit in two steps (cache.lookup), {pool}": (
+            "ours hit in two steps",
+            "sglang hit",
+        ),
         f"evicting insert in a request, {pool}, half pinned": (
             "ours evicting insert",
             "sglang evicting insert",
@@ -316,6 +332,10 @@ def rows(entries: int = 1_000, low: int = 10, high: int = 110) -> list[Row]:
     compared = {  # row name: (our side, SGLang's side)
         f"instructions, {BATCH}-item all-hit request, {pool}, vs SGLang": (
             "ours hit",
+            "sglang hit",
+        ),
+        f"instructions, {BATCH}-item all-hit in two steps (cache.lookup), {pool}, vs SGLang": (
+            "ours hit in two steps",
             "sglang hit",
         ),
         f"instructions, evicting insert in a request, {pool}, half pinned, vs SGLang": (

@@ -23,13 +23,15 @@ images of 64-2048 rows x 1024 fp16, two ranks. Rows:
   pins; target: within 0.5 point), and with ``policy="adaptive"`` (target: more);
 - the worker's load rate in the run (``start_load_caches``, both ranks).
 
-Also: ``has_cache_item`` for an item the current request holds against a plain ``key in
-dict`` (target 2x; ns, and instructions with ``--callgrind``), and ``start_load_caches``
-copying 4 MB and 64 MB float16 items out of the shared pool into new tensors in
-``encoder_cache`` against a raw ``view.to(device, copy=True)`` of the same bytes (items cycle
-through 128 MB so the bytes come from memory; one intra-op thread; glibc keeps freed blocks
-under 32 MB; chunks alternate; GB/s is the median; target 0.9 of raw). With CUDA the copies go
-to the GPU (synchronized); this machine has none, so the CUDA path is not measured here.
+Also: ``has_cache_item`` for an item the current request holds against a plain ``key in dict``
+(target 2x; ns, and instructions with ``--callgrind``) and against the floor of any connector
+method vLLM calls: ``obj.has(key)`` where ``has`` is an instance attribute bound to a dict's
+``__contains__`` (one C call, no Python frame; ours is exactly that), and ``start_load_caches``
+copying 4 MB and 64 MB float16 items out of the shared pool into new tensors in ``encoder_cache``
+against a raw ``view.to(device, copy=True)`` of the same bytes (items cycle through 128 MB so the
+bytes come from memory; one intra-op thread; glibc keeps freed blocks under 32 MB; chunks
+alternate; GB/s is the median; target 0.9 of raw). With CUDA the copies go to the GPU
+(synchronized); this machine has none, so the CUDA path is not measured here.
 
 The machine may be shared with other jobs: read the ratios, not the absolute numbers.
 Run from the repository root: python -m benchmarks.peers.bench_vllm [--quick | --tiny | --callgrind]
@@ -211,6 +213,14 @@ def side_by_side_rows(quick: bool, tiny: bool = False) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
+class Floor:
+    """The cheapest ``has_cache_item`` any connector could offer vLLM: an instance attribute
+    bound to a dict's ``__contains__``, called as vLLM calls the connector's method."""
+
+    def __init__(self, present: dict[str, int]) -> None:
+        self.has = present.__contains__
+
+
 def scheduler_rows(quick: bool, tiny: bool = False) -> list[dict[str, Any]]:
     """``has_cache_item`` for a held item against a plain dict lookup."""
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
@@ -236,17 +246,29 @@ def scheduler_rows(quick: bool, tiny: bool = False) -> list[dict[str, Any]]:
             for key in keys:
                 _ = key in plain
 
+        bare = Floor(plain)
+
+        def floor(rep: int) -> None:
+            for key in keys:
+                bare.has(key)
+
         chunks, reps = TINY["chunks"] if tiny else SCHEDULER_CHUNKS[quick]
-        ours_ns, base_ns = [], []
-        for chunk in range(chunks):  # alternate which goes first
-            pair = [(ours_ns, query), (base_ns, lookup)]
-            for into, fn in pair if chunk % 2 else reversed(pair):
+        ours_ns: list[float] = []
+        base_ns: list[float] = []
+        floor_ns: list[float] = []
+        for chunk in range(chunks):  # rotate which goes first
+            turns = [(ours_ns, query), (base_ns, lookup), (floor_ns, floor)]
+            for into, fn in turns[chunk % 3 :] + turns[: chunk % 3]:
                 into += _median_ns(fn, len(keys), 1, reps)
         o, b = statistics.median(ours_ns), statistics.median(base_ns)
+        f = statistics.median(floor_ns)
         sched.check_invariants()
         return [
-            make_row("vllm scheduler: has_cache_item", o, b, "ns/item", o / b, "<= 2x", o / b <= 2)
-        ]
+            make_row("vllm scheduler: has_cache_item", o, b, "ns/item", o / b, "<= 2x", o / b <= 2),
+            make_row("vllm scheduler: has_cache_item vs a bare C call", o, f, "ns/item", o / f,
+                     "", None),
+            make_row("floor: a bare C call vs key in dict", f, b, "ns/item", f / b, "", None),
+        ]  # fmt: skip
     finally:
         sched.shutdown()
 
@@ -372,7 +394,7 @@ def callgrind_rows(count: int = 20) -> list[dict[str, Any]]:
     ours_sbs, theirs_sbs = (
         _callgrind("vllm_engine_probe", [name, *probe])[0] / seen for name in ("embcache", "eccpu")
     )
-    query, life, plain = (
+    query, life, plain, floor = (
         n / (count * 64) for n in _callgrind("vllm_scheduler_probe", [str(count)])
     )
     ours, raw = (n / count for n in _callgrind("vllm_load_probe", [str(count), str(4 * MB)]))
@@ -382,6 +404,10 @@ def callgrind_rows(count: int = 20) -> list[dict[str, Any]]:
             ours_sbs / theirs_sbs, "<= 1.0x", ours_sbs / theirs_sbs <= 1.0),
         row("vllm scheduler: has_cache_item", query, plain, "instr/item", query / plain, "<= 2x",
             query / plain <= 2),
+        row("vllm scheduler: has_cache_item vs a bare C call", query, floor, "instr/item",
+            query / floor, "", None),
+        row("floor: a bare C call vs key in dict", floor, plain, "instr/item", floor / plain,
+            "", None),
         row("vllm scheduler: a held item's whole life", life, plain, "instr/item", life / plain,
             "", None),
         row("vllm worker: load 4 MB items (raw / ours)", ours, raw, "instr/load", raw / ours,

@@ -1,8 +1,10 @@
 """The scheduler side under callgrind: ``count`` requests of 64 items through (1)
 ``has_cache_item`` for held items, (2) an item's whole life (ensure, has_cache_item,
 update_state_after_alloc, build_connector_meta, both ranks' acks, request_finished), (3) a
-plain ``key in dict``; collection on only around each loop (torch's ``_valgrind_toggle``; run
-with ``--collect-atstart=no``): three dumps, in that order.
+plain ``key in dict``, (4) the floor of a connector method: ``obj.has(key)``, ``has`` an
+instance attribute bound to the dict's ``__contains__`` (``bench_vllm.Floor``); collection on
+only around each loop (torch's ``_valgrind_toggle``; run with ``--collect-atstart=no``): four
+dumps, in that order.
 
     valgrind --tool=callgrind --collect-atstart=no \\
         python -m benchmarks.peers.vllm_scheduler_probe 20
@@ -15,13 +17,14 @@ import sys
 
 import torch
 
+from benchmarks.peers.bench_vllm import Floor
 from tests.support import vllm_wheel
 
 ITEMS = 64
 
 
 def main(count: int) -> None:
-    """Each of the three loops over ``count`` requests of ``ITEMS`` items, one dump each."""
+    """Each of the four loops over ``count`` requests of ``ITEMS`` items, one dump each."""
     vllm_wheel.install()
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
@@ -68,6 +71,12 @@ def main(count: int) -> None:
     for _ in range(count):
         for key in keys:
             _ = key in plain
+    torch._C._valgrind_toggle_and_dump_stats()
+    bare = Floor(plain)
+    torch._C._valgrind_toggle()
+    for _ in range(count):
+        for key in keys:
+            bare.has(key)
     torch._C._valgrind_toggle_and_dump_stats()
     sched.check_invariants()
     sched.shutdown()

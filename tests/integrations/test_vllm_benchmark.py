@@ -33,9 +33,14 @@ def test_the_benchmark_measures_both_sides(vllm_base: Any, tmp_path: Path) -> No
         check_row(row)
     by_name = {row["name"]: row for row in rows}
     assert len(by_name) == len(rows)
-    (scheduler,) = [r for r in rows if r["name"].startswith("vllm scheduler: ")]
-    assert scheduler["unit"] == "ns/item"
-    assert scheduler["ours"] > 0 and scheduler["baseline"] > 0
+    scheduler = by_name["vllm scheduler: has_cache_item"]
+    bare = by_name["vllm scheduler: has_cache_item vs a bare C call"]
+    floor = by_name["floor: a bare C call vs key in dict"]
+    for row in (scheduler, bare, floor):
+        assert row["unit"] == "ns/item" and row["ours"] > 0 and row["baseline"] > 0
+    # one measurement each: ours, the dict lookup, the bare call
+    assert (bare["ours"], bare["baseline"]) == (scheduler["ours"], floor["ours"])
+    assert floor["baseline"] == scheduler["baseline"]
 
     def side(name: str) -> tuple[float, float]:  # (ours, ECCPUConnector's) of a row
         row = by_name[f"vllm vs ECCPUConnector: {name}"]
