@@ -1,7 +1,7 @@
 """Publishes that come back after an outage (``embcache.driver.backlog``), in-process store.
 
 The real-master form (a killed and restarted ``mooncake_master``, a second worker getting the
-global hits) is ``tests/integration/test_mooncake_republish.py``; these tests pin down the
+global hits) is ``tests/mooncake_store/test_mooncake_republish.py``; these tests pin down the
 backlog's rules with faults injected per key: FAILED publishes wait and are written once the
 store answers; the oldest beyond the bound are dropped and counted; an entry evicted, removed or
 quarantined since is never written; bad settings raise a specific error.

@@ -5,7 +5,7 @@ waits until both serve, and stops it (SIGTERM, then SIGKILL after a bound). ``ki
 ``restart`` keep the ports, so clients configured with ``store_kwargs()`` find a restarted
 master. A master's state is in memory: a restarted one has lost every object.
 
-This is the launching code of ``tests/integration/conftest.py`` moved into the package so the
+This is the launching code of ``tests/mooncake_store/conftest.py`` moved into the package so the
 demo (``python -m embcache demo --store mooncake``) can use it too.
 """
 

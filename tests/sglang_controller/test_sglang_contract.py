@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integrations import scenarios
-from tests.integrations.tp import report, run_ranks
+from tests.sglang_controller import scenarios
+from tests.sglang_controller.tp import report, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, str]]:
     outdir: Path = tmp_path_factory.mktemp("sglang-contract")
-    return run_ranks("tests.integrations.scenarios", outdir, {})
+    return run_ranks("tests.sglang_controller.scenarios", outdir, {})
 
 
 @pytest.mark.parametrize("scenario", [s.__name__ for s in scenarios.SCENARIOS])

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import MooncakeMaster
-from tests.integrations import scenarios_mooncake
-from tests.integrations.tp import report, run_ranks
+from tests.mooncake_store.conftest import MooncakeMaster
+from tests.sglang_controller import scenarios_mooncake
+from tests.sglang_controller.tp import report, run_ranks
 from tests.support import ports
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(240)]
@@ -24,7 +24,7 @@ def outcomes(
         "master_ports": ports.server_ports(3),  # the master rank 0 starts (and kills)
     }
     return run_ranks(
-        "tests.integrations.scenarios_mooncake",
+        "tests.sglang_controller.scenarios_mooncake",
         tmp_path_factory.mktemp("sglang-mooncake"),
         args,
         deadline_s=200.0,

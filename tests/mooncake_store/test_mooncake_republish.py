@@ -26,7 +26,7 @@ from embcache.store.mooncake import MooncakeStore
 from tests.helpers import payload
 
 if TYPE_CHECKING:
-    from tests.integration.conftest import MooncakeMaster
+    from tests.mooncake_store.conftest import MooncakeMaster
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(180)]
 

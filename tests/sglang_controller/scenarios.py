@@ -21,7 +21,7 @@ from embcache.integrations.sglang import EmbeddingCacheController
 from embcache.integrations.sglang_legacy import LegacyEmbeddingCacheController
 from embcache.testing import Fault, FaultInjectingStore
 from tests.helpers import raw, wait_until
-from tests.integrations.tp import Rank, Scenario
+from tests.sglang_controller.tp import Rank, Scenario
 from tests.support.sglang_mmencoder import (
     DIM,
     DTYPE,

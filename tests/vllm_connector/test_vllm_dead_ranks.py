@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from embcache import InvalidArgumentError
-from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
-from tests.integrations.vllm_replay import DTYPE, WIDTH, FakeRequest, embedding
+from tests.vllm_connector.vllm_fixtures import make_scheduler, vllm_base
+from tests.vllm_connector.vllm_replay import DTYPE, WIDTH, FakeRequest, embedding
 
 __all__ = ["make_scheduler", "vllm_base"]
 pytestmark = pytest.mark.timeout(120)

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tests.integrations.vllm_replay import vllm_config
 from tests.support import vllm_wheel
+from tests.vllm_connector.vllm_replay import vllm_config
 
 
 def _have_vllm() -> None:

@@ -19,7 +19,7 @@ from embcache.store.mooncake import MooncakeStore
 from tests.helpers import item_of, payload, wait_until
 
 if TYPE_CHECKING:
-    from tests.integration.conftest import MooncakeMaster
+    from tests.mooncake_store.conftest import MooncakeMaster
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(90)]
 

@@ -29,7 +29,7 @@ from embcache.store.mooncake import CODES, MooncakeStore, StoreCode
 from tests.helpers import payload
 
 if TYPE_CHECKING:
-    from tests.integration.conftest import MooncakeMaster
+    from tests.mooncake_store.conftest import MooncakeMaster
 
 POOL_BYTES = 64 << 20
 SEGMENT_BYTES = 256 << 20

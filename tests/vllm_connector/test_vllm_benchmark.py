@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from tests.integrations.vllm_fixtures import vllm_base
 from tests.support.callgrind import dump_totals
 from tests.support.rows import check_row
+from tests.vllm_connector.vllm_fixtures import vllm_base
 
 __all__ = ["vllm_base"]
 ROOT = Path(__file__).resolve().parents[2]
