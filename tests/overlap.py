@@ -15,7 +15,7 @@ import torch
 from embcache import EmbeddingCache, Item, TransferOutcome
 from embcache.core.lifecycle import ABSENT, QUARANTINED
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import payload, wait_until
+from tests.support.helpers import payload, wait_until
 
 UNIT = 256
 WAIT_S = 60.0  # bounds waits that end at once (long: loaded CI machines)

@@ -22,7 +22,6 @@ from embcache.driver.fencing import FencePolicy
 from embcache.driver.trace import TraceLog
 from embcache.errors import StoreUnavailableError
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import raw
 from tests.overlap import (
     GARBAGE,
     UNIT,
@@ -31,6 +30,7 @@ from tests.overlap import (
     requarantine_between_fences,
     tensor,
 )
+from tests.support.helpers import raw
 
 
 @pytest.fixture

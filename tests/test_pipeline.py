@@ -22,7 +22,7 @@ from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
 from embcache.driver.locks import assert_unlocked
 from embcache.errors import InvalidArgumentError, InvalidTypeError, RequestError
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import raw, wait_until
+from tests.support.helpers import raw, wait_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("poison_modes")]
 

@@ -26,7 +26,7 @@ from embcache.errors import RequestError
 from embcache.pipeline import TensorParallelError
 from embcache.testing import Fault, FaultInjectingStore
 from embcache.tools.encoders import TinyViT, synthetic_image
-from tests.helpers import raw
+from tests.support.helpers import raw
 from tests.support.ports import rendezvous
 from tests.support.processes import spawned_ranks
 

@@ -17,7 +17,7 @@ from embcache.driver.fencing import FencePolicy
 from embcache.driver.poison import POISON
 from embcache.errors import InvalidArgumentError, InvalidTypeError, LockOrderError
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import evict_idle_after_close, item_of, payload, raw, wait_until
+from tests.support.helpers import evict_idle_after_close, item_of, payload, raw, wait_until
 
 FAST = FencePolicy(max_fraction=1.0, max_age_s=0.2, min_interval_s=0.05, check_interval_s=0.05)
 WAIT_S = 10.0

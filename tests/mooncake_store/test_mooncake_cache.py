@@ -21,7 +21,7 @@ from embcache.core.lifecycle import ABSENT
 from embcache.core.outcomes import Reason, Status
 from embcache.driver.item import Item
 from embcache.store.mooncake import MooncakeStore
-from tests.helpers import payload
+from tests.support.helpers import payload, unique
 
 if TYPE_CHECKING:
     from tests.mooncake_store.conftest import MooncakeMaster
@@ -31,10 +31,6 @@ pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(90)]
 CAPACITY = 64 << 20
 SEGMENT_BYTES = 256 << 20
 WAIT_S = 10.0
-
-
-def unique(name: str) -> str:
-    return f"{name}-{uuid.uuid4().hex[:10]}"
 
 
 def open_worker(stack: ExitStack, master: MooncakeMaster, **cache_kwargs: object) -> EmbeddingCache:

@@ -11,7 +11,6 @@ meanwhile is not written; a backlog bounded to fewer entries than failed drops t
 from __future__ import annotations
 
 import time
-import uuid
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
@@ -23,7 +22,7 @@ from embcache.core.outcomes import Reason, Status
 from embcache.driver.backlog import RepublishPolicy
 from embcache.driver.item import Item
 from embcache.store.mooncake import MooncakeStore
-from tests.helpers import payload
+from tests.support.helpers import payload, unique, wait_until
 
 if TYPE_CHECKING:
     from tests.mooncake_store.conftest import MooncakeMaster
@@ -34,10 +33,6 @@ SHAPE = (256, 256)  # bfloat16: 128 KiB an item
 ITEM_BYTES = 128 << 10
 SEGMENT_BYTES = 64 << 20
 WAIT_S = 60.0
-
-
-def unique(name: str) -> str:
-    return f"{name}-{uuid.uuid4().hex[:10]}"
 
 
 def open_worker(
@@ -53,14 +48,6 @@ def open_worker(
     )
     store.connect()
     return cache
-
-
-def wait_for(what: str, done: object, timeout: float = WAIT_S) -> None:
-    assert callable(done)
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def items(keys: list[str]) -> list[Item]:
@@ -87,7 +74,7 @@ def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
             with a.request(unique("serve")) as request:
                 assert request.lookup(items([key]))[0].status is Status.MISS
                 assert request.insert([key], [tensors[key]]) == [True]
-        wait_for("A's failed publishes", lambda: a.stats().publishes_failed >= len(first))
+        wait_until(lambda: a.stats().publishes_failed >= len(first), "A's failed publishes", WAIT_S)
         removed = first[3]
         assert a.remove(removed)
         with a.request(unique("serve")) as request:
@@ -95,7 +82,7 @@ def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
         evicted = [k for k in first if k != removed and a.entry_state(k).name == "ABSENT"]
         assert len(evicted) == 1, "4 into 3 free slots evict the oldest"
         held = [k for k in first + more if k not in (removed, *evicted)]
-        wait_for("A's failed publishes", lambda: a.stats().publishes_failed >= 10)
+        wait_until(lambda: a.stats().publishes_failed >= 10, "A's failed publishes", WAIT_S)
 
         # A worker whose backlog holds 2: 5 fail, the 3 oldest are dropped.
         dropped_keys = [unique("bounded") for _ in range(5)]
@@ -107,7 +94,8 @@ def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
         for n, (key, tensor) in enumerate(zip(dropped_keys, bounded_tensors, strict=True)):
             with bounded.request(unique("serve")) as request:
                 assert request.insert([key], [tensor]) == [True]
-            wait_for("the bounded worker's failed publish", lambda n=n: noted(n + 1))  # in order
+            failed = lambda n=n: noted(n + 1)  # noqa: E731 (in order)
+            wait_until(failed, "the bounded worker's failed publish", WAIT_S)
         stats = bounded.stats()
         assert (stats.publish_backlog, stats.publish_backlog_dropped) == (2, 3)
         assert a.stats().publish_backlog >= len(held)
@@ -115,7 +103,8 @@ def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
 
         master.start()  # nothing is asked of A or of the bounded worker: their probes find it
         for worker in (a, bounded):
-            wait_for("the backlog to drain", lambda w=worker: w.stats().publish_backlog == 0)
+            drained = lambda w=worker: w.stats().publish_backlog == 0  # noqa: E731
+            wait_until(drained, "the backlog to drain", WAIT_S)
         stats = a.stats()
         assert stats.publishes_ok == len(held), stats
         assert stats.publish_backlog_stale == 2  # the removed and the evicted one

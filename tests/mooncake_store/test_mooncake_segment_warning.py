@@ -16,7 +16,7 @@ import torch
 
 from embcache import EmbeddingCache
 from embcache.store.mooncake import MooncakeStore
-from tests.helpers import item_of, payload, wait_until
+from tests.support.helpers import item_of, payload, wait_until
 
 if TYPE_CHECKING:
     from tests.mooncake_store.conftest import MooncakeMaster

@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -26,7 +25,7 @@ from embcache.errors import (
 )
 from embcache.store import mooncake as mooncake_module
 from embcache.store.mooncake import CODES, MooncakeStore, StoreCode
-from tests.helpers import payload
+from tests.support.helpers import payload, unique
 
 if TYPE_CHECKING:
     from tests.mooncake_store.conftest import MooncakeMaster
@@ -37,10 +36,6 @@ OK, FAILED, UNKNOWN = TransferOutcome.OK, TransferOutcome.FAILED, TransferOutcom
 
 mooncake = pytest.mark.mooncake
 pytestmark = pytest.mark.timeout(60)
-
-
-def unique(name: str) -> str:
-    return f"{name}-{uuid.uuid4().hex[:10]}"
 
 
 def make_store(master: MooncakeMaster, **overrides: object) -> MooncakeStore:

@@ -19,7 +19,7 @@ import pytest
 from embcache import EmbeddingCache
 from embcache.driver.fencing import FencePolicy
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import raw, wait_until
+from tests.support.helpers import raw, wait_until
 from tests.support.stress_workload import Mix, Workload
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(120)]

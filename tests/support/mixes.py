@@ -20,14 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from embcache import Item
+from tests.support.helpers import aligned
 
 HIDDEN = 3584
 MIN_TOKENS, MAX_TOKENS = 64, 4096
-ALIGN = 256
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+ALIGN = 256  # the alignment of the benchmarks' pools (`aligned`'s default)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""Helpers shared by the tests: seeded payloads, stored bytes, bounded polling, the evict-after-
-close harness."""
+"""Helpers shared by the tests: seeded payloads, stored bytes, unique names, bounded polling,
+the evict-after-close harness."""
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,6 +31,11 @@ def item_of(key: str, tensor: torch.Tensor) -> Item:
 def aligned(nbytes: int, alignment: int = 256) -> int:
     """``nbytes`` rounded up to ``alignment``."""
     return -(-nbytes // alignment) * alignment
+
+
+def unique(name: str) -> str:
+    """``name`` made unique to this call (keys and request ids on a store other tests share)."""
+    return f"{name}-{uuid.uuid4().hex[:10]}"
 
 
 def wait_until(
