@@ -514,9 +514,9 @@ def test_a_0d_tensor_is_skipped_by_the_sglang_adapter() -> None:
 def vllm_pair() -> Iterator[tuple[Any, Any]]:
     """A scheduler-role connector made by vLLM's factory and rank 0's worker connector, in
     this process (``tests.vllm_connector.vllm_replay.LocalRank``); vLLM from its wheel."""
-    from tests.vllm_connector.vllm_fixtures import _have_vllm
+    from tests.support import vllm_wheel
 
-    _have_vllm()
+    vllm_wheel.install_or_skip()
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 

@@ -25,7 +25,7 @@ from embcache.store.mooncake import MooncakeStore
 from tests.support.helpers import payload, unique, wait_until
 
 if TYPE_CHECKING:
-    from tests.mooncake_store.conftest import MooncakeMaster
+    from embcache.store.mooncake_master import MooncakeMaster
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(180)]
 

@@ -19,7 +19,7 @@ from embcache.store.mooncake import MooncakeStore
 from tests.support.helpers import item_of, payload, wait_until
 
 if TYPE_CHECKING:
-    from tests.mooncake_store.conftest import MooncakeMaster
+    from embcache.store.mooncake_master import MooncakeMaster
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(90)]
 

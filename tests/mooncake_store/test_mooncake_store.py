@@ -28,7 +28,7 @@ from embcache.store.mooncake import CODES, MooncakeStore, StoreCode
 from tests.support.helpers import payload, unique
 
 if TYPE_CHECKING:
-    from tests.mooncake_store.conftest import MooncakeMaster
+    from embcache.store.mooncake_master import MooncakeMaster
 
 POOL_BYTES = 64 << 20
 SEGMENT_BYTES = 256 << 20

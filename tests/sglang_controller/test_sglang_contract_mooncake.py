@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.mooncake_store.conftest import MooncakeMaster
+from embcache.store.mooncake_master import MooncakeMaster
 from tests.sglang_controller import scenarios_mooncake
 from tests.sglang_controller.tp import report, run_ranks
 from tests.support import ports

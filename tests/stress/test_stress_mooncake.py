@@ -26,7 +26,7 @@ import torch
 
 from embcache import EmbeddingCache, Item, Status
 from embcache.store.mooncake import MooncakeStore
-from tests.stress.conftest import MooncakeMaster
+from embcache.store.mooncake_master import MooncakeMaster
 from tests.support.stress_workload import Mix, Workload, make_payload
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.stress, pytest.mark.timeout(120)]

@@ -16,9 +16,7 @@ import pytest
 from tests.support import ports
 from tests.support.callgrind import dump_totals
 from tests.support.rows import check_row
-from tests.vllm_connector.vllm_fixtures import vllm_base
 
-__all__ = ["vllm_base"]
 ROOT = Path(__file__).resolve().parents[2]
 
 

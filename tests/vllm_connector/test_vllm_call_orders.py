@@ -22,10 +22,8 @@ import torch
 from tests.support import vllm_cpu_connector
 from tests.support.vllm_engine import Engine as VLLMEngine
 from tests.support.vllm_wheel import SchedulerOutput
-from tests.vllm_connector.vllm_fixtures import make_scheduler, vllm_base
 from tests.vllm_connector.vllm_replay import FakeRequest, LocalRank, StepWork, embedding
 
-__all__ = ["make_scheduler", "vllm_base"]
 pytestmark = pytest.mark.timeout(300)
 ROWS = 32  # 32 x 64 fp16: 4 KiB an item
 CFG = {"pool_bytes": 4 * 4096}  # four items fill the pool

@@ -19,7 +19,6 @@ import torch
 
 from embcache import InvalidArgumentError, InvalidTypeError
 from tests.support.funnel import replace_funnel
-from tests.vllm_connector.vllm_fixtures import make_scheduler, vllm_base
 from tests.vllm_connector.vllm_replay import (
     DTYPE,
     WIDTH,
@@ -30,7 +29,6 @@ from tests.vllm_connector.vllm_replay import (
     requests,
 )
 
-__all__ = ["make_scheduler", "vllm_base"]
 pytestmark = pytest.mark.timeout(300)
 SMALL = {"pool_bytes": 48 * 1024}
 

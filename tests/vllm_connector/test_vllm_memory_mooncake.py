@@ -14,12 +14,10 @@ from typing import Any
 
 import pytest
 
-from tests.mooncake_store.conftest import MooncakeMaster, key_prefix, private_mooncake_master
+from embcache.store.mooncake_master import MooncakeMaster
 from tests.support.vllm_engine import Engine
-from tests.vllm_connector.vllm_fixtures import vllm_base
 from tests.vllm_connector.vllm_replay import WIDTH, FakeRequest, settle, vllm_config
 
-__all__ = ["key_prefix", "private_mooncake_master", "vllm_base"]
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

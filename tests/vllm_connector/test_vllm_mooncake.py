@@ -9,11 +9,9 @@ from typing import Any
 
 import pytest
 
-from tests.mooncake_store.conftest import MooncakeMaster, private_mooncake_master
-from tests.vllm_connector.vllm_fixtures import make_scheduler, vllm_base
+from embcache.store.mooncake_master import MooncakeMaster
 from tests.vllm_connector.vllm_replay import LocalRank, Replay, requests, settle
 
-__all__ = ["make_scheduler", "private_mooncake_master", "vllm_base"]
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 
 
