@@ -20,8 +20,8 @@ from embcache import EmbeddingCache
 from embcache.integrations.sglang import EmbeddingCacheController
 from embcache.integrations.sglang_legacy import LegacyEmbeddingCacheController
 from embcache.testing import Fault, FaultInjectingStore
-from tests.sglang_controller.tp import Rank, Scenario
 from tests.support.helpers import raw, wait_until
+from tests.support.rank_scenarios import Rank, Scenario
 from tests.support.sglang_mmencoder import (
     DIM,
     DTYPE,

@@ -17,8 +17,8 @@ from embcache.integrations.sglang_legacy import LegacyEmbeddingCacheController
 from embcache.store.mooncake import MooncakeStore
 from embcache.store.mooncake_master import MooncakeMaster
 from tests.sglang_controller.scenarios import GB, POOL, assert_idle, check, keys_of, published
-from tests.sglang_controller.tp import Rank, Scenario
 from tests.support.helpers import wait_until
+from tests.support.rank_scenarios import Rank, Scenario
 from tests.support.sglang_mmencoder import DIM, DTYPE, Encoder, Modality, serve, serve_legacy
 
 SEGMENT = 64 << 20
