@@ -1,8 +1,9 @@
-"""Helpers shared by the tests: seeded payloads, stored bytes, unique names, bounded polling,
-the evict-after-close harness."""
+"""Helpers shared by the tests: seeded payloads, stored bytes, unique names, bounded polling, a
+fence on a thread of its own, the evict-after-close harness."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -47,6 +48,25 @@ def wait_until(
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.002)
+
+
+class FenceThread:
+    """``cache.fence()`` on a thread of its own: a fence in flight, which the test lets end."""
+
+    def __init__(self, cache: EmbeddingCache, wait_s: float) -> None:
+        self.freed: int | None = None
+        self._wait_s = wait_s
+        self._thread = threading.Thread(target=self._run, args=(cache,), daemon=True)
+        self._thread.start()
+
+    def _run(self, cache: EmbeddingCache) -> None:
+        self.freed = cache.fence()
+
+    def join(self) -> int:
+        """How many entries the fence freed; fails if it did not end within ``wait_s``."""
+        self._thread.join(self._wait_s)
+        assert not self._thread.is_alive() and self.freed is not None, "the fence did not end"
+        return self.freed
 
 
 def evict_idle_after_close(cache: EmbeddingCache) -> None:
