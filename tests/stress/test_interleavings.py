@@ -69,6 +69,7 @@ from embcache.errors import ClosedError
 from embcache.testing import Fault, FaultInjectingStore
 from tests.support.compiled import core_is_compiled
 from tests.support.funnel import Funnel, replace_funnel
+from tests.support.helpers import raw
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(120)]
 
@@ -392,10 +393,6 @@ class ScheduledStore(FaultInjectingStore):
 # ---------------------------------------------------------------------------- a world per schedule
 def payload(key: str) -> torch.Tensor:
     return torch.arange(64, dtype=torch.float32) + sum(key.encode()) * 1000
-
-
-def raw(tensor: torch.Tensor) -> bytes:
-    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def item(key: str) -> Item:

@@ -37,6 +37,7 @@ import torch
 
 from embcache import EmbeddingCache, Item, Request, Status
 from embcache.core.lifecycle import READY
+from tests.support.helpers import raw
 
 WAIT_S = 10.0
 WAIT_TIMEOUTS = (0.0, 0.0005, 0.002, 0.01)
@@ -52,11 +53,6 @@ def make_payload(item: Item) -> torch.Tensor:
     words = np.arange(item.nbytes // 4, dtype=np.uint32) * np.uint32(2654435761)
     words += np.uint32(checksum(item))
     return torch.from_numpy(words.view(np.uint8).copy()).view(item.dtype).view(item.shape)
-
-
-def stored_bytes(payload: torch.Tensor) -> bytes:
-    """The bytes a store holds for ``payload`` (a contiguous tensor of ``make_payload``)."""
-    return payload.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 class Abandon(Exception):
@@ -377,7 +373,7 @@ class Workload:
             stored = read(key)
             if stored is not None:
                 allowed = {
-                    stored_bytes(self.payloads[self.canonical[key]]),
-                    stored_bytes(self.payloads[self.variant[key]]),
+                    raw(self.payloads[self.canonical[key]]),
+                    raw(self.payloads[self.variant[key]]),
                 }
                 assert stored in allowed, f"store object {key} is corrupt; {self.where()}"
