@@ -1,8 +1,9 @@
 """Helpers shared by the tests: seeded payloads, stored bytes, unique names, bounded polling, a
-fence on a thread of its own, the evict-after-close harness."""
+fence on a thread of its own, this process's resident memory, the evict-after-close harness."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -48,6 +49,12 @@ def wait_until(
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.002)
+
+
+def rss() -> int:
+    """This process's resident memory in bytes (``/proc/self/statm``)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class FenceThread:

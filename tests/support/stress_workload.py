@@ -24,6 +24,7 @@ doomed or tainted, exact accounting, and every entry and store object holds its 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import threading
 import time
@@ -53,6 +54,12 @@ def make_payload(item: Item) -> torch.Tensor:
     words = np.arange(item.nbytes // 4, dtype=np.uint32) * np.uint32(2654435761)
     words += np.uint32(checksum(item))
     return torch.from_numpy(words.view(np.uint8).copy()).view(item.dtype).view(item.shape)
+
+
+def stress_seed() -> int:
+    """The run's seed: ``EMBCACHE_STRESS_SEED`` (to replay a run), else a fresh random one."""
+    given = os.environ.get("EMBCACHE_STRESS_SEED")
+    return int(given) if given else random.SystemRandom().randrange(1, 2**31)
 
 
 class Abandon(Exception):

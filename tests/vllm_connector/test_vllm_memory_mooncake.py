@@ -8,23 +8,17 @@ objects by its own budget)."""
 from __future__ import annotations
 
 import gc
-import os
 import tracemalloc
 from typing import Any
 
 import pytest
 
 from embcache.store.mooncake_master import MooncakeMaster
+from tests.support.helpers import rss
 from tests.support.vllm_engine import Engine
 from tests.vllm_connector.vllm_replay import WIDTH, FakeRequest, settle, vllm_config
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * PAGE
 
 
 def test_a_connector_with_a_master_holds_its_budget_with_10x_of_it_passing(
