@@ -21,6 +21,7 @@ from embcache.errors import RequestError
 from embcache.pipeline import TensorParallelError
 from embcache.testing import Fault, FaultInjectingStore
 from embcache.tools.encoders import TinyViT, synthetic_image
+from tests.support import helpers
 from tests.support.helpers import raw
 from tests.support.rank_scenarios import Rank, report, run_ranks
 
@@ -119,18 +120,9 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def assert_idle(cache: EmbeddingCache | None) -> None:
-    if cache is None:
-        return
-    deadline = time.monotonic() + 10
-    while True:
-        s = cache.stats()
-        if s.publishes_started == s.publishes_ok + s.publishes_failed + s.publishes_unknown:
-            break
-        assert time.monotonic() < deadline, "publishes never ended"
-        time.sleep(0.005)
-    cache.check_invariants()
-    assert s.pinned_entries == 0 and s.open_requests == 0, s
-    assert s.entries_by_state.get("LOADING", 0) == 0, s
+    """Rank 0's cache idle (``helpers.assert_idle``); the other ranks have none."""
+    if cache is not None:
+        helpers.assert_idle(cache)
 
 
 def make_cache(r: Rank, store: FaultInjectingStore | None = None) -> EmbeddingCache | None:

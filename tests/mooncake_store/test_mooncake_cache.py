@@ -21,7 +21,7 @@ from embcache.core.lifecycle import ABSENT
 from embcache.core.outcomes import Reason, Status
 from embcache.driver.item import Item
 from embcache.store.mooncake import MooncakeStore
-from tests.support.helpers import payload, unique
+from tests.support.helpers import assert_idle, payload, unique
 
 if TYPE_CHECKING:
     from embcache.store.mooncake_master import MooncakeMaster
@@ -69,13 +69,10 @@ def publish(cache: EmbeddingCache, keys: list[str], tensors: list[torch.Tensor])
         time.sleep(0.01)
 
 
-def assert_idle(cache: EmbeddingCache) -> None:
-    """No pins, no loads in flight, no quarantine, invariants hold."""
-    cache.check_invariants()
+def assert_idle_and_ready(cache: EmbeddingCache) -> None:
+    """Idle (``helpers.assert_idle``), and every entry READY: no quarantine."""
+    assert_idle(cache)
     stats = cache.stats()
-    assert stats.pinned_entries == 0
-    assert stats.open_requests == 0
-    assert stats.entries_by_state.get("LOADING", 0) == 0
     assert stats.entries_by_state.get("QUARANTINED", 0) == 0
     assert stats.allocated_bytes == stats.bytes_by_state.get("READY", 0)
 
@@ -110,8 +107,8 @@ def test_worker_b_loads_what_worker_a_published(
     assert b.stats().loads_ok == loads_before + len(items)
     with b.request(unique("again")) as request:  # now a plain hit in B's pool
         assert [s.status for s in request.lookup(items)] == [Status.HIT] * len(items)
-    assert_idle(a)
-    assert_idle(b)
+    assert_idle_and_ready(a)
+    assert_idle_and_ready(b)
 
 
 def test_missing_keys_and_size_mismatches_fall_back_in_one_wait(
@@ -153,7 +150,7 @@ def test_missing_keys_and_size_mismatches_fall_back_in_one_wait(
         assert views[1:] == [None, None, None]
     assert b.stats().loads_failed == failed_before + 2
     assert b.entry_state(short) is ABSENT and b.entry_state(long_) is ABSENT
-    assert_idle(b)
+    assert_idle_and_ready(b)
 
 
 def test_concurrent_requests_from_several_threads(
@@ -191,7 +188,7 @@ def test_concurrent_requests_from_several_threads(
         thread.join()
     assert not errors, errors
     assert b.stats().loads_failed + b.stats().loads_unknown == failed_before
-    assert_idle(b)
+    assert_idle_and_ready(b)
 
 
 @pytest.mark.timeout(120)
@@ -243,7 +240,7 @@ def test_master_killed_mid_batch_of_loads_then_cache_recovers(
         assert max(elapsed for elapsed, _ in rounds) < WAIT_S
         b.fence()  # frees anything quarantined by an UNKNOWN outcome
         b.clear()
-        assert_idle(b)
+        assert_idle_and_ready(b)
         assert b.stats().allocated_bytes == 0, "bytes leaked"
 
         master.start()  # a new master has no objects: publish new keys, then load them
@@ -270,5 +267,5 @@ def test_master_killed_mid_batch_of_loads_then_cache_recovers(
             b.clear()
             assert time.monotonic() < deadline, "worker B never loaded after the restart"
             time.sleep(0.2)
-        assert_idle(a)
-        assert_idle(b)
+        assert_idle_and_ready(a)
+        assert_idle_and_ready(b)

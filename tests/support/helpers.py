@@ -1,5 +1,6 @@
 """Helpers shared by the tests: seeded payloads, stored bytes, unique names, bounded polling, a
-fence on a thread of its own, this process's resident memory, the evict-after-close harness."""
+cache checked idle once its transfers ended, a fence on a thread of its own, this process's
+resident memory, the evict-after-close harness."""
 
 from __future__ import annotations
 
@@ -49,6 +50,33 @@ def wait_until(
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.002)
+
+
+def publishes_ended(cache: EmbeddingCache) -> bool:
+    """Whether every publish ``cache`` started has ended (OK, FAILED or UNKNOWN)."""
+    s = cache.stats()
+    return s.publishes_started == s.publishes_ok + s.publishes_failed + s.publishes_unknown
+
+
+def transfers_ended(cache: EmbeddingCache) -> bool:
+    """Whether every publish and every load ``cache`` started has ended."""
+    s = cache.stats()
+    return publishes_ended(cache) and s.loads_started == (
+        s.loads_ok + s.loads_failed + s.loads_unknown
+    )
+
+
+def assert_idle(cache: EmbeddingCache, timeout_s: float = 10.0) -> None:
+    """Once every transfer ``cache`` started has ended (failing after ``timeout_s``): the
+    invariants hold, no entry is pinned or LOADING, no request is open, and every allocated
+    byte belongs to an entry."""
+    wait_until(lambda: transfers_ended(cache), "the transfers to end", timeout_s)
+    cache.check_invariants()
+    s = cache.stats()
+    assert s.pinned_entries == 0, s
+    assert s.open_requests == 0, s
+    assert s.entries_by_state.get("LOADING", 0) == 0, s
+    assert s.allocated_bytes == sum(s.bytes_by_state.values()), s
 
 
 def rss() -> int:
