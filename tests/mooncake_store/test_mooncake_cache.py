@@ -20,8 +20,7 @@ from embcache import EmbeddingCache
 from embcache.core.lifecycle import ABSENT
 from embcache.core.outcomes import Reason, Status
 from embcache.driver.item import Item
-from embcache.store.mooncake import MooncakeStore
-from tests.support.helpers import assert_idle, payload, unique
+from tests.support.helpers import assert_idle, mooncake_worker, payload, unique
 
 if TYPE_CHECKING:
     from embcache.store.mooncake_master import MooncakeMaster
@@ -33,27 +32,11 @@ SEGMENT_BYTES = 256 << 20
 WAIT_S = 10.0
 
 
-def open_worker(stack: ExitStack, master: MooncakeMaster, **cache_kwargs: object) -> EmbeddingCache:
-    """A connected cache over its own MooncakeStore (lending a segment); closed by ``stack``,
-    store last."""
-    store = stack.enter_context(
-        MooncakeStore(
-            **master.store_kwargs(),
-            global_segment_size=SEGMENT_BYTES,
-            reconnect_interval_s=0.2,
-        )
-    )
-    cache = stack.enter_context(
-        EmbeddingCache(CAPACITY, store=store, pin_memory=False, **cache_kwargs)  # type: ignore[arg-type]
-    )
-    store.connect()  # a worker that cannot reach the master fails here, saying why
-    return cache
-
-
 @pytest.fixture(scope="module")
 def workers(mooncake_master: MooncakeMaster) -> Iterator[tuple[EmbeddingCache, EmbeddingCache]]:
     with ExitStack() as stack:
-        yield open_worker(stack, mooncake_master), open_worker(stack, mooncake_master)
+        a, b = (mooncake_worker(stack, mooncake_master, CAPACITY, SEGMENT_BYTES) for _ in "ab")
+        yield a, b
 
 
 def publish(cache: EmbeddingCache, keys: list[str], tensors: list[torch.Tensor]) -> None:
@@ -197,7 +180,7 @@ def test_master_killed_mid_batch_of_loads_then_cache_recovers(
 ) -> None:
     master = private_mooncake_master
     with ExitStack() as stack:
-        a, b = open_worker(stack, master), open_worker(stack, master)
+        a, b = (mooncake_worker(stack, master, CAPACITY, SEGMENT_BYTES) for _ in "ab")
         keys = [unique("kill") for _ in range(12)]
         tensors = [payload((1024, 1024), torch.float16, i) for i in range(len(keys))]  # 2 MiB
         publish(a, keys, tensors)

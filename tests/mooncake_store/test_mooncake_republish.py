@@ -17,12 +17,10 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from embcache import EmbeddingCache
 from embcache.core.outcomes import Reason, Status
 from embcache.driver.backlog import RepublishPolicy
 from embcache.driver.item import Item
-from embcache.store.mooncake import MooncakeStore
-from tests.support.helpers import payload, unique, wait_until
+from tests.support.helpers import mooncake_worker, payload, unique, wait_until
 
 if TYPE_CHECKING:
     from embcache.store.mooncake_master import MooncakeMaster
@@ -35,21 +33,6 @@ SEGMENT_BYTES = 64 << 20
 WAIT_S = 60.0
 
 
-def open_worker(
-    stack: ExitStack, master: MooncakeMaster, capacity: int, republish: RepublishPolicy
-) -> EmbeddingCache:
-    store = stack.enter_context(
-        MooncakeStore(
-            **master.store_kwargs(), global_segment_size=SEGMENT_BYTES, reconnect_interval_s=0.2
-        )
-    )
-    cache = stack.enter_context(
-        EmbeddingCache(capacity, store=store, pin_memory=False, republish=republish)
-    )
-    store.connect()
-    return cache
-
-
 def items(keys: list[str]) -> list[Item]:
     return [Item(k, SHAPE, torch.bfloat16) for k in keys]
 
@@ -60,9 +43,10 @@ def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
     master = private_mooncake_master
     probe = RepublishPolicy(retry_interval_s=0.2)
     with ExitStack() as stack:
-        a = open_worker(stack, master, 8 * ITEM_BYTES, probe)
-        bounded = open_worker(stack, master, 16 * ITEM_BYTES, RepublishPolicy(2, 0.2))
-        b = open_worker(stack, master, 32 * ITEM_BYTES, probe)
+        a = mooncake_worker(stack, master, 8 * ITEM_BYTES, SEGMENT_BYTES, republish=probe)
+        two = RepublishPolicy(2, 0.2)  # a backlog of 2
+        bounded = mooncake_worker(stack, master, 16 * ITEM_BYTES, SEGMENT_BYTES, republish=two)
+        b = mooncake_worker(stack, master, 32 * ITEM_BYTES, SEGMENT_BYTES, republish=probe)
         master.kill()
 
         # A serves during the outage: 6 fresh images, removes one, then 4 more (8 fit): the

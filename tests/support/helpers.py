@@ -1,6 +1,6 @@
 """Helpers shared by the tests: seeded payloads, stored bytes, unique names, bounded polling, a
-cache checked idle once its transfers ended, a fence on a thread of its own, this process's
-resident memory, the evict-after-close harness."""
+cache on a real Mooncake master, a cache checked idle once its transfers ended, a fence on a
+thread of its own, this process's resident memory, the evict-after-close harness."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import Any
 
 import torch
 
 from embcache import EmbeddingCache, Item, ItemStatus, Request
+from embcache.store.mooncake import MooncakeStore
+from embcache.store.mooncake_master import MooncakeMaster
 
 
 def payload(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -50,6 +54,23 @@ def wait_until(
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.002)
+
+
+def mooncake_worker(
+    stack: ExitStack, master: MooncakeMaster, capacity: int, segment: int, **cache_kwargs: Any
+) -> EmbeddingCache:
+    """A connected cache of ``capacity`` bytes over its own ``MooncakeStore`` on ``master``,
+    lending a segment of ``segment`` bytes; closed by ``stack``, the store last. A worker that
+    cannot reach the master fails here, saying why."""
+    store = stack.enter_context(
+        MooncakeStore(
+            **master.store_kwargs(), global_segment_size=segment, reconnect_interval_s=0.2
+        )
+    )
+    cache = EmbeddingCache(capacity, store=store, pin_memory=False, **cache_kwargs)
+    stack.enter_context(cache)
+    store.connect()
+    return cache
 
 
 def publishes_ended(cache: EmbeddingCache) -> bool:
