@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from embcache.store.mooncake_master import MooncakeMaster
+from tests.support.engines import mooncake_env
 from tests.support.helpers import rss
 from tests.support.vllm_engine import Engine
 from tests.vllm_connector.vllm_replay import WIDTH, FakeRequest, settle, vllm_config
@@ -37,9 +38,8 @@ def test_a_connector_with_a_master_holds_its_budget_with_10x_of_it_passing(
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
     kwargs = private_mooncake_master.store_kwargs()
-    monkeypatch.setenv("MOONCAKE_TE_META_DATA_SERVER", kwargs["metadata_server"])
-    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
-    monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")
+    for name, value in mooncake_env(private_mooncake_master).items():  # its ranks' clients
+        monkeypatch.setenv(name, value)
     pool, segment = 1 << 20, 16 << 20
     budget = pool + segment
     extra = {
