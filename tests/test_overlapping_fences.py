@@ -4,9 +4,9 @@ manual ones) and a key QUARANTINED again between them.
 Fence A and fence B both snapshot ``k``; A ends and frees it; ``k`` is loaded again, the load
 ends UNKNOWN and ``k`` is QUARANTINED again; then B ends. B's store fence began before that
 second transfer, so it does not cover it: B must leave the new entry alone (free the entries it
-snapshotted, not their keys). ``LimboStore`` (tests/overlap.py) makes the danger real: an UNKNOWN
-read lands its bytes only when a store fence that began after it returns, so a range freed too
-early is overwritten under whoever got it next, and the byte checks below see it.
+snapshotted, not their keys). ``LimboStore`` (tests/support/overlap.py) makes the danger real:
+an UNKNOWN read lands its bytes only when a store fence that began after it returns, so a range
+freed too early is overwritten under whoever got it next, and the byte checks below see it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from embcache.driver.locks import HierarchyLock, lock_checking_enabled
 from embcache.driver.trace import TraceLog
 from embcache.errors import LockOrderError, StoreUnavailableError
 from embcache.testing import Fault, FaultInjectingStore
-from tests.overlap import (
+from tests.support.helpers import raw
+from tests.support.overlap import (
     GARBAGE,
     UNIT,
     LimboStore,
@@ -32,7 +33,6 @@ from tests.overlap import (
     requarantine_between_fences,
     tensor,
 )
-from tests.support.helpers import raw
 
 
 @pytest.fixture
