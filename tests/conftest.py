@@ -1,4 +1,12 @@
-"""Shared test setup: Hypothesis profiles, the lock-order checker and this session's ports.
+"""Shared test setup: Hypothesis profiles, the lock-order checker, this session's ports, and the
+real ``mooncake_master`` of the tests marked ``mooncake``, whatever their folder.
+
+``mooncake_master`` (session scope) is shared: tests keep apart by giving each store a unique
+key prefix (``key_prefix``). ``private_mooncake_master`` (function scope) is for tests that kill
+or restart the master. Both serve Mooncake's HTTP metadata from the master process itself, on
+loopback ports of this session's block (``tests/support/ports.py``: another run of the suite on
+the machine has its own), and are stopped when the test ends, passed or failed. Without
+``mooncake_master`` on PATH the tests skip, or fail when ``CI`` is set.
 
 Profiles (choose with HYPOTHESIS_PROFILE): ``dev`` is fast for local loops, ``ci`` runs at
 least 1000 state-machine examples (CI sets it; Hypothesis would otherwise load its own small
@@ -9,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +28,8 @@ from hypothesis import HealthCheck, settings
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for `models`
 
 from embcache import EmbeddingCache  # after the path: this checkout first
+from embcache.errors import StoreUnavailableError
+from embcache.store.mooncake_master import MooncakeMaster, find_master_binary
 from embcache.testing import FaultInjectingStore
 
 _common = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
@@ -69,6 +80,45 @@ def make_cache(store: FaultInjectingStore) -> Iterator[Callable[..., EmbeddingCa
         cache.close()
 
 
+def _master_binary() -> str:
+    """The binary; without it the test skips locally and fails in CI."""
+    try:
+        return find_master_binary()
+    except StoreUnavailableError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+
+
+def _running_master(log_dir: Path) -> Iterator[MooncakeMaster]:
+    from tests.support import ports
+
+    master = MooncakeMaster(_master_binary(), log_dir, ports.server_ports(3))
+    try:
+        master.start()
+        yield master
+    finally:
+        master.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeMaster]:
+    """A master shared by the session; never kill it (use ``private_mooncake_master``)."""
+    yield from _running_master(tmp_path_factory.mktemp("mooncake"))
+
+
+@pytest.fixture
+def private_mooncake_master(tmp_path: Path) -> Iterator[MooncakeMaster]:
+    """A master of this test alone, which it may kill and restart."""
+    yield from _running_master(tmp_path)
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    """A key namespace of this test alone, so tests sharing a master never see each other."""
+    return f"test-{uuid.uuid4().hex[:12]}/"
+
+
 @pytest.fixture(params=["plain", "poison"])
 def poison_modes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs a test twice: as is, and with every cache poisoning the ranges it frees
@@ -84,8 +134,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = outcome.get_result()  # type: ignore[attr-defined]
     if report.when != "call" or not report.failed:
         return
-    from embcache.store.mooncake_master import MooncakeMaster
-
     for name, value in getattr(item, "funcargs", {}).items():
         if isinstance(value, MooncakeMaster):
             report.sections.append((f"log of {name} (last 40 lines)", value.log_tail(40)))

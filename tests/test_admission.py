@@ -12,7 +12,7 @@ from embcache import EmbeddingCache, Item
 from embcache.core.policy import make_policy
 from embcache.driver.trace import TraceLog
 from embcache.errors import InvalidArgumentError, InvalidTypeError
-from tests.helpers import payload
+from tests.support.helpers import payload
 
 UNIT = 256
 

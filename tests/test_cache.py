@@ -30,7 +30,7 @@ from embcache.errors import (
     RequestError,
 )
 from embcache.testing import NOT_FOUND, TIMED_OUT, Fault, FaultInjectingStore
-from tests.helpers import aligned, item_of, payload, raw, wait_until
+from tests.support.helpers import aligned, item_of, payload, raw, wait_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("poison_modes")]
 

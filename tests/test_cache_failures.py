@@ -22,7 +22,7 @@ from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
 from embcache.driver.locks import assert_unlocked, enable_lock_checking, lock_checking_enabled
 from embcache.errors import LockOrderError
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import aligned, item_of, payload, raw, wait_until
+from tests.support.helpers import aligned, item_of, payload, raw, wait_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("poison_modes")]
 

@@ -10,7 +10,7 @@ from embcache.core.lifecycle import LOADING, READY
 from embcache.driver.trace import TraceLog
 from embcache.errors import ClosedError, InvalidArgumentError
 from embcache.testing import FaultInjectingStore
-from tests.helpers import payload, raw, wait_until
+from tests.support.helpers import payload, raw, wait_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("poison_modes")]
 

@@ -408,15 +408,15 @@ def test_no_benchmark_imports_tests_outside_support() -> None:
 def test_a_planted_tests_import_in_a_benchmark_is_found(tmp_path: Path) -> None:
     source = (
         "import tests.stress.workload\n"
-        "from tests.integrations import mmencoder\n"
-        "from tests import helpers, support\n"
+        "from tests.sglang_controller import mmencoder\n"
+        "from tests import tracegen, support\n"
         "from tests.support import baselines\n"
         "import tests.support.rows, testsish, json\n"
         "def f():\n"
         "    from tests.supportish import x\n"
-        "    importlib.import_module('tests.integrations.mmencoder')\n"
+        "    importlib.import_module('tests.sglang_controller.mmencoder')\n"
         "    __import__('tests.support.mixes')\n"
-        "    pytest.importorskip('tests.helpers')\n"
+        "    pytest.importorskip('tests.tracegen')\n"
         "    from tests import *\n"
         "    subprocess.run([sys.executable, '-m', 'tests.tracegen'])\n"
         "    from .stress import Workload\n"
@@ -425,10 +425,10 @@ def test_a_planted_tests_import_in_a_benchmark_is_found(tmp_path: Path) -> None:
     path.write_text(source)
     assert imports_of_tests_outside_support(path) == [
         (1, "tests.stress.workload"),
-        (2, "tests.integrations"),
-        (3, "tests.helpers"),
+        (2, "tests.sglang_controller"),
+        (3, "tests.tracegen"),
         (7, "tests.supportish"),
-        (8, "tests.integrations.mmencoder"),
-        (10, "tests.helpers"),
+        (8, "tests.sglang_controller.mmencoder"),
+        (10, "tests.tracegen"),
         (11, "tests.*"),
     ]

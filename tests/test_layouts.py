@@ -513,14 +513,14 @@ def test_a_0d_tensor_is_skipped_by_the_sglang_adapter() -> None:
 @pytest.fixture(scope="module")
 def vllm_pair() -> Iterator[tuple[Any, Any]]:
     """A scheduler-role connector made by vLLM's factory and rank 0's worker connector, in
-    this process (``tests.integrations.vllm_replay.LocalRank``); vLLM from its wheel."""
-    from tests.integrations.vllm_fixtures import _have_vllm
+    this process (``tests.vllm_connector.vllm_replay.LocalRank``); vLLM from its wheel."""
+    from tests.support import vllm_wheel
 
-    _have_vllm()
+    vllm_wheel.install_or_skip()
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
-    from tests.integrations.vllm_replay import LocalRank, vllm_config
+    from tests.vllm_connector.vllm_replay import LocalRank, vllm_config
 
     extra = {"pool_bytes": 256 * 1024}
     sched = ECConnectorFactory.create_connector(
@@ -536,8 +536,8 @@ def vllm_save(sched: Any, worker: Any, key: str, tensor: torch.Tensor) -> bytes:
     (``save_caches``), its ack makes the entry READY; the bytes the scheduler's cache serves."""
     from vllm.v1.outputs import ECConnectorOutput
 
-    from tests.integrations.vllm_replay import DTYPE, FakeRequest
     from tests.support.vllm_wheel import SchedulerOutput
+    from tests.vllm_connector.vllm_replay import DTYPE, FakeRequest
 
     rows = tensor.shape[0]
     request = FakeRequest(f"v-{key}", [key], {key: rows}, 1)
@@ -566,7 +566,7 @@ def vllm_save(sched: Any, worker: Any, key: str, tensor: torch.Tensor) -> bytes:
 def test_every_layout_through_the_vllm_workers_save(
     vllm_pair: tuple[Any, Any], data: st.DataObject
 ) -> None:
-    from tests.integrations.vllm_replay import DTYPE, WIDTH
+    from tests.vllm_connector.vllm_replay import DTYPE, WIDTH
 
     sched, worker = vllm_pair
     rows = data.draw(st.integers(1, 6))

@@ -31,7 +31,7 @@ from embcache.driver.locks import (
 from embcache.driver.pool import PoolViews
 from embcache.errors import LockOrderError
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import raw, wait_until
+from tests.support.helpers import raw, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

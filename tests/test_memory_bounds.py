@@ -27,15 +27,10 @@ from embcache.core.actions import MAX_SHAPES
 from embcache.core.policy import TinyLfuPolicy, make_policy
 from embcache.driver.trace import TraceLog
 from embcache.testing import Fault, FaultInjectingStore
+from tests.support.helpers import rss
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 1 << 20
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * PAGE
 
 
 def push_distinct_images(cache: EmbeddingCache, count: int, start: int, nbytes: int) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from embcache import EmbeddingCache, InvalidArgumentError, InvalidTypeError
 from embcache.testing import FaultInjectingStore
-from tests.helpers import item_of, payload
+from tests.support.helpers import item_of, payload
 
 prometheus_client = pytest.importorskip("prometheus_client")
 

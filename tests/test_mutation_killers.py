@@ -38,6 +38,7 @@ from embcache.errors import (
     TransitionError,
 )
 from embcache.testing import Fault, FaultInjectingStore
+from tests.support.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -330,13 +331,6 @@ def test_timed_out_async_wait_drops_its_future() -> None:
         cache.close()
 
 
-def wait_for(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + 10
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.002)
-
-
 def test_trace_events_of_a_failed_allocation_a_publish_and_a_remove() -> None:
     """Kills cache _alloc_failed__mutmut_7..20, _publish__mutmut_29/33, _end_publish__mutmut_24/29,
     _remove__mutmut_25/29 (trace events with wrong fields) and _publish__mutmut_21 (the count).
@@ -347,7 +341,7 @@ def test_trace_events_of_a_failed_allocation_a_publish_and_a_remove() -> None:
         small = torch.arange(64, dtype=torch.float32)  # one ALIGN
         with cache.request("r") as request:
             assert request.insert(["a", "b"], [small, small + 1], publish=True) == [True, True]
-            wait_for(lambda: cache.stats().publishes_ok == 2, "two publishes")
+            wait_until(lambda: cache.stats().publishes_ok == 2, "two publishes")
             assert cache.stats().publishes_started == 2
             publish = [e for e in trace if e["action"] == "Publish"]
             assert [(e["request"], e["key"], e["state"]) for e in publish] == [
@@ -566,7 +560,7 @@ def test_a_load_nobody_waits_for_any_more_becomes_evictable() -> None:
         with cache.request("r") as request:
             assert request.lookup([Item("k", (64,), torch.float32)])[0].status.name == "LOADING"
         store.release_holds()
-        wait_for(lambda: cache.entry_state("k") is not LOADING, "the load to end")
+        wait_until(lambda: cache.entry_state("k") is not LOADING, "the load to end")
         assert cache.entry_state("k") is READY
         stats = cache.stats()
         assert stats.pinned_entries == 0 and stats.loads_ok == 1
@@ -826,11 +820,11 @@ def test_invariants_hold_while_a_publish_is_in_flight() -> None:
     try:
         with cache.request("r") as request:
             assert request.insert(["k"], [torch.arange(64, dtype=torch.float32)]) == [True]
-            wait_for(lambda: store.calls["put_from"] == 1, "the publish to start")
+            wait_until(lambda: store.calls["put_from"] == 1, "the publish to start")
             cache.check_invariants()  # READY, pinned by r and by the publish
             assert cache.stats().publishes_started == 1
             store.release_holds()
-            wait_for(lambda: cache.stats().publishes_ok == 1, "the publish to end")
+            wait_until(lambda: cache.stats().publishes_ok == 1, "the publish to end")
         cache.check_invariants()
     finally:
         store.release_holds()
@@ -844,7 +838,7 @@ def test_last_release_of_a_tainted_entry_clears_its_flags() -> None:
     try:
         with cache.request("r") as request:
             assert request.insert(["k"], [torch.arange(64, dtype=torch.float32)]) == [True]
-            wait_for(lambda: cache.stats().publishes_unknown == 1, "the publish to end")
+            wait_until(lambda: cache.stats().publishes_unknown == 1, "the publish to end")
         release = [e for e in trace if e["action"] == "Release"][-1]
         assert release["state"] == "QUARANTINED"
         assert release["tainted"] is False and release["doomed"] is False

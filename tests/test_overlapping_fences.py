@@ -4,13 +4,14 @@ manual ones) and a key QUARANTINED again between them.
 Fence A and fence B both snapshot ``k``; A ends and frees it; ``k`` is loaded again, the load
 ends UNKNOWN and ``k`` is QUARANTINED again; then B ends. B's store fence began before that
 second transfer, so it does not cover it: B must leave the new entry alone (free the entries it
-snapshotted, not their keys). ``LimboStore`` (tests/overlap.py) makes the danger real: an UNKNOWN
-read lands its bytes only when a store fence that began after it returns, so a range freed too
-early is overwritten under whoever got it next, and the byte checks below see it.
+snapshotted, not their keys). ``LimboStore`` (tests/support/overlap.py) makes the danger real:
+an UNKNOWN read lands its bytes only when a store fence that began after it returns, so a range
+freed too early is overwritten under whoever got it next, and the byte checks below see it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -19,11 +20,12 @@ import torch
 from embcache import EmbeddingCache, Item, TransferOutcome
 from embcache.core.lifecycle import ABSENT, QUARANTINED
 from embcache.driver.fencing import FencePolicy
+from embcache.driver.locks import HierarchyLock, lock_checking_enabled
 from embcache.driver.trace import TraceLog
-from embcache.errors import StoreUnavailableError
+from embcache.errors import LockOrderError, StoreUnavailableError
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import raw
-from tests.overlap import (
+from tests.support.helpers import raw
+from tests.support.overlap import (
     GARBAGE,
     UNIT,
     LimboStore,
@@ -103,28 +105,65 @@ def test_the_stray_read_lands_in_the_range_it_was_given(limbo: LimboStore) -> No
     assert pool[:UNIT].eq(GARBAGE).all()
 
 
-def test_a_failed_store_fence_frees_nothing_and_leaves_no_fence_in_flight() -> None:
-    """The store's fence raises: the cache's fence raises, its snapshot is dropped (the runtime
-    check would otherwise keep it, and a dead master would pile one up a second), the entry
-    stays QUARANTINED, and the next fence that works frees it."""
+class FailingFence(FaultInjectingStore):
+    """A store whose fence raises while ``fail`` is set (a dead master)."""
 
-    class FailingFence(FaultInjectingStore):
-        fail = True
+    fail = False
 
-        def fence(self) -> None:
-            if self.fail:
-                raise StoreUnavailableError("the master is gone")
-            super().fence()
+    def fence(self) -> None:
+        if self.fail:
+            raise StoreUnavailableError("the master is gone")
+        super().fence()
 
+
+class FlakySink(TraceLog):
+    """A trace sink that raises on the BeginFence event while ``fail`` is set (a full sink)."""
+
+    fail = False
+
+    def append(self, event: dict[str, object], /) -> None:
+        if self.fail and event["action"] == "BeginFence":
+            raise RuntimeError("the trace sink is full")
+        super().append(event)
+
+
+# why the fence fails -> what it raises
+FAILED_FENCES: dict[str, tuple[type[BaseException], str]] = {
+    "the store's fence raises": (StoreUnavailableError, "the master is gone"),
+    "the lock check refuses it": (LockOrderError, "store fence while holding"),
+    "the trace sink raises": (RuntimeError, "trace sink is full"),
+}
+
+
+@pytest.mark.parametrize("why", list(FAILED_FENCES))
+def test_a_failed_fence_frees_nothing_and_leaves_no_fence_in_flight(why: str) -> None:
+    """A fence that fails raises, and is abandoned: nothing freed, no fence left in flight (a
+    snapshot kept would pile one up a second under a dead master), the entry still QUARANTINED;
+    the next fence that works frees it. It fails because the store's fence raises, because the
+    caller holds a lock (one below the cache's level, so taking the cache lock is allowed but
+    the store call is not: refused before the fence begins), or because the trace sink raises
+    on the BeginFence event."""
+    if why == "the lock check refuses it" and not lock_checking_enabled():
+        pytest.skip("needs EMBCACHE_LOCK_CHECK=1")
     store = FailingFence()
-    cache, _ = _quarantined_cache(store=store)
+    sink = FlakySink() if why == "the trace sink raises" else None
+    cache, _ = _quarantined_cache(sink, store)
+    error, says = FAILED_FENCES[why]
     try:
-        with pytest.raises(StoreUnavailableError):
-            cache.fence()
+        with contextlib.ExitStack() as failing:
+            store.fail = why == "the store's fence raises"
+            if sink is not None:
+                sink.fail = True
+            if why == "the lock check refuses it":
+                failing.enter_context(HierarchyLock(0, "caller's lock"))
+            with pytest.raises(error, match=says):
+                cache.fence()
+        store.fail = False
+        if sink is not None:
+            sink.fail = False
         assert cache.sizes()["fences_in_flight"] == 0
         assert cache.entry_state("q") is QUARANTINED
         cache.check_invariants()
-        store.fail = False
         assert cache.fence() == 1
         assert cache.sizes()["fences_in_flight"] == 0
         cache.check_invariants()
@@ -149,57 +188,3 @@ def _quarantined_cache(
         assert r.wait(timeout=10)
     assert cache.entry_state("q") is QUARANTINED
     return cache, store
-
-
-def test_a_fence_refused_by_the_lock_check_begins_nothing() -> None:
-    """A fence asked for while the caller holds a lock (here one below the cache's level, so
-    taking the cache lock is allowed but the store call is not) is refused before it begins:
-    no fence left in flight, the entry still QUARANTINED, and the next fence frees it."""
-    from embcache.driver.locks import HierarchyLock, lock_checking_enabled
-    from embcache.errors import LockOrderError
-
-    if not lock_checking_enabled():
-        pytest.skip("needs EMBCACHE_LOCK_CHECK=1")
-    cache, store = _quarantined_cache()
-    outer = HierarchyLock(0, "caller's lock")
-    try:
-        with outer, pytest.raises(LockOrderError, match="store fence while holding"):
-            cache.fence()
-        assert cache.sizes()["fences_in_flight"] == 0
-        assert cache.entry_state("q") is QUARANTINED
-        cache.check_invariants()
-        assert cache.fence() == 1
-        assert cache.sizes()["fences_in_flight"] == 0
-    finally:
-        store.release_holds()
-        cache.close()
-
-
-def test_a_fence_whose_trace_sink_raises_is_abandoned() -> None:
-    """The sink raises on the BeginFence event: the fence raises, is abandoned (nothing freed,
-    none in flight), and a later fence (with a working sink) frees the entry."""
-
-    class FlakySink(TraceLog):
-        fail = False
-
-        def append(self, event: dict[str, object], /) -> None:
-            if self.fail and event["action"] == "BeginFence":
-                raise RuntimeError("the trace sink is full")
-            super().append(event)
-
-    sink = FlakySink()
-    cache, store = _quarantined_cache(sink)
-    try:
-        sink.fail = True
-        with pytest.raises(RuntimeError, match="trace sink is full"):
-            cache.fence()
-        assert cache.sizes()["fences_in_flight"] == 0
-        assert cache.entry_state("q") is QUARANTINED
-        cache.check_invariants()
-        sink.fail = False
-        assert cache.fence() == 1
-        assert cache.sizes()["fences_in_flight"] == 0
-        cache.check_invariants()
-    finally:
-        store.release_holds()
-        cache.close()

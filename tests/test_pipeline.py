@@ -22,7 +22,7 @@ from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
 from embcache.driver.locks import assert_unlocked
 from embcache.errors import InvalidArgumentError, InvalidTypeError, RequestError
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import raw, wait_until
+from tests.support.helpers import assert_idle, raw, wait_until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("poison_modes")]
 
@@ -80,25 +80,6 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.dtype == want.dtype and got.device == want.device
     assert got.shape == want.shape
     assert torch.equal(got, want)
-
-
-def assert_idle(cache: EmbeddingCache) -> None:
-    """Publishes ended; no pins, loads, doomed entries or requests; accounting exact."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        s = cache.stats()
-        ended = s.publishes_ok + s.publishes_failed + s.publishes_unknown
-        if s.publishes_started == ended and s.loads_started == (
-            s.loads_ok + s.loads_failed + s.loads_unknown
-        ):
-            break
-        assert time.monotonic() < deadline, f"transfers never ended: {s}"
-        time.sleep(0.005)
-    cache.check_invariants()
-    assert s.pinned_entries == 0, s
-    assert s.open_requests == 0, s
-    assert s.entries_by_state.get("LOADING", 0) == 0, s
-    assert s.allocated_bytes == sum(s.bytes_by_state.values()), s
 
 
 def counts(stats: PipelineStats) -> tuple[int, int, int]:

@@ -8,13 +8,8 @@ pipeline's on the same inputs; rank 0 also checks that its cache is idle afterwa
 
 from __future__ import annotations
 
-import datetime
-import json
 import time
-import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,9 +21,9 @@ from embcache.errors import RequestError
 from embcache.pipeline import TensorParallelError
 from embcache.testing import Fault, FaultInjectingStore
 from embcache.tools.encoders import TinyViT, synthetic_image
-from tests.helpers import raw
-from tests.support.ports import rendezvous
-from tests.support.processes import spawned_ranks
+from tests.support import helpers
+from tests.support.helpers import raw
+from tests.support.rank_scenarios import Rank, report, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -90,33 +85,21 @@ class ShardedEncoder(ReplicatedEncoder):
         return outputs
 
 
-@dataclass
-class Rank:
-    """What a scenario gets: this process's rank and the group."""
-
-    rank: int
-    world: int
-    group: dist.ProcessGroup
-
-    def pipeline(
-        self,
-        encoder: Any,
-        cache: EmbeddingCache | None = None,
-        group: dist.ProcessGroup | None = None,
-        **kwargs: Any,
-    ) -> EncodePipeline:
-        return EncodePipeline(
-            cache if self.rank == 0 else None,
-            encoder,
-            tp_group=group or self.group,
-            collective_timeout=kwargs.pop("collective_timeout", COLLECTIVE_S),
-            **kwargs,
-        )
-
-    def same_on_every_rank(self, value: object) -> None:
-        values: list[object] = [None] * self.world
-        dist.all_gather_object(values, value, group=self.group)
-        assert all(v == values[0] for v in values), f"ranks differ: {values}"
+def tp_pipeline(
+    r: Rank,
+    encoder: Any,
+    cache: EmbeddingCache | None = None,
+    group: dist.ProcessGroup | None = None,
+    **kwargs: Any,
+) -> EncodePipeline:
+    """Rank ``r``'s pipeline over the whole group (or ``group``): the cache on rank 0 only."""
+    return EncodePipeline(
+        cache if r.rank == 0 else None,
+        encoder,
+        tp_group=group or r.group,
+        collective_timeout=kwargs.pop("collective_timeout", COLLECTIVE_S),
+        **kwargs,
+    )
 
 
 def tp1(inputs: Sequence[int]) -> torch.Tensor:
@@ -137,18 +120,9 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def assert_idle(cache: EmbeddingCache | None) -> None:
-    if cache is None:
-        return
-    deadline = time.monotonic() + 10
-    while True:
-        s = cache.stats()
-        if s.publishes_started == s.publishes_ok + s.publishes_failed + s.publishes_unknown:
-            break
-        assert time.monotonic() < deadline, "publishes never ended"
-        time.sleep(0.005)
-    cache.check_invariants()
-    assert s.pinned_entries == 0 and s.open_requests == 0, s
-    assert s.entries_by_state.get("LOADING", 0) == 0, s
+    """Rank 0's cache idle (``helpers.assert_idle``); the other ranks have none."""
+    if cache is not None:
+        helpers.assert_idle(cache)
 
 
 def make_cache(r: Rank, store: FaultInjectingStore | None = None) -> EmbeddingCache | None:
@@ -159,7 +133,7 @@ def make_cache(r: Rank, store: FaultInjectingStore | None = None) -> EmbeddingCa
 def same_outputs_as_tp1(r: Rank) -> None:
     cache = make_cache(r)
     encoder = ShardedEncoder(r.group)
-    pipeline = r.pipeline(encoder, cache)
+    pipeline = tp_pipeline(r, encoder, cache)
     for i, inputs in enumerate([[1, 2, 3], [1, 2, 3], [3, 4, 3, 1], [5]]):
         assert_same(encode(pipeline, f"r{i}", inputs), tp1(inputs))
     assert encoder.calls == [[1, 2, 3], [4], [5]]
@@ -178,7 +152,7 @@ def partial_load_failures_on_rank_0(r: Rank) -> None:
         store.inject(item(n).key, fault)
     cache = make_cache(r, store)
     encoder = ShardedEncoder(r.group)
-    pipeline = r.pipeline(encoder, cache, prefetch_timeout=COLLECTIVE_S / 2)
+    pipeline = tp_pipeline(r, encoder, cache, prefetch_timeout=COLLECTIVE_S / 2)
     inputs = [13, 10, 11, 12, 13]
     assert_same(encode(pipeline, "r", inputs), tp1(inputs))
     assert encoder.calls == [[10, 11, 12]]
@@ -194,7 +168,7 @@ def prefetch_timeout_on_rank_0(r: Rank) -> None:
     store.put_object(item(50).key, raw(expected(50)))
     store.inject(item(50).key, Fault.HOLD)
     cache = make_cache(r, store)
-    pipeline = r.pipeline(ShardedEncoder(r.group), cache, prefetch_timeout=0.2)
+    pipeline = tp_pipeline(r, ShardedEncoder(r.group), cache, prefetch_timeout=0.2)
     assert_same(encode(pipeline, "r", [50, 51]), tp1([50, 51]))
     if cache is not None:
         assert pipeline.stats().fallbacks_by_reason == {"not_found": 1, "timeout": 1}
@@ -213,7 +187,7 @@ def encoder_exception_on_last_rank_reaches_every_rank(r: Rank) -> None:
 
 def check_encoder_failure(r: Rank, failing_rank: int) -> None:
     cache = make_cache(r)
-    failing = r.pipeline(ReplicatedEncoder(r.rank, fail_on=[failing_rank]), cache)
+    failing = tp_pipeline(r, ReplicatedEncoder(r.rank, fail_on=[failing_rank]), cache)
     started = time.monotonic()
     expected_error = EncoderError if r.rank == failing_rank else TensorParallelError
     with pytest.raises(expected_error) as info:
@@ -223,7 +197,7 @@ def check_encoder_failure(r: Rank, failing_rank: int) -> None:
         assert f"rank {failing_rank}" in str(info.value)
     assert_idle(cache)
     # The group is still aligned: the next call works on every rank.
-    working = r.pipeline(ReplicatedEncoder(r.rank), cache)
+    working = tp_pipeline(r, ReplicatedEncoder(r.rank), cache)
     assert_same(encode(working, "r2", [20, 21]), tp1([20, 21]))
     if cache is not None:
         assert_idle(cache)
@@ -232,7 +206,7 @@ def check_encoder_failure(r: Rank, failing_rank: int) -> None:
 
 def rank_0_failure_before_the_mask_reaches_every_rank(r: Rank) -> None:
     cache = make_cache(r)
-    pipeline = r.pipeline(ReplicatedEncoder(r.rank), cache)
+    pipeline = tp_pipeline(r, ReplicatedEncoder(r.rank), cache)
     expected_error = RequestError if r.rank == 0 else TensorParallelError
     started = time.monotonic()
     with pytest.raises(expected_error):
@@ -250,7 +224,7 @@ def rank_0_failure_before_the_mask_reaches_every_rank(r: Rank) -> None:
 
 def ranks_called_with_other_items_all_raise(r: Rank) -> None:
     cache = make_cache(r)
-    pipeline = r.pipeline(ReplicatedEncoder(r.rank), cache)
+    pipeline = tp_pipeline(r, ReplicatedEncoder(r.rank), cache)
     inputs = [1, 2] if r.rank != r.world - 1 else [1, 3]
     with pytest.raises(TensorParallelError, match="other items than rank 0"):
         encode(pipeline, "r", inputs)
@@ -266,7 +240,7 @@ def tiny_vit_replicated_matches_tp1(r: Rank) -> None:
     images.append(images[0])
     items = [encoder.item(image) for image in images]
     cache = make_cache(r)
-    pipeline = r.pipeline(encoder, cache)
+    pipeline = tp_pipeline(r, encoder, cache)
     got = [pipeline.encode(f"r{i}", items, images) for i in range(2)]
     with EmbeddingCache(1 << 20, pin_memory=False) as alone:
         want = EncodePipeline(alone, encoder).encode("tp1", items, images)
@@ -282,7 +256,7 @@ def async_twin_matches_tp1(r: Rank) -> None:
     import asyncio
 
     cache = make_cache(r)
-    pipeline = r.pipeline(ShardedEncoder(r.group), cache)
+    pipeline = tp_pipeline(r, ShardedEncoder(r.group), cache)
     for i, inputs in enumerate([[6, 7], [7, 8, 6]]):
         got = asyncio.run(pipeline.encode_async(f"a{i}", [item(n) for n in inputs], inputs))
         assert_same(got, tp1(inputs))
@@ -296,7 +270,7 @@ def collective_timeout_when_rank_0_never_comes(r: Rank) -> None:
     group = dist.new_group(backend="gloo")
     if r.rank == 0:
         return  # rank 0 is stuck elsewhere
-    pipeline = r.pipeline(ReplicatedEncoder(r.rank), group=group, collective_timeout=0.5)
+    pipeline = tp_pipeline(r, ReplicatedEncoder(r.rank), group=group, collective_timeout=0.5)
     started = time.monotonic()
     with pytest.raises(TensorParallelError, match="header all_gather failed"):
         encode(pipeline, "r", [1])
@@ -319,36 +293,6 @@ NAMES = [s.__name__ for s in SCENARIOS]
 
 
 # ---------------------------------------------------------------------------- harness
-def _worker(rank: int, world: int, init_method: str, outdir: str) -> None:
-    """One rank: run every scenario, record the outcome of each, in order."""
-    from embcache.driver.locks import enable_lock_checking
-
-    enable_lock_checking()
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=init_method,
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    results: dict[str, str] = {}
-    path = Path(outdir) / f"rank{rank}.json"
-    r = Rank(rank, world, dist.group.WORLD)  # type: ignore[arg-type]
-    try:
-        for scenario in SCENARIOS:
-            try:
-                scenario(r)
-                results[scenario.__name__] = "ok"
-            except BaseException:
-                results[scenario.__name__] = traceback.format_exc()
-            path.write_text(json.dumps(results))
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=COLLECTIVE_S * 2))
-    finally:
-        path.write_text(json.dumps(results))
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=["tp2", "tp3"])
 def outcomes(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -357,20 +301,16 @@ def outcomes(
     world: int = request.param
     outdir = tmp_path_factory.mktemp(f"tp{world}")
     # Every scenario runs once with poisoned frees (EMBCACHE_POISON): the TP3 group's caches.
-    env = {"OMP_NUM_THREADS": "1", "EMBCACHE_POISON": "1" if world == 3 else "0"}
-    ended = spawned_ranks(
-        _worker, (world, rendezvous(outdir), str(outdir)), world, SPAWN_DEADLINE_S, env
-    )
+    env = {"EMBCACHE_POISON": "1" if world == 3 else "0"}
+    outcomes, ended = run_ranks(
+        "tests.test_pipeline_tp", outdir, {}, world, SPAWN_DEADLINE_S,
+        env=env, timeout_s=30.0, barrier_s=COLLECTIVE_S * 2,
+    )  # fmt: skip
     assert ended.in_time, f"TP={world} ranks did not finish in time"
     assert ended.exit_codes == [0] * world, f"TP={world} ranks exited {ended.exit_codes}"
-    return {rank: json.loads((outdir / f"rank{rank}.json").read_text()) for rank in range(world)}
+    return outcomes
 
 
 @pytest.mark.parametrize("scenario", NAMES)
 def test_tensor_parallel(outcomes: dict[int, dict[str, str]], scenario: str) -> None:
-    failures = {
-        rank: results.get(scenario, "did not run (an earlier scenario hung?)")
-        for rank, results in outcomes.items()
-        if results.get(scenario) != "ok"
-    }
-    assert not failures, "\n".join(f"--- rank {r}:\n{tb}" for r, tb in failures.items())
+    report(outcomes, scenario)

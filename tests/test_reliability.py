@@ -17,7 +17,7 @@ from embcache.driver.fencing import FencePolicy
 from embcache.driver.poison import POISON
 from embcache.errors import InvalidArgumentError, InvalidTypeError, LockOrderError
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import evict_idle_after_close, item_of, payload, raw, wait_until
+from tests.support.helpers import evict_idle_after_close, item_of, payload, raw, wait_until
 
 FAST = FencePolicy(max_fraction=1.0, max_age_s=0.2, min_interval_s=0.05, check_interval_s=0.05)
 WAIT_S = 10.0
@@ -35,25 +35,22 @@ def quarantine(cache: EmbeddingCache, store: FaultInjectingStore, key: str) -> N
 
 
 # ------------------------------------------------------------------ fencing by the cache itself
-def test_the_cache_fences_by_itself_when_a_quarantine_gets_old(
-    make_cache: Callable[..., EmbeddingCache], store: FaultInjectingStore
+BY_BYTES = FencePolicy(max_fraction=0.0, max_age_s=3600, min_interval_s=0.05,
+                      check_interval_s=0.05)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "policy", [FAST, BY_BYTES], ids=["a quarantine gets old", "too much is quarantined"]
+)
+def test_the_cache_fences_by_itself(
+    make_cache: Callable[..., EmbeddingCache], store: FaultInjectingStore, policy: FencePolicy
 ) -> None:
-    cache = make_cache(auto_fence=FAST)
+    cache = make_cache(auto_fence=policy)
     quarantine(cache, store, "q")
     wait_until(lambda: cache.entry_state("q") is ABSENT, "the automatic fence")
     stats = cache.stats()
     assert stats.fences >= 1 and stats.allocated_bytes == 0
     cache.check_invariants()
-
-
-def test_the_cache_fences_by_itself_when_too_much_is_quarantined(
-    make_cache: Callable[..., EmbeddingCache], store: FaultInjectingStore
-) -> None:
-    by_bytes = FencePolicy(max_fraction=0.0, max_age_s=3600, min_interval_s=0.05,
-                           check_interval_s=0.05)  # fmt: skip
-    cache = make_cache(auto_fence=by_bytes)
-    quarantine(cache, store, "q")
-    wait_until(lambda: cache.entry_state("q") is ABSENT, "the automatic fence")
 
 
 def test_an_unknown_publish_is_fenced_by_itself_too(

@@ -1,7 +1,7 @@
 """Publishes that come back after an outage (``embcache.driver.backlog``), in-process store.
 
 The real-master form (a killed and restarted ``mooncake_master``, a second worker getting the
-global hits) is ``tests/integration/test_mooncake_republish.py``; these tests pin down the
+global hits) is ``tests/mooncake_store/test_mooncake_republish.py``; these tests pin down the
 backlog's rules with faults injected per key: FAILED publishes wait and are written once the
 store answers; the oldest beyond the bound are dropped and counted; an entry evicted, removed or
 quarantined since is never written; bad settings raise a specific error.
@@ -22,19 +22,12 @@ from embcache.driver.item import Item
 from embcache.driver.trace import TraceLog
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import payload, raw
+from tests.support.helpers import payload, raw, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 ROW = (4, 64)  # float32: 1 KiB an item
 SLOW = RepublishPolicy(retry_interval_s=60.0)  # no interval probe: only an OK publish retries
-
-
-def wait_for(what: str, done: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def outage(store: FaultInjectingStore, keys: list[str], down: bool) -> None:
@@ -68,7 +61,7 @@ def test_failed_publishes_are_written_when_the_store_answers_by_the_interval_pro
     policy = RepublishPolicy(retry_interval_s=0.02)
     with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=policy) as cache:
         tensors = insert(cache, keys)
-        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        wait_until(lambda: cache.stats().publishes_failed >= len(keys), "the failed publishes")
         assert cache.stats().publish_backlog == len(keys)
         time.sleep(0.1)  # probes while the store is down: one entry each, back to the backlog
         stats = cache.stats()
@@ -76,8 +69,8 @@ def test_failed_publishes_are_written_when_the_store_answers_by_the_interval_pro
         assert stats.hits == 0, "a retry's pin is no request's hit"
         assert all(store.object(k) is None for k in keys)
         outage(store, keys, down=False)
-        wait_for("the backlog to drain", lambda: cache.stats().publish_backlog == 0)
-        wait_for("the publishes to end", settled(cache, 0))
+        wait_until(lambda: cache.stats().publish_backlog == 0, "the backlog to drain")
+        wait_until(settled(cache, 0), "the publishes to end")
         for key, tensor in zip(keys, tensors, strict=True):
             assert store.object(key) == raw(tensor)
         stats = cache.stats()
@@ -92,13 +85,13 @@ def test_an_ok_publish_retries_the_whole_backlog_at_once() -> None:
     outage(store, keys, down=True)
     with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=SLOW) as cache:
         tensors = insert(cache, keys)
-        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        wait_until(lambda: cache.stats().publishes_failed >= len(keys), "the failed publishes")
         outage(store, keys, down=False)
         time.sleep(0.05)
         assert cache.stats().publish_backlog == len(keys), "no probe within the interval"
         insert(cache, ["fresh"], seed=100)  # the store answers this one: the backlog follows
-        wait_for("the backlog to drain", lambda: cache.stats().publish_backlog == 0)
-        wait_for("the publishes to end", settled(cache, 0))
+        wait_until(lambda: cache.stats().publish_backlog == 0, "the backlog to drain")
+        wait_until(settled(cache, 0), "the publishes to end")
         assert [store.object(k) for k in keys] == [raw(t) for t in tensors]
         cache.check_invariants()
 
@@ -115,21 +108,21 @@ def test_entries_evicted_removed_or_quarantined_since_are_never_published(
     ) as cache:
         for i, key in enumerate(keys):
             insert(cache, [key], seed=i)
-        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        wait_until(lambda: cache.stats().publishes_failed >= len(keys), "the failed publishes")
         assert cache.remove(removed)
         store.inject(quarantined, Fault.UNKNOWN)  # a second publish of it ends UNKNOWN
         with cache.request("quarantine") as request:
             request.lookup([Item(quarantined, ROW, torch.float32)])
             assert request.publish([quarantined]) == [True]
-            wait_for("the UNKNOWN publish", lambda: cache.stats().publishes_unknown == 1)
+            wait_until(lambda: cache.stats().publishes_unknown == 1, "the UNKNOWN publish")
         assert cache.entry_state(quarantined) is QUARANTINED
         with cache.request("touch") as request:  # ``kept`` is newer: ``evicted`` is the oldest
             request.lookup([Item(kept, ROW, torch.float32)])
         outage(store, keys, down=False)
         store.inject(quarantined, None)
         insert(cache, ["x1", "x2", "x3", "x4"], seed=10)  # evicts ``evicted``; OK: retries
-        wait_for("the backlog to empty", lambda: cache.stats().publish_backlog == 0)
-        wait_for("the publishes to end", settled(cache, 0))
+        wait_until(lambda: cache.stats().publish_backlog == 0, "the backlog to empty")
+        wait_until(settled(cache, 0), "the publishes to end")
         assert store.object(kept) is not None
         assert [store.object(k) for k in (evicted, removed, quarantined)] == [None] * 3
         stats = cache.stats()
@@ -145,13 +138,13 @@ def test_the_backlog_is_bounded_oldest_dropped_first_and_counted() -> None:
     policy = RepublishPolicy(max_entries=3, retry_interval_s=60.0)
     with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=policy) as cache:
         tensors = [t for i, key in enumerate(keys) for t in insert(cache, [key], seed=i)]
-        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        wait_until(lambda: cache.stats().publishes_failed >= len(keys), "the failed publishes")
         stats = cache.stats()
         assert (stats.publish_backlog, stats.publish_backlog_dropped) == (3, 4)
         outage(store, keys, down=False)
         insert(cache, ["fresh"], seed=100)
-        wait_for("the backlog to drain", lambda: cache.stats().publish_backlog == 0)
-        wait_for("the publishes to end", settled(cache, 0))
+        wait_until(lambda: cache.stats().publish_backlog == 0, "the backlog to drain")
+        wait_until(settled(cache, 0), "the publishes to end")
         assert [store.object(k) for k in keys[:4]] == [None] * 4, "the oldest were dropped"
         assert [store.object(k) for k in keys[4:]] == [raw(t) for t in tensors[4:]]
         assert cache.stats().publish_backlog_dropped == 4
@@ -166,15 +159,15 @@ def test_a_retry_that_fails_again_keeps_its_place_and_the_bound() -> None:
     with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=policy) as cache:
         for i, key in enumerate(keys):
             insert(cache, [key], seed=i)
-        wait_for("several failed probes", lambda: cache.stats().publishes_failed >= 20)
+        wait_until(lambda: cache.stats().publishes_failed >= 20, "several failed probes")
         stats = cache.stats()
         assert (stats.publish_backlog, stats.publish_backlog_dropped) == (3, 0)
         store.inject("late", Fault.FAIL)
         insert(cache, ["late"], seed=9)  # the fourth failure drops the oldest: k0
-        wait_for("the drop", lambda: cache.stats().publish_backlog_dropped == 1)
+        wait_until(lambda: cache.stats().publish_backlog_dropped == 1, "the drop")
         outage(store, [*keys, "late"], down=False)
-        wait_for("the backlog to drain", lambda: cache.stats().publish_backlog == 0)
-        wait_for("the publishes to end", settled(cache, 0))
+        wait_until(lambda: cache.stats().publish_backlog == 0, "the backlog to drain")
+        wait_until(settled(cache, 0), "the publishes to end")
         assert store.object("k0") is None
         assert all(store.object(k) is not None for k in ("k1", "k2", "late"))
         cache.check_invariants()
@@ -220,7 +213,7 @@ def test_the_backlog_counters_reach_the_metrics() -> None:
     policy = RepublishPolicy(max_entries=2, retry_interval_s=60.0)
     with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=policy) as cache:
         insert(cache, keys)
-        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        wait_until(lambda: cache.stats().publishes_failed >= len(keys), "the failed publishes")
         metrics = CacheMetrics()
         metrics.add("a", cache)
         registry = CollectorRegistry()
@@ -264,10 +257,10 @@ def test_the_pipelines_failed_publishes_come_back() -> None:
     policy = RepublishPolicy(retry_interval_s=0.02)
     with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=policy) as cache:
         encode(EncodePipeline(cache, FakeEncoder()), "during", list(range(4)))
-        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        wait_until(lambda: cache.stats().publishes_failed >= len(keys), "the failed publishes")
         outage(store, keys, down=False)
-        wait_for("the backlog to drain", lambda: cache.stats().publish_backlog == 0)
-        wait_for("the publishes to end", settled(cache, 0))
+        wait_until(lambda: cache.stats().publish_backlog == 0, "the backlog to drain")
+        wait_until(settled(cache, 0), "the publishes to end")
         assert [store.object(k) for k in keys] == [raw(expected(n)) for n in range(4)]
 
 
@@ -287,11 +280,11 @@ def test_the_sglang_adapters_failed_publishes_come_back() -> None:
         ctl.wait_store_to_pool(ctl.store_to_pool_async(keys, tensors, Modality.IMAGE))
         ctl.insert_batch(keys, Modality.IMAGE)
         cache = ctl.cache
-        wait_for("the failed publishes", lambda: cache.stats().publishes_failed >= len(keys))
+        wait_until(lambda: cache.stats().publishes_failed >= len(keys), "the failed publishes")
         assert cache.stats().publish_backlog == len(keys)
         outage(store, keys, down=False)  # the adapter's cache probes every second by default
-        wait_for("the backlog to drain", lambda: cache.stats().publish_backlog == 0)
-        wait_for("the publishes to end", settled(cache, 0))
+        wait_until(lambda: cache.stats().publish_backlog == 0, "the backlog to drain")
+        wait_until(settled(cache, 0), "the publishes to end")
         assert [store.object(k) for k in keys] == [raw(t) for t in tensors]
     finally:
         ctl.close()

@@ -90,16 +90,20 @@ def request_with_misses(cache: EmbeddingCache) -> None:
         assert request.insert(["x", "y"], [tensor("x"), tensor("y")]) == [True, True]
 
 
-def test_an_all_hit_request_is_two_steps(cache: EmbeddingCache) -> None:
+@pytest.mark.parametrize(
+    ("request_of", "names"),
+    [
+        (all_hit_request, ["begin_lookup", "end_request"]),
+        (request_with_misses, ["begin_lookup", "end_inserts", "end_request"]),
+    ],
+    ids=["all hits: two steps", "with misses: three steps"],
+)
+def test_a_request_takes_two_steps_and_one_more_with_misses(
+    cache: EmbeddingCache, request_of: Callable[[EmbeddingCache], None], names: list[str]
+) -> None:
     steps = Steps(cache)
-    all_hit_request(cache)
-    assert steps.take() == (["begin_lookup", "end_request"], [])
-
-
-def test_a_request_with_misses_is_three_steps(cache: EmbeddingCache) -> None:
-    steps = Steps(cache)
-    request_with_misses(cache)
-    assert steps.take() == (["begin_lookup", "end_inserts", "end_request"], [])
+    request_of(cache)
+    assert steps.take() == (names, [])
 
 
 def test_a_request_opened_first_adds_its_open_step(cache: EmbeddingCache) -> None:

@@ -95,11 +95,11 @@ def threaded_trace(seed: int, threads: int = 4, steps: int = 40) -> Trace:
 
 
 def overlapping_fence_traces() -> list[Trace]:
-    """The schedule of ``tests.overlap.requarantine_between_fences``, with a manual first fence
-    and with the cache's own."""
+    """The schedule of ``tests.support.overlap.requarantine_between_fences``, with a manual
+    first fence and with the cache's own."""
     from embcache.driver.fencing import FencePolicy
-    from tests.helpers import raw
-    from tests.overlap import UNIT, LimboStore, requarantine_between_fences, tensor
+    from tests.support.helpers import raw
+    from tests.support.overlap import UNIT, LimboStore, requarantine_between_fences, tensor
 
     eager = FencePolicy(max_fraction=0.0, max_age_s=1e9, min_interval_s=0.01,
                         check_interval_s=0.01)  # fmt: skip

@@ -37,16 +37,13 @@ import json
 import math
 import os
 import platform
-import random
 import statistics
 import time
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from benchmarks.common import make_row, print_rows
@@ -129,46 +126,14 @@ def cells(tiny: bool) -> list[Cell]:
     return out
 
 
-def spec(pool: Pool, key: str, rng: random.Random) -> mixes.Spec:
-    """One image of the pool's catalogue: log-uniform tokens; 70% bf16 at real sizes."""
-    tokens = round(math.exp(rng.uniform(math.log(mixes.MIN_TOKENS), math.log(mixes.MAX_TOKENS))))
-    dtype = torch.bfloat16 if rng.random() < 0.7 else torch.float32
-    if pool.token_bytes is None:
-        return mixes.Spec(key, tokens, dtype)
-    return mixes.SmallSpec(key, tokens, dtype, pool.token_bytes)
-
-
 def workload(cell: Cell, seed: int, requests: int) -> mixes.Workload:
-    """The requests of ``cell`` drawn from ``seed``: Zipf(skew) over the catalogue, its ranking
-    reshuffled every ``period`` requests (drift), or one new image every third request (scan)."""
-    rng, shuffler = random.Random(seed), random.Random(seed + 1)
-    specs = [spec(cell.pool, f"img{i}", rng) for i in range(UNIVERSE)]
-    weights = [1.0 / (rank + 1) ** cell.skew for rank in range(UNIVERSE)]
-    cumulative = list(_accumulate(weights))
-    owner = list(range(UNIVERSE))  # which image holds each popularity rank
-    out: list[list[int]] = []
-    for n in range(requests):
-        if cell.period is not None and n % cell.period == 0:
-            shuffler.shuffle(owner)
-        if cell.mix == "scan" and n % SCAN_EVERY == SCAN_EVERY - 1:
-            specs.append(spec(cell.pool, f"scan{n}", rng))
-            out.append([len(specs) - 1])
-            continue
-        chosen: list[int] = []
-        want = rng.randint(1, 3)
-        while len(chosen) < want:
-            image = owner[rng.choices(range(UNIVERSE), cum_weights=cumulative)[0]]
-            if image not in chosen:
-                chosen.append(image)
-        out.append(chosen)
-    return mixes.Workload(specs, out, inflight=4)
-
-
-def _accumulate(weights: list[float]) -> Iterator[float]:
-    total = 0.0
-    for weight in weights:
-        total += weight
-        yield total
+    """The requests of ``cell`` drawn from ``seed`` (``mixes.zipf_workload``): Zipf(skew) over
+    the pool's catalogue, its ranking reshuffled every ``period`` requests (drift), or one new
+    image every third request (scan)."""
+    scan_every = SCAN_EVERY if cell.mix == "scan" else None
+    return mixes.zipf_workload(
+        seed, UNIVERSE, requests, cell.skew, cell.period, scan_every, cell.pool.token_bytes
+    )
 
 
 # ---------------------------------------------------------------------------- the optimum
@@ -179,13 +144,8 @@ def optimum_cost(load: mixes.Workload, capacity: int) -> mixes.Result:
     when its own such priority is above the next victim's. Where a token's bytes vary (the
     1 GiB pool: bf16 and fp32) it differs from ``mixes.optimum``, which weighs every byte
     alike; like it, a heuristic for variable sizes, not a proven bound. O(misses x entries)."""
-    lookups = [index for request in load.requests for index in request]
+    lookups, upcoming = mixes.next_uses(load)
     never = len(lookups)
-    upcoming = [never] * len(lookups)
-    last: dict[int, int] = {}
-    for position in range(len(lookups) - 1, -1, -1):
-        upcoming[position] = last.get(lookups[position], never)
-        last[lookups[position]] = position
     result = mixes.Result()
     resident: dict[int, int] = {}  # image -> its next lookup
     used = 0

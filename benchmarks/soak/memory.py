@@ -53,10 +53,10 @@ import torch
 from tqdm import tqdm
 
 from embcache import EmbeddingCache, EncodePipeline, Item, Status
+from tests.support.helpers import rss
 
 WIDTH = 16
 ROWS = 16  # item i has 1 + i % ROWS rows
-PAGE = os.sysconf("SC_PAGE_SIZE")
 FRONT_ENDS = ("cache", "pipeline", "sglang")
 # What the SGLang front end's worker lends the Mooncake store: small enough that the warm-up
 # fills it (its pages are touched as objects land in it, which RSS counts: a 64 MiB segment
@@ -92,9 +92,7 @@ def rss_bytes() -> int:
     """This process's resident memory (``/proc/self/statm``), less what ``tracemalloc`` keeps
     for its own traces (tens of MiB when tracing from the interpreter's start: not the
     process's to plan for, and it would dilute the growth in per cent)."""
-    with open("/proc/self/statm") as statm:
-        rss = int(statm.read().split()[1]) * PAGE
-    return rss - tracemalloc.get_tracemalloc_memory()
+    return rss() - tracemalloc.get_tracemalloc_memory()
 
 
 class Rows:

@@ -1,12 +1,12 @@
-"""A local ``mooncake_master`` on free loopback ports, for the demo and the integration tests.
+"""A local ``mooncake_master`` on free loopback ports, for the demo and the Mooncake tests.
 
 ``MooncakeMaster`` starts the binary with its own HTTP metadata server (so no etcd is needed),
 waits until both serve, and stops it (SIGTERM, then SIGKILL after a bound). ``kill`` and
 ``restart`` keep the ports, so clients configured with ``store_kwargs()`` find a restarted
 master. A master's state is in memory: a restarted one has lost every object.
 
-This is the launching code of ``tests/integration/conftest.py`` moved into the package so the
-demo (``python -m embcache demo --store mooncake``) can use it too.
+This is the launching code of the tests' master fixtures (``tests/conftest.py``) moved into the
+package so the demo (``python -m embcache demo --store mooncake``) can use it too.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from embcache.core.policy import make_policy
 from embcache.driver.trace import TraceLog
 from embcache.testing import Fault, FaultInjectingStore
 from models.cache import ModelCache
+from tests.support.helpers import FenceThread
 
 ALIGN = 256
 KEYS = ["k0", "k1", "k2", "k3", "k4"]
@@ -114,22 +115,6 @@ class GatedStore(FaultInjectingStore):
             # opens every gate, so this bound only stops a thread that would hang.
             assert gate.wait(WAIT_S), "a held store fence was never let through"
         super().fence()
-
-
-class FenceThread:
-    """``cache.fence()`` on a thread of its own: a fence in flight."""
-
-    def __init__(self, cache: EmbeddingCache) -> None:
-        self.freed: int | None = None
-        self._thread = threading.Thread(target=self._run, args=(cache,), daemon=True)
-        self._thread.start()
-
-    def _run(self, cache: EmbeddingCache) -> None:
-        self.freed = cache.fence()
-
-    def join(self) -> int | None:
-        self._thread.join(WAIT_S)
-        return self.freed
 
 
 def as_tuple(status: Any) -> tuple[str, str | None]:
@@ -318,7 +303,7 @@ class CacheMachine(RuleBasedStateMachine):
     def begin_fence(self) -> None:
         """A fence begins (its snapshot taken, its store fence waiting) and stays in flight."""
         index = self.store.hold_next()
-        fencing = FenceThread(self.cache)
+        fencing = FenceThread(self.cache, WAIT_S)
         self.fencing.append((fencing, self.store.gate(index), self.model.begin_fence()))
 
     @precondition(lambda self: bool(getattr(self, "fencing", ())))

@@ -27,7 +27,8 @@ did not find the stale wake-up bug fixed in 3dfca44 (``_signal`` set ``done`` af
 the lock; the driver now wakes under the lock of its funnel, ``_run``), neither DPOR in 1,700
 executions nor its random strategy in 200, because the window spans whole method calls.
 ``explore`` finds it in a few dozen schedules (the self-test below keeps that true), and a
-poison written after the lock is released (issue 42) in 20.
+poison written after the lock is released (issue 42) in 25. Each self-test plants its bug by
+wrapping the real funnel (``tests.support.funnel.replace_funnel``), never by a copy of it.
 Nothing to install.
 
 Which build runs does not matter: the explorer replaces only driver attributes (the lock, the
@@ -37,7 +38,8 @@ is ``embcache/core``); the tests run unchanged on either.
 The cache is given ``ManualIO`` as its I/O executor, whose jobs run on a scheduled ``io``
 thread, and scheduled events as its request Events (``io_executor``, ``new_event``); its lock
 is wrapped in a ``ScheduledLock`` (the hierarchy checker still runs), the one private
-attribute this file sets: the gaps it explores are the lock's acquisitions and releases.
+attribute this file sets: the gaps it explores are the lock's acquisitions and releases. The one
+it reads is the requests' Events (``_wakeups``), which the stale wake-up plant sets itself.
 """
 
 from __future__ import annotations
@@ -50,7 +52,6 @@ import random
 import sys
 import threading
 import traceback
-import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,15 +61,15 @@ import torch
 
 from embcache import EmbeddingCache, EncodePipeline, Item, Reason, Status, TransferOutcome
 from embcache.core.effects import Effects
+from embcache.core.entries import RequestState
 from embcache.core.lifecycle import ABSENT, QUARANTINED, READY
 from embcache.driver.locks import CACHE_LEVEL, HierarchyLock, assert_unlocked
-from embcache.driver.poison import poison
 from embcache.driver.request import Request
-from embcache.driver.wakeups import resolve
 from embcache.errors import ClosedError
 from embcache.testing import Fault, FaultInjectingStore
 from tests.support.compiled import core_is_compiled
-from tests.support.funnel import replace_funnel
+from tests.support.funnel import Funnel, replace_funnel
+from tests.support.helpers import raw
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(120)]
 
@@ -392,10 +393,6 @@ class ScheduledStore(FaultInjectingStore):
 # ---------------------------------------------------------------------------- a world per schedule
 def payload(key: str) -> torch.Tensor:
     return torch.arange(64, dtype=torch.float32) + sum(key.encode()) * 1000
-
-
-def raw(tensor: torch.Tensor) -> bytes:
-    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def item(key: str) -> Item:
@@ -991,33 +988,73 @@ def test_every_explored_schedule_keeps_the_invariants(
 
 
 # ---------------------------------------------------------------------------- self-test
-def stale_wake_up_run(self: EmbeddingCache, step: Callable[..., Effects[Any]], *args: Any) -> Any:
-    """The funnel with the wake-up of ``_signal`` before 3dfca44: the Event of each woken
-    request is set after the lock was released."""
-    with self._lock:
+# Each plant wraps the real funnel (``replace_funnel``) and moves one of its effects out of the
+# step's lock section: the plant repeats no part of the funnel, and differs from it only there.
+def moved(step: Callable[..., Effects[Any]], effect: str, into: list[Any]) -> Callable[..., Any]:
+    """``step``, with its ``effect`` (``wake`` or ``freed``) taken out into ``into``, so the
+    funnel that runs it does nothing about it."""
+
+    def run(*args: Any) -> Effects[Any]:
         fx = step(*args)
-        if fx.waiting is not None:
-            self._wakeups.note(fx.waiting, self._new_event)
-        futures = [] if fx.closed is None else self._wakeups.close(fx.closed)
-    assert_unlocked("waking requests")
-    for rs in fx.wake:
-        with self._lock:
-            wakeup = self._wakeups.get(rs)
-            if rs.pending() or wakeup is None:
-                continue
-            wakeup.futures = []
-        wakeup.event.set()
-    resolve(futures)
-    if fx.loads:
-        self._io.submit(self._run_loads, list(fx.loads))
-    if fx.writes is not None:
-        self._io.submit(self._run_publishes, *fx.writes)
-    return fx.result
+        into.extend(getattr(fx, effect))
+        setattr(fx, effect, ())
+        return fx
+
+    return run
+
+
+def ready_event(cache: EmbeddingCache, rs: RequestState) -> Effects[Any]:
+    """A step: ``rs``'s Event if it waited and nothing of it is pending now, else None."""
+    # private: the stale wake-up plant sets a request's Event itself, which no seam offers
+    wakeup = cache._wakeups.get(rs)
+    return Effects(None if wakeup is None or rs.pending() else wakeup.event)
+
+
+def stale_wake_up(cache: EmbeddingCache) -> Callable[[Funnel], Funnel]:
+    """The wake-up of ``_signal`` before 3dfca44: a step's woken requests are not woken in its
+    lock section; after it, each one's Event is looked up in a lock section of its own (set
+    only if nothing is pending then) and set with no lock held, when the request may be
+    waiting on another load again."""
+
+    def make(funnel: Funnel) -> Funnel:
+        def planted(step: Callable[..., Effects[Any]], *args: Any) -> Any:
+            woken: list[RequestState] = []
+            result = funnel(moved(step, "wake", woken), *args)
+            for rs in woken:
+                event = funnel(ready_event, cache, rs)
+                if event is not None:
+                    event.set()
+            return result
+
+        return planted
+
+    return make
+
+
+def freed(ranges: list[tuple[int, int]]) -> Effects[None]:
+    """A step that changes nothing and frees ``ranges`` (the funnel poisons them)."""
+    fx: Effects[None] = Effects(None)
+    fx.freed = ranges
+    return fx
+
+
+def late_poison(funnel: Funnel) -> Funnel:
+    """The bug of issue 42: a step's freed ranges are poisoned after its lock section (in one
+    of their own), so another thread may allocate and fill a range before its poison lands."""
+
+    def planted(step: Callable[..., Effects[Any]], *args: Any) -> Any:
+        ranges: list[tuple[int, int]] = []
+        result = funnel(moved(step, "freed", ranges), *args)
+        if ranges:
+            funnel(freed, ranges)
+        return result
+
+    return planted
 
 
 def test_the_scheduler_finds_the_stale_wake_up_bug_of_3dfca44() -> None:
     def mutant(w: World) -> None:
-        replace_funnel(w.cache, lambda _: types.MethodType(stale_wake_up_run, w.cache))
+        replace_funnel(w.cache, stale_wake_up(w.cache))
         wake_up_vs_lookup_of_another_loading_key(w)
 
     result = explore(checked(mutant))
@@ -1029,39 +1066,12 @@ def test_the_scheduler_finds_the_stale_wake_up_bug_of_3dfca44() -> None:
     print(f"stale wake-up found after {result.schedules} schedules:\n{report}")
 
 
-def late_poison_run(self: EmbeddingCache, step: Callable[..., Effects[Any]], *args: Any) -> Any:
-    """The funnel with the bug of issue 42: the freed ranges are poisoned after the lock is
-    released, so another thread may allocate and fill a range before its poison lands."""
-    with self._lock:
-        fx = step(*args)
-        futures: list[Any] | None = None
-        if fx.waiting is not None:
-            self._wakeups.note(fx.waiting, self._new_event)
-        if fx.wake:
-            futures = self._wakeups.wake(fx.wake)
-        if fx.closed is not None:
-            own = self._wakeups.close(fx.closed)
-            futures = own if futures is None else futures + own
-    if fx.freed:
-        poison(self._pool, fx.freed)
-    if fx.events:
-        assert self._outbox is not None
-        self._outbox.deliver(list(fx.events))
-    if futures:
-        resolve(futures)
-    if fx.loads:
-        self._io.submit(self._run_loads, list(fx.loads))
-    if fx.writes is not None:
-        self._io.submit(self._run_publishes, *fx.writes)
-    return fx.result
-
-
 def test_the_explorer_finds_a_late_poison_deterministically() -> None:
     """The planted late poison fails the poison scenario, at the same schedule every time,
     within the scenario's limit (the default schedule passes: the bug needs a preemption)."""
 
     def mutant(w: World) -> None:
-        replace_funnel(w.cache, lambda _: types.MethodType(late_poison_run, w.cache))
+        replace_funnel(w.cache, late_poison)
         poison_vs_next_allocation(w)
 
     options = OPTIONS["poison vs next allocation of the range"]

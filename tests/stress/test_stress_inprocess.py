@@ -19,8 +19,8 @@ import pytest
 from embcache import EmbeddingCache
 from embcache.driver.fencing import FencePolicy
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import raw, wait_until
-from tests.support.stress_workload import Mix, Workload
+from tests.support.helpers import raw, wait_until
+from tests.support.stress_workload import Mix, Workload, stress_seed
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(120)]
 
@@ -38,11 +38,6 @@ FAULTS = [
     Fault.SHORT,
     Fault.HOLD,
 ]
-
-
-def stress_seed() -> int:
-    given = os.environ.get("EMBCACHE_STRESS_SEED")
-    return int(given) if given else random.SystemRandom().randrange(1, 2**31)
 
 
 def in_process_chaos(

@@ -26,8 +26,8 @@ import torch
 
 from embcache import EmbeddingCache, Item, Status
 from embcache.store.mooncake import MooncakeStore
-from tests.stress.conftest import MooncakeMaster
-from tests.support.stress_workload import Mix, Workload, make_payload
+from embcache.store.mooncake_master import MooncakeMaster
+from tests.support.stress_workload import Mix, Workload, make_payload, stress_seed
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.stress, pytest.mark.timeout(120)]
 
@@ -35,11 +35,6 @@ STRESS_SECONDS = float(os.environ.get("EMBCACHE_STRESS_SECONDS", "3")) * 2 / 3
 UNIT = 1024
 SEGMENT_BYTES = 64 << 20
 WAIT_S = 20.0
-
-
-def stress_seed() -> int:
-    given = os.environ.get("EMBCACHE_STRESS_SEED")
-    return int(given) if given else random.SystemRandom().randrange(1, 2**31)
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """The request mixes the fragmentation and policy benchmarks run, and what the checks of them
 need: a catalogue of vision-encoder outputs (``Spec``: 64..4096 tokens, log-uniform, x 3584
 hidden; 70% bf16, 30% fp32) requested 1-3 distinct images at a time with Zipf(0.9) popularity,
-optionally drifting (``make_workload``); ``SmallSpec``, an entry of a few bytes a token (the
+optionally drifting (``make_workload``), or any mix of the policy grid (``zipf_workload``: skew,
+drift period, scans); ``SmallSpec``, an entry of a few bytes a token (the
 small pools' catalogue); ``Result``, what one contender did on one mix; and ``optimum``, the
 offline optimum on one (Belady on bytes), the reference the eviction policies are judged
 against. Used by ``benchmarks/micro/bench_fragmentation.py``, ``bench_paged.py`` and
@@ -11,6 +12,7 @@ against. Used by ``benchmarks/micro/bench_fragmentation.py``, ``bench_paged.py``
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -18,14 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from embcache import Item
+from tests.support.helpers import aligned
 
 HIDDEN = 3584
 MIN_TOKENS, MAX_TOKENS = 64, 4096
-ALIGN = 256
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+ALIGN = 256  # the alignment of the benchmarks' pools (`aligned`'s default)
 
 
 @dataclass(frozen=True)
@@ -61,33 +60,58 @@ def make_workload(quick: bool, seed: int = 7, drifting: bool = False) -> Workloa
     """Log-uniform token counts, 70% bf16, Zipf(0.9) popularity, 1-3 images per request.
     ``drifting``: the same draws, but which image holds each popularity rank is reshuffled
     every ``drift_every(quick)`` requests."""
-    rng = random.Random(seed)
-    universe = 600 if quick else 1500
-    specs = [
-        Spec(
-            f"img{i}",
-            round(math.exp(rng.uniform(math.log(MIN_TOKENS), math.log(MAX_TOKENS)))),
-            torch.bfloat16 if rng.random() < 0.7 else torch.float32,
-        )
-        for i in range(universe)
-    ]
-    weights = [1.0 / (rank + 1) ** 0.9 for rank in range(universe)]
-    requests = []
-    for _ in range(300 if quick else 2000):
+    return zipf_workload(
+        seed,
+        universe=600 if quick else 1500,
+        requests=300 if quick else 2000,
+        period=drift_every(quick) if drifting else None,
+    )
+
+
+def zipf_workload(
+    seed: int,
+    universe: int,
+    requests: int,
+    skew: float = 0.9,
+    period: int | None = None,
+    scan_every: int | None = None,
+    token_bytes: int | None = None,
+) -> Workload:
+    """Every mix of the fragmentation and policy benchmarks, drawn from ``seed``: a catalogue
+    of ``universe`` images (``Spec``: log-uniform tokens, 70% bf16; ``SmallSpec`` of
+    ``token_bytes`` a token when given), then ``requests`` requests of 1-3 distinct images
+    with Zipf(``skew``) popularity. ``period``: which image holds each popularity rank is
+    reshuffled every ``period`` requests (drift). ``scan_every``: every ``scan_every``-th
+    request is instead one new image, seen once (a scan)."""
+    rng, shuffler = random.Random(seed), random.Random(seed + 1)
+    specs = [_spec(f"img{i}", rng, token_bytes) for i in range(universe)]
+    weights = [1.0 / (rank + 1) ** skew for rank in range(universe)]
+    cumulative = list(itertools.accumulate(weights))
+    owner = list(range(universe))  # which image holds each popularity rank
+    out: list[list[int]] = []
+    for n in range(requests):
+        if period is not None and n % period == 0:
+            shuffler.shuffle(owner)
+        if scan_every is not None and n % scan_every == scan_every - 1:
+            specs.append(_spec(f"scan{n}", rng, token_bytes))
+            out.append([len(specs) - 1])
+            continue
         chosen: list[int] = []
         want = rng.randint(1, 3)
         while len(chosen) < want:
-            index = rng.choices(range(universe), weights)[0]
-            if index not in chosen:
-                chosen.append(index)
-        requests.append(chosen)
-    if drifting:
-        shuffler, owner = random.Random(seed + 1), list(range(universe))
-        for n, chosen in enumerate(requests):
-            if n % drift_every(quick) == 0:
-                shuffler.shuffle(owner)
-            chosen[:] = [owner[rank] for rank in chosen]
-    return Workload(specs, requests, inflight=4)
+            image = owner[rng.choices(range(universe), cum_weights=cumulative)[0]]
+            if image not in chosen:
+                chosen.append(image)
+        out.append(chosen)
+    return Workload(specs, out, inflight=4)
+
+
+def _spec(key: str, rng: random.Random, token_bytes: int | None) -> Spec:
+    tokens = round(math.exp(rng.uniform(math.log(MIN_TOKENS), math.log(MAX_TOKENS))))
+    dtype = torch.bfloat16 if rng.random() < 0.7 else torch.float32
+    if token_bytes is None:
+        return Spec(key, tokens, dtype)
+    return SmallSpec(key, tokens, dtype, token_bytes)
 
 
 @dataclass(frozen=True)
@@ -126,17 +150,24 @@ class Result:
         return 100 * self.hits / self.lookups
 
 
+def next_uses(load: Workload) -> tuple[list[int], list[int]]:
+    """Every lookup of ``load`` in order (an index into ``specs``), and for each the position
+    of the next lookup of the same image (``len(lookups)``: never again)."""
+    lookups = [index for request in load.requests for index in request]
+    upcoming = [len(lookups)] * len(lookups)
+    last: dict[int, int] = {}
+    for position in range(len(lookups) - 1, -1, -1):
+        upcoming[position] = last.get(lookups[position], len(lookups))
+        last[lookups[position]] = position
+    return lookups, upcoming
+
+
 def optimum(load: Workload, capacity: int) -> Result:
     """Belady on bytes (contiguity and pins ignored): on a miss, evict the entries whose next
     lookup is furthest away until the candidate fits, unless the candidate's own next lookup is
     further than theirs (then it is not cached). O(lookups log entries)."""
-    lookups = [index for request in load.requests for index in request]
+    lookups, upcoming = next_uses(load)
     never = len(lookups)
-    upcoming = [never] * len(lookups)
-    last: dict[int, int] = {}
-    for position in range(len(lookups) - 1, -1, -1):
-        upcoming[position] = last.get(lookups[position], never)
-        last[lookups[position]] = position
     result = Result()
     resident: dict[int, int] = {}  # image -> its next lookup
     furthest: list[tuple[int, int]] = []  # (-next lookup, image); stale pairs skipped

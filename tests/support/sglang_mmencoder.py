@@ -7,7 +7,7 @@ or prefetch turns into misses or fallbacks), the 5 ms polling, the CPU output pa
 (``get_pool_views``/``release_pool_views`` in a ``finally``) and the GPU one
 (``load_to_device_async``/``wait_load_to_device``, here into a CPU tensor), and the background
 ``wait_store_to_pool`` + ``insert_batch``. ``serve_legacy`` is the older method set's request.
-The SGLang adapter's tests (``tests/integrations/``) and the memory soak's ``sglang`` front end
+The SGLang adapter's tests (``tests/sglang_controller/``) and the memory soak's ``sglang`` front end
 (``benchmarks/soak/memory.py``) drive the controller through it.
 """
 

@@ -24,6 +24,7 @@ doomed or tainted, exact accounting, and every entry and store object holds its 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import threading
 import time
@@ -37,6 +38,7 @@ import torch
 
 from embcache import EmbeddingCache, Item, Request, Status
 from embcache.core.lifecycle import READY
+from tests.support.helpers import raw
 
 WAIT_S = 10.0
 WAIT_TIMEOUTS = (0.0, 0.0005, 0.002, 0.01)
@@ -54,9 +56,10 @@ def make_payload(item: Item) -> torch.Tensor:
     return torch.from_numpy(words.view(np.uint8).copy()).view(item.dtype).view(item.shape)
 
 
-def stored_bytes(payload: torch.Tensor) -> bytes:
-    """The bytes a store holds for ``payload`` (a contiguous tensor of ``make_payload``)."""
-    return payload.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+def stress_seed() -> int:
+    """The run's seed: ``EMBCACHE_STRESS_SEED`` (to replay a run), else a fresh random one."""
+    given = os.environ.get("EMBCACHE_STRESS_SEED")
+    return int(given) if given else random.SystemRandom().randrange(1, 2**31)
 
 
 class Abandon(Exception):
@@ -377,7 +380,7 @@ class Workload:
             stored = read(key)
             if stored is not None:
                 allowed = {
-                    stored_bytes(self.payloads[self.canonical[key]]),
-                    stored_bytes(self.payloads[self.variant[key]]),
+                    raw(self.payloads[self.canonical[key]]),
+                    raw(self.payloads[self.variant[key]]),
                 }
                 assert stored in allowed, f"store object {key} is corrupt; {self.where()}"

@@ -164,6 +164,28 @@ def install() -> ModuleType:
         return sys.modules[REAL_MODULES[2]]
 
 
+def install_or_skip() -> ModuleType:
+    """``install()`` for a test: without the wheel in ``cache_dir()``, the test skips, saying
+    how to get it, unless ``CI`` or ``EMBCACHE_VLLM_DOWNLOAD`` is set (then the wheel is
+    downloaded); a wheel that cannot be had skips the test, and fails it in CI."""
+    import os
+
+    import pytest
+
+    wheel_there = any(cache_dir().glob(f"vllm-{VERSION}-*.whl"))
+    if not wheel_there and not (os.environ.get("CI") or os.environ.get("EMBCACHE_VLLM_DOWNLOAD")):
+        pytest.skip(
+            f"vLLM {VERSION}'s wheel is not in {cache_dir()}: set EMBCACHE_VLLM_DOWNLOAD=1 to let "
+            "the tests fetch it (336 MB), or run `python -m tests.support.vllm_wheel`"
+        )
+    try:
+        return install()
+    except VLLMUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"the vllm {VERSION} wheel must be had in CI: {exc}")
+        pytest.skip(f"vLLM {VERSION}'s wheel cannot be had here: {exc}")
+
+
 def vllm_config(role: str, extra: dict[str, Any], world_size: int, rank: int = 0) -> Any:
     """A ``VllmConfig`` stand-in holding vLLM's real ``ECTransferConfig``."""
     install()

@@ -16,10 +16,8 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache, InvalidArgumentError, InvalidTypeError, StoreUnavailableError
-from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
-from tests.integrations.vllm_replay import pool_owner_main
+from tests.vllm_connector.vllm_replay import pool_owner_main
 
-__all__ = ["make_scheduler", "vllm_base"]
 pytestmark = pytest.mark.timeout(300)
 SMALL = {"pool_bytes": 64 * 1024}
 

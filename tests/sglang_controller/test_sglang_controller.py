@@ -15,7 +15,7 @@ from embcache import EntryState
 from embcache.errors import InvalidArgumentError
 from embcache.integrations.sglang import EmbeddingCacheController
 from embcache.testing import FaultInjectingStore
-from tests.helpers import raw, wait_until
+from tests.support.helpers import raw, wait_until
 from tests.support.sglang_mmencoder import DIM, DTYPE, Modality, embedding
 
 IMAGE = Modality.IMAGE

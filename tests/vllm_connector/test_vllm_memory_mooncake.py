@@ -8,25 +8,18 @@ objects by its own budget)."""
 from __future__ import annotations
 
 import gc
-import os
 import tracemalloc
 from typing import Any
 
 import pytest
 
-from tests.integration.conftest import MooncakeMaster, key_prefix, private_mooncake_master
-from tests.integrations.vllm_fixtures import vllm_base
-from tests.integrations.vllm_replay import WIDTH, FakeRequest, settle, vllm_config
+from embcache.store.mooncake_master import MooncakeMaster
+from tests.support.engines import mooncake_env
+from tests.support.helpers import rss
 from tests.support.vllm_engine import Engine
+from tests.vllm_connector.vllm_replay import WIDTH, FakeRequest, settle, vllm_config
 
-__all__ = ["key_prefix", "private_mooncake_master", "vllm_base"]
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * PAGE
 
 
 def test_a_connector_with_a_master_holds_its_budget_with_10x_of_it_passing(
@@ -45,9 +38,8 @@ def test_a_connector_with_a_master_holds_its_budget_with_10x_of_it_passing(
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
     kwargs = private_mooncake_master.store_kwargs()
-    monkeypatch.setenv("MOONCAKE_TE_META_DATA_SERVER", kwargs["metadata_server"])
-    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
-    monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")
+    for name, value in mooncake_env(private_mooncake_master).items():  # its ranks' clients
+        monkeypatch.setenv(name, value)
     pool, segment = 1 << 20, 16 << 20
     budget = pool + segment
     extra = {

@@ -8,37 +8,19 @@ that cannot be had fails the tests.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from tests.integrations.vllm_replay import vllm_config
 from tests.support import vllm_wheel
-
-
-def _have_vllm() -> None:
-    wheel_there = any(vllm_wheel.cache_dir().glob(f"vllm-{vllm_wheel.VERSION}-*.whl"))
-    if not wheel_there and not (os.environ.get("CI") or os.environ.get("EMBCACHE_VLLM_DOWNLOAD")):
-        pytest.skip(
-            f"vLLM {vllm_wheel.VERSION}'s wheel is not in {vllm_wheel.cache_dir()}: set "
-            "EMBCACHE_VLLM_DOWNLOAD=1 to let the tests fetch it (336 MB), or run "
-            "`python -m tests.support.vllm_wheel`"
-        )
-    try:
-        vllm_wheel.install()
-    except vllm_wheel.VLLMUnavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"the vllm {vllm_wheel.VERSION} wheel must be had in CI: {exc}")
-        pytest.skip(f"vLLM {vllm_wheel.VERSION}'s wheel cannot be had here: {exc}")
+from tests.vllm_connector.vllm_replay import vllm_config
 
 
 @pytest.fixture(scope="session")
 def vllm_base() -> Any:
     """vLLM's real ``ec_connector/base.py`` module (and the rest of its interface installed)."""
-    _have_vllm()
-    return vllm_wheel.install()
+    return vllm_wheel.install_or_skip()
 
 
 @pytest.fixture

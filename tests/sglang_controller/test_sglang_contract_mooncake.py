@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import MooncakeMaster
-from tests.integrations import scenarios_mooncake
-from tests.integrations.tp import report, run_ranks
+from embcache.store.mooncake_master import MooncakeMaster
+from tests.sglang_controller import scenarios_mooncake
 from tests.support import ports
+from tests.support.rank_scenarios import report, run_ranks
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(240)]
 
@@ -23,12 +23,13 @@ def outcomes(
         "binary": mooncake_master.binary,
         "master_ports": ports.server_ports(3),  # the master rank 0 starts (and kills)
     }
-    return run_ranks(
-        "tests.integrations.scenarios_mooncake",
+    outcomes, _ = run_ranks(  # a rank's non-zero exit code is in its outcomes
+        "tests.sglang_controller.scenarios_mooncake",
         tmp_path_factory.mktemp("sglang-mooncake"),
         args,
         deadline_s=200.0,
     )
+    return outcomes
 
 
 @pytest.mark.parametrize("scenario", [s.__name__ for s in scenarios_mooncake.SCENARIOS])

@@ -16,10 +16,10 @@ import torch
 
 from embcache import EmbeddingCache
 from embcache.store.mooncake import MooncakeStore
-from tests.helpers import item_of, payload, wait_until
+from tests.support.helpers import item_of, payload, wait_until
 
 if TYPE_CHECKING:
-    from tests.integration.conftest import MooncakeMaster
+    from embcache.store.mooncake_master import MooncakeMaster
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(90)]
 

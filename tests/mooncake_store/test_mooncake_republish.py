@@ -11,22 +11,19 @@ meanwhile is not written; a backlog bounded to fewer entries than failed drops t
 from __future__ import annotations
 
 import time
-import uuid
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
-from embcache import EmbeddingCache
 from embcache.core.outcomes import Reason, Status
 from embcache.driver.backlog import RepublishPolicy
 from embcache.driver.item import Item
-from embcache.store.mooncake import MooncakeStore
-from tests.helpers import payload
+from tests.support.helpers import mooncake_worker, payload, unique, wait_until
 
 if TYPE_CHECKING:
-    from tests.integration.conftest import MooncakeMaster
+    from embcache.store.mooncake_master import MooncakeMaster
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(180)]
 
@@ -34,33 +31,6 @@ SHAPE = (256, 256)  # bfloat16: 128 KiB an item
 ITEM_BYTES = 128 << 10
 SEGMENT_BYTES = 64 << 20
 WAIT_S = 60.0
-
-
-def unique(name: str) -> str:
-    return f"{name}-{uuid.uuid4().hex[:10]}"
-
-
-def open_worker(
-    stack: ExitStack, master: MooncakeMaster, capacity: int, republish: RepublishPolicy
-) -> EmbeddingCache:
-    store = stack.enter_context(
-        MooncakeStore(
-            **master.store_kwargs(), global_segment_size=SEGMENT_BYTES, reconnect_interval_s=0.2
-        )
-    )
-    cache = stack.enter_context(
-        EmbeddingCache(capacity, store=store, pin_memory=False, republish=republish)
-    )
-    store.connect()
-    return cache
-
-
-def wait_for(what: str, done: object, timeout: float = WAIT_S) -> None:
-    assert callable(done)
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def items(keys: list[str]) -> list[Item]:
@@ -73,9 +43,10 @@ def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
     master = private_mooncake_master
     probe = RepublishPolicy(retry_interval_s=0.2)
     with ExitStack() as stack:
-        a = open_worker(stack, master, 8 * ITEM_BYTES, probe)
-        bounded = open_worker(stack, master, 16 * ITEM_BYTES, RepublishPolicy(2, 0.2))
-        b = open_worker(stack, master, 32 * ITEM_BYTES, probe)
+        a = mooncake_worker(stack, master, 8 * ITEM_BYTES, SEGMENT_BYTES, republish=probe)
+        two = RepublishPolicy(2, 0.2)  # a backlog of 2
+        bounded = mooncake_worker(stack, master, 16 * ITEM_BYTES, SEGMENT_BYTES, republish=two)
+        b = mooncake_worker(stack, master, 32 * ITEM_BYTES, SEGMENT_BYTES, republish=probe)
         master.kill()
 
         # A serves during the outage: 6 fresh images, removes one, then 4 more (8 fit): the
@@ -87,7 +58,7 @@ def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
             with a.request(unique("serve")) as request:
                 assert request.lookup(items([key]))[0].status is Status.MISS
                 assert request.insert([key], [tensors[key]]) == [True]
-        wait_for("A's failed publishes", lambda: a.stats().publishes_failed >= len(first))
+        wait_until(lambda: a.stats().publishes_failed >= len(first), "A's failed publishes", WAIT_S)
         removed = first[3]
         assert a.remove(removed)
         with a.request(unique("serve")) as request:
@@ -95,7 +66,7 @@ def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
         evicted = [k for k in first if k != removed and a.entry_state(k).name == "ABSENT"]
         assert len(evicted) == 1, "4 into 3 free slots evict the oldest"
         held = [k for k in first + more if k not in (removed, *evicted)]
-        wait_for("A's failed publishes", lambda: a.stats().publishes_failed >= 10)
+        wait_until(lambda: a.stats().publishes_failed >= 10, "A's failed publishes", WAIT_S)
 
         # A worker whose backlog holds 2: 5 fail, the 3 oldest are dropped.
         dropped_keys = [unique("bounded") for _ in range(5)]
@@ -107,7 +78,8 @@ def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
         for n, (key, tensor) in enumerate(zip(dropped_keys, bounded_tensors, strict=True)):
             with bounded.request(unique("serve")) as request:
                 assert request.insert([key], [tensor]) == [True]
-            wait_for("the bounded worker's failed publish", lambda n=n: noted(n + 1))  # in order
+            failed = lambda n=n: noted(n + 1)  # noqa: E731 (in order)
+            wait_until(failed, "the bounded worker's failed publish", WAIT_S)
         stats = bounded.stats()
         assert (stats.publish_backlog, stats.publish_backlog_dropped) == (2, 3)
         assert a.stats().publish_backlog >= len(held)
@@ -115,7 +87,8 @@ def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
 
         master.start()  # nothing is asked of A or of the bounded worker: their probes find it
         for worker in (a, bounded):
-            wait_for("the backlog to drain", lambda w=worker: w.stats().publish_backlog == 0)
+            drained = lambda w=worker: w.stats().publish_backlog == 0  # noqa: E731
+            wait_until(drained, "the backlog to drain", WAIT_S)
         stats = a.stats()
         assert stats.publishes_ok == len(held), stats
         assert stats.publish_backlog_stale == 2  # the removed and the evicted one

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integrations import scenarios
-from tests.integrations.tp import report, run_ranks
+from tests.sglang_controller import scenarios
+from tests.support.rank_scenarios import report, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -16,7 +16,8 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, str]]:
     outdir: Path = tmp_path_factory.mktemp("sglang-contract")
-    return run_ranks("tests.integrations.scenarios", outdir, {})
+    outcomes, _ = run_ranks("tests.sglang_controller.scenarios", outdir, {})  # exits: in outcomes
+    return outcomes
 
 
 @pytest.mark.parametrize("scenario", [s.__name__ for s in scenarios.SCENARIOS])

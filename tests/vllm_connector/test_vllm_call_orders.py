@@ -19,13 +19,11 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
-from tests.integrations.vllm_replay import FakeRequest, LocalRank, StepWork, embedding
 from tests.support import vllm_cpu_connector
 from tests.support.vllm_engine import Engine as VLLMEngine
 from tests.support.vllm_wheel import SchedulerOutput
+from tests.vllm_connector.vllm_replay import FakeRequest, LocalRank, StepWork, embedding
 
-__all__ = ["make_scheduler", "vllm_base"]
 pytestmark = pytest.mark.timeout(300)
 ROWS = 32  # 32 x 64 fp16: 4 KiB an item
 CFG = {"pool_bytes": 4 * 4096}  # four items fill the pool
@@ -261,7 +259,7 @@ def test_the_scheduler_copies_no_payload_byte(
     """Through 200 requests (loads, fills, evictions), no tensor copy and no pool copy-in
     runs inside a scheduler-role call: the ranks move every byte."""
     from embcache.driver.pool import PoolViews
-    from tests.integrations.vllm_replay import Replay, requests
+    from tests.vllm_connector.vllm_replay import Replay, requests
 
     sched = make_scheduler(CFG)
     inside = [False]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -26,10 +25,10 @@ from embcache.errors import (
 )
 from embcache.store import mooncake as mooncake_module
 from embcache.store.mooncake import CODES, MooncakeStore, StoreCode
-from tests.helpers import payload
+from tests.support.helpers import payload, unique
 
 if TYPE_CHECKING:
-    from tests.integration.conftest import MooncakeMaster
+    from embcache.store.mooncake_master import MooncakeMaster
 
 POOL_BYTES = 64 << 20
 SEGMENT_BYTES = 256 << 20
@@ -37,10 +36,6 @@ OK, FAILED, UNKNOWN = TransferOutcome.OK, TransferOutcome.FAILED, TransferOutcom
 
 mooncake = pytest.mark.mooncake
 pytestmark = pytest.mark.timeout(60)
-
-
-def unique(name: str) -> str:
-    return f"{name}-{uuid.uuid4().hex[:10]}"
 
 
 def make_store(master: MooncakeMaster, **overrides: object) -> MooncakeStore:
@@ -106,38 +101,42 @@ def test_round_trip_between_two_workers_is_byte_identical(
 
 
 @mooncake
-def test_missing_key_fails_and_writes_nothing(workers: tuple[Worker, Worker]) -> None:
-    _, b = workers
-    b.pool[:1024] = 7
-    [code] = b.store.get_into([unique("never-put")], [0], [1024])
-    assert code == -704
-    assert get_outcome(b.store, code, 1024) is FAILED
-    assert bool((b.pool[:1024] == 7).all())
-
-
-@mooncake
-def test_object_larger_than_range_fails_and_writes_nothing(
+@pytest.mark.parametrize(
+    ("stored", "removed", "asked", "code", "untouched"),
+    [
+        (None, False, 1024, -704, True),  # never put: OBJECT_NOT_FOUND
+        (1000, False, 999, -600, True),  # an object larger than the range: fails
+        (1000, False, 2000, 1000, False),  # smaller: a short read (its 1000 bytes land)
+        (4096, True, 4096, -704, True),  # removed between exists and get_into
+    ],
+    ids=["missing key", "object larger than the range", "object smaller", "removed key"],
+)
+def test_a_read_that_cannot_fill_its_range_fails(
     workers: tuple[Worker, Worker],
+    stored: int | None,
+    removed: bool,
+    asked: int,
+    code: int,
+    untouched: bool,
 ) -> None:
+    """``get_into`` of ``asked`` bytes of an object of ``stored`` bytes (None: never put; removed
+    after ``exists`` saw it) answers ``code``, the outcome FAILED; where the read fails outright
+    it writes nothing into the range."""
     a, b = workers
-    key = unique("large")
-    a.pool[:1000] = 1
-    assert a.store.put_from([key], [0], [1000]) == [0]
-    b.pool[:1000] = 9
-    [code] = b.store.get_into([key], [0], [999])
-    assert code == -600
-    assert get_outcome(b.store, code, 999) is FAILED
-    assert bool((b.pool[:1000] == 9).all())
-
-
-@mooncake
-def test_object_smaller_than_range_is_a_short_read_not_ok(workers: tuple[Worker, Worker]) -> None:
-    a, b = workers
-    key = unique("short")
-    assert a.store.put_from([key], [0], [1000]) == [0]
-    [code] = b.store.get_into([key], [0], [2000])
-    assert code == 1000
-    assert get_outcome(b.store, code, 2000) is FAILED
+    key = unique("unreadable")
+    if stored is not None:
+        a.pool[:stored] = 1
+        assert a.store.put_from([key], [0], [stored]) == [0]
+    if removed:
+        assert b.store.exists([key]) == [True]
+        assert a.store.remove([key], force=True) == [0]
+    span = max(asked, stored or 0)
+    b.pool[:span] = 9
+    [got] = b.store.get_into([key], [0], [asked])
+    assert got == code
+    assert get_outcome(b.store, got, asked) is FAILED
+    if untouched:
+        assert bool((b.pool[:span] == 9).all())
 
 
 @mooncake
@@ -172,18 +171,6 @@ def test_key_prefix_separates_namespaces(
     with make_store(mooncake_master, key_prefix="other/", global_segment_size=0) as other:
         assert other.exists([key]) == [False]
         assert a.store.exists([key]) == [True]
-
-
-@mooncake
-def test_key_removed_between_exists_and_get_into_fails(workers: tuple[Worker, Worker]) -> None:
-    a, b = workers
-    key = unique("removed")
-    assert a.store.put_from([key], [0], [4096]) == [0]
-    assert b.store.exists([key]) == [True]
-    assert a.store.remove([key], force=True) == [0]
-    [code] = b.store.get_into([key], [0], [4096])
-    assert code == -704
-    assert get_outcome(b.store, code, 4096) is FAILED
 
 
 @mooncake

@@ -21,8 +21,8 @@ pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET = [
-    "tests/integrations/test_sglang_contract_mooncake.py",  # the test that errored, 2 ranks
-    "tests/integration/test_mooncake_cache.py",
+    "tests/sglang_controller/test_sglang_contract_mooncake.py",  # the test that errored, 2 ranks
+    "tests/mooncake_store/test_mooncake_cache.py",
 ]
 SHARED_FIRST = 32000  # the plant's ports: outside every leased block (20000..31999)
 

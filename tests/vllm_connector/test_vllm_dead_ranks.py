@@ -24,10 +24,8 @@ import pytest
 import torch
 
 from embcache import InvalidArgumentError
-from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
-from tests.integrations.vllm_replay import DTYPE, WIDTH, FakeRequest, embedding
+from tests.vllm_connector.vllm_replay import DTYPE, WIDTH, FakeRequest, embedding
 
-__all__ = ["make_scheduler", "vllm_base"]
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT_S = 0.01
 EXTRA = {"pool_bytes": 48 * 1024, "hold_timeout_s": TIMEOUT_S}

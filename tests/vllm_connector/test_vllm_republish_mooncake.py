@@ -13,11 +13,10 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import MooncakeMaster, private_mooncake_master
-from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
-from tests.integrations.vllm_replay import LocalRank, Replay, requests, settle
+from embcache.store.mooncake_master import MooncakeMaster
+from tests.support.engines import mooncake_env
+from tests.vllm_connector.vllm_replay import LocalRank, Replay, requests, settle
 
-__all__ = ["make_scheduler", "private_mooncake_master", "vllm_base"]
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 
 
@@ -53,9 +52,8 @@ def test_engine_b_encodes_nothing_engine_a_encoded_during_the_outage_and_holds(
 ) -> None:
     master = private_mooncake_master
     kwargs = master.store_kwargs()
-    monkeypatch.setenv("MOONCAKE_TE_META_DATA_SERVER", kwargs["metadata_server"])
-    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
-    monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")
+    for name, value in mooncake_env(master).items():  # its ranks' clients
+        monkeypatch.setenv(name, value)
     extra = {
         "pool_bytes": 16 * 1024,  # a few of the 30 images: A holds some of what it encoded
         "mooncake_master": kwargs["master_address"],

@@ -15,7 +15,7 @@ import torch
 from embcache import EmbeddingCache, Item, TransferOutcome
 from embcache.core.lifecycle import ABSENT, QUARANTINED
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import payload, wait_until
+from tests.support.helpers import FenceThread, payload, wait_until
 
 UNIT = 256
 WAIT_S = 60.0  # bounds waits that end at once (long: loaded CI machines)
@@ -72,23 +72,6 @@ class LimboStore(FaultInjectingStore):
                 gate.set()
 
 
-class Fencing:
-    """A ``cache.fence()`` on its own thread (a manual fence that the test lets end)."""
-
-    def __init__(self, cache: EmbeddingCache) -> None:
-        self.freed: int | None = None
-        self._thread = threading.Thread(target=self._run, args=(cache,), daemon=True)
-        self._thread.start()
-
-    def _run(self, cache: EmbeddingCache) -> None:
-        self.freed = cache.fence()
-
-    def join(self) -> int:
-        self._thread.join(WAIT_S)
-        assert not self._thread.is_alive() and self.freed is not None, "the fence did not end"
-        return self.freed
-
-
 def tensor(seed: int) -> torch.Tensor:
     return payload((UNIT // 4,), torch.float32, seed)
 
@@ -111,9 +94,9 @@ def requarantine_between_fences(cache: EmbeddingCache, store: LimboStore, *, man
     again and QUARANTINED again by a read B does not cover; then B ends. Returns what B freed.
     A is a manual ``fence()`` (``manual``) or the cache's own (its fencer must be eager)."""
     quarantine_by_load(cache, store, "k")
-    a = Fencing(cache) if manual else None  # else the fencer begins it by itself
+    a = FenceThread(cache, WAIT_S) if manual else None  # else the fencer begins it by itself
     store.wait_fences(1)
-    b = Fencing(cache)
+    b = FenceThread(cache, WAIT_S)
     store.wait_fences(2)  # both fences snapshotted k
     store.let_through(0)  # fence A ends: k is freed
     wait_until(lambda: cache.entry_state("k") is ABSENT, "fence A to free k")

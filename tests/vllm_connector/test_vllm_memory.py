@@ -15,11 +15,9 @@ from typing import Any
 
 import pytest
 
-from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
-from tests.integrations.vllm_replay import WIDTH, FakeRequest, LocalRank, Replay, requests
 from tests.support.vllm_engine import Engine
+from tests.vllm_connector.vllm_replay import WIDTH, FakeRequest, LocalRank, Replay, requests
 
-__all__ = ["make_scheduler", "vllm_base"]
 pytestmark = pytest.mark.timeout(600)
 CFG = {"pool_bytes": 48 * 1024, "hold_timeout_s": 0.01}
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,9 +16,9 @@ from embcache.integrations.sglang import EmbeddingCacheController
 from embcache.integrations.sglang_legacy import LegacyEmbeddingCacheController
 from embcache.store.mooncake import MooncakeStore
 from embcache.store.mooncake_master import MooncakeMaster
-from tests.helpers import wait_until
-from tests.integrations.scenarios import GB, POOL, assert_idle, check, keys_of, published
-from tests.integrations.tp import Rank, Scenario
+from tests.sglang_controller.scenarios import GB, POOL, assert_idle, check, keys_of
+from tests.support.helpers import publishes_ended, wait_until
+from tests.support.rank_scenarios import Rank, Scenario
 from tests.support.sglang_mmencoder import DIM, DTYPE, Encoder, Modality, serve, serve_legacy
 
 SEGMENT = 64 << 20
@@ -63,7 +63,7 @@ def legacy_controller(
 
 
 def wait_published(ctl: Any) -> None:
-    wait_until(lambda: published(ctl.cache), "publishes to end")
+    wait_until(lambda: publishes_ended(ctl.cache), "publishes to end")
     stats = ctl.cache.stats()
     assert stats.publishes_failed == stats.publishes_unknown == 0, stats
 

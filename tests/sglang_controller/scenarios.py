@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from embcache import EmbeddingCache
 from embcache.integrations.sglang import EmbeddingCacheController
 from embcache.integrations.sglang_legacy import LegacyEmbeddingCacheController
 from embcache.testing import Fault, FaultInjectingStore
-from tests.helpers import raw, wait_until
-from tests.integrations.tp import Rank, Scenario
+from tests.support import helpers
+from tests.support.helpers import raw
+from tests.support.rank_scenarios import Rank, Scenario
 from tests.support.sglang_mmencoder import (
     DIM,
     DTYPE,
@@ -84,24 +84,9 @@ def check(
         served.finish()
 
 
-def published(cache: EmbeddingCache) -> bool:
-    s = cache.stats()
-    return s.publishes_started == s.publishes_ok + s.publishes_failed + s.publishes_unknown
-
-
-def loading(cache: EmbeddingCache) -> int:
-    return cache.stats().entries_by_state.get("LOADING", 0)
-
-
 def assert_idle(ctl: Any) -> None:
-    """Rank 0: no pin, no open request, nothing loading, every invariant holds."""
-    cache = ctl.cache
-    wait_until(lambda: published(cache) and not loading(cache), "publishes and loads to end")
-    cache.check_invariants()
-    s = cache.stats()
-    assert s.pinned_entries == 0, s
-    assert s.open_requests == 0, s
-    assert s.entries_by_state.get("LOADING", 0) == 0, s
+    """Rank 0: its cache idle (``helpers.assert_idle``)."""
+    helpers.assert_idle(ctl.cache)
 
 
 def publish_objects(store: FaultInjectingStore, keys: Sequence[str], tokens: Sequence[int]) -> None:

@@ -20,11 +20,10 @@ from embcache import EmbeddingCache
 from embcache.core.lifecycle import ABSENT
 from embcache.core.outcomes import Reason, Status
 from embcache.driver.item import Item
-from embcache.store.mooncake import MooncakeStore
-from tests.helpers import payload
+from tests.support.helpers import assert_idle, mooncake_worker, payload, unique
 
 if TYPE_CHECKING:
-    from tests.integration.conftest import MooncakeMaster
+    from embcache.store.mooncake_master import MooncakeMaster
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(90)]
 
@@ -33,31 +32,11 @@ SEGMENT_BYTES = 256 << 20
 WAIT_S = 10.0
 
 
-def unique(name: str) -> str:
-    return f"{name}-{uuid.uuid4().hex[:10]}"
-
-
-def open_worker(stack: ExitStack, master: MooncakeMaster, **cache_kwargs: object) -> EmbeddingCache:
-    """A connected cache over its own MooncakeStore (lending a segment); closed by ``stack``,
-    store last."""
-    store = stack.enter_context(
-        MooncakeStore(
-            **master.store_kwargs(),
-            global_segment_size=SEGMENT_BYTES,
-            reconnect_interval_s=0.2,
-        )
-    )
-    cache = stack.enter_context(
-        EmbeddingCache(CAPACITY, store=store, pin_memory=False, **cache_kwargs)  # type: ignore[arg-type]
-    )
-    store.connect()  # a worker that cannot reach the master fails here, saying why
-    return cache
-
-
 @pytest.fixture(scope="module")
 def workers(mooncake_master: MooncakeMaster) -> Iterator[tuple[EmbeddingCache, EmbeddingCache]]:
     with ExitStack() as stack:
-        yield open_worker(stack, mooncake_master), open_worker(stack, mooncake_master)
+        a, b = (mooncake_worker(stack, mooncake_master, CAPACITY, SEGMENT_BYTES) for _ in "ab")
+        yield a, b
 
 
 def publish(cache: EmbeddingCache, keys: list[str], tensors: list[torch.Tensor]) -> None:
@@ -73,13 +52,10 @@ def publish(cache: EmbeddingCache, keys: list[str], tensors: list[torch.Tensor])
         time.sleep(0.01)
 
 
-def assert_idle(cache: EmbeddingCache) -> None:
-    """No pins, no loads in flight, no quarantine, invariants hold."""
-    cache.check_invariants()
+def assert_idle_and_ready(cache: EmbeddingCache) -> None:
+    """Idle (``helpers.assert_idle``), and every entry READY: no quarantine."""
+    assert_idle(cache)
     stats = cache.stats()
-    assert stats.pinned_entries == 0
-    assert stats.open_requests == 0
-    assert stats.entries_by_state.get("LOADING", 0) == 0
     assert stats.entries_by_state.get("QUARANTINED", 0) == 0
     assert stats.allocated_bytes == stats.bytes_by_state.get("READY", 0)
 
@@ -114,8 +90,8 @@ def test_worker_b_loads_what_worker_a_published(
     assert b.stats().loads_ok == loads_before + len(items)
     with b.request(unique("again")) as request:  # now a plain hit in B's pool
         assert [s.status for s in request.lookup(items)] == [Status.HIT] * len(items)
-    assert_idle(a)
-    assert_idle(b)
+    assert_idle_and_ready(a)
+    assert_idle_and_ready(b)
 
 
 def test_missing_keys_and_size_mismatches_fall_back_in_one_wait(
@@ -157,7 +133,7 @@ def test_missing_keys_and_size_mismatches_fall_back_in_one_wait(
         assert views[1:] == [None, None, None]
     assert b.stats().loads_failed == failed_before + 2
     assert b.entry_state(short) is ABSENT and b.entry_state(long_) is ABSENT
-    assert_idle(b)
+    assert_idle_and_ready(b)
 
 
 def test_concurrent_requests_from_several_threads(
@@ -195,7 +171,7 @@ def test_concurrent_requests_from_several_threads(
         thread.join()
     assert not errors, errors
     assert b.stats().loads_failed + b.stats().loads_unknown == failed_before
-    assert_idle(b)
+    assert_idle_and_ready(b)
 
 
 @pytest.mark.timeout(120)
@@ -204,7 +180,7 @@ def test_master_killed_mid_batch_of_loads_then_cache_recovers(
 ) -> None:
     master = private_mooncake_master
     with ExitStack() as stack:
-        a, b = open_worker(stack, master), open_worker(stack, master)
+        a, b = (mooncake_worker(stack, master, CAPACITY, SEGMENT_BYTES) for _ in "ab")
         keys = [unique("kill") for _ in range(12)]
         tensors = [payload((1024, 1024), torch.float16, i) for i in range(len(keys))]  # 2 MiB
         publish(a, keys, tensors)
@@ -247,7 +223,7 @@ def test_master_killed_mid_batch_of_loads_then_cache_recovers(
         assert max(elapsed for elapsed, _ in rounds) < WAIT_S
         b.fence()  # frees anything quarantined by an UNKNOWN outcome
         b.clear()
-        assert_idle(b)
+        assert_idle_and_ready(b)
         assert b.stats().allocated_bytes == 0, "bytes leaked"
 
         master.start()  # a new master has no objects: publish new keys, then load them
@@ -274,5 +250,5 @@ def test_master_killed_mid_batch_of_loads_then_cache_recovers(
             b.clear()
             assert time.monotonic() < deadline, "worker B never loaded after the restart"
             time.sleep(0.2)
-        assert_idle(a)
-        assert_idle(b)
+        assert_idle_and_ready(a)
+        assert_idle_and_ready(b)

@@ -15,10 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
-from tests.integrations.vllm_replay import ProcessRank, Replay, requests, settle
+from tests.vllm_connector.vllm_replay import ProcessRank, Replay, requests, settle
 
-__all__ = ["make_scheduler", "vllm_base"]
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(600)]
 EXTRA = {"pool_bytes": 96 * 1024, "hold_timeout_s": 0.05}
 

@@ -13,11 +13,10 @@ from typing import Any
 
 import pytest
 
-from tests.integrations.vllm_fixtures import vllm_base
+from tests.support import ports
 from tests.support.callgrind import dump_totals
 from tests.support.rows import check_row
 
-__all__ = ["vllm_base"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -62,14 +61,6 @@ def test_callgrind_totals_are_read_from_each_dump_in_order(tmp_path: Any) -> Non
 
 
 # -- benchmarks/peers/vllm_engines.py: its trace and its bad inputs (no engine needed) ----------
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_the_engine_benchmarks_trace_is_zipf_over_the_catalog_with_1_to_4_images() -> None:
     from collections import Counter
 
@@ -107,7 +98,8 @@ def test_the_engine_benchmark_refuses_bad_input_before_it_starts_anything(
     from tests.support import vllm_engines
 
     if "master" in change:
-        change = {"master": change["master"].format(port=_free_port())}
+        free = ports.server_ports(1)[0]  # a port of this session's block where nothing listens
+        change = {"master": change["master"].format(port=free)}
     config = vllm_engines.Config(**{**asdict(vllm_engines.QUICK), **change})
     proof = tmp_path / "proof"
     with pytest.raises(InvalidArgumentError, match=says):

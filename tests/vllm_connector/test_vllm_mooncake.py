@@ -9,11 +9,10 @@ from typing import Any
 
 import pytest
 
-from tests.integration.conftest import MooncakeMaster, private_mooncake_master
-from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
-from tests.integrations.vllm_replay import LocalRank, Replay, requests, settle
+from embcache.store.mooncake_master import MooncakeMaster
+from tests.support.engines import mooncake_env
+from tests.vllm_connector.vllm_replay import LocalRank, Replay, requests, settle
 
-__all__ = ["make_scheduler", "private_mooncake_master", "vllm_base"]
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 
 
@@ -36,9 +35,8 @@ def test_one_engine_loads_what_the_other_published_and_survives_the_master(
     key_prefix: str,
 ) -> None:
     kwargs = private_mooncake_master.store_kwargs()
-    monkeypatch.setenv("MOONCAKE_TE_META_DATA_SERVER", kwargs["metadata_server"])
-    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
-    monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")
+    for name, value in mooncake_env(private_mooncake_master).items():  # its ranks' clients
+        monkeypatch.setenv(name, value)
     extra = {
         "pool_bytes": 256 * 1024,
         "mooncake_master": kwargs["master_address"],

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from embcache import InvalidArgumentError, InvalidTypeError
-from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
-from tests.integrations.vllm_replay import (
+from tests.support.funnel import replace_funnel
+from tests.vllm_connector.vllm_replay import (
     DTYPE,
     WIDTH,
     FakeRequest,
@@ -28,9 +28,7 @@ from tests.integrations.vllm_replay import (
     embedding,
     requests,
 )
-from tests.support.funnel import replace_funnel
 
-__all__ = ["make_scheduler", "vllm_base"]
 pytestmark = pytest.mark.timeout(300)
 SMALL = {"pool_bytes": 48 * 1024}
 

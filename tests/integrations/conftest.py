@@ -1,6 +1,0 @@
-"""The real ``mooncake_master`` fixtures of ``tests/integration`` (skip locally without the
-binary, fail in CI), for the SGLang contract tests that share a global store."""
-
-from tests.integration.conftest import key_prefix, mooncake_master
-
-__all__ = ["key_prefix", "mooncake_master"]
