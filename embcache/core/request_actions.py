@@ -34,6 +34,9 @@ from embcache.core.outcomes import (
 from embcache.errors import InvalidArgumentError
 
 NOT_FOUND = Reason.NOT_FOUND
+# A named tuple built without its Python-level ``__new__`` (a frame each): for the all-hit
+# lookup, the hot path (``allocator._new_block`` does the same).
+_NEW = tuple.__new__
 
 
 class _Again(NamedTuple):
@@ -81,7 +84,8 @@ class RequestActions(Actions):
                 entries = self._entries
                 ranges: list[tuple[int, ItemLike] | None]
                 ranges = [(entries[it.key].offset, it) for it in items]
-                return Looked(rs, statuses, [], Served(ranges, [None] * len(items), True), fills)
+                hits = _NEW(Served, (ranges, [None] * len(items), True))
+                return _NEW(Looked, (rs, statuses, [], hits, fills))
             return Looked(rs, statuses, [], self.served(rs) if serve else None, fills)
         capacity = self._allocator.capacity
         not_found = False
