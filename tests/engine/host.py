@@ -4,13 +4,20 @@ The engine is vLLM's ``LLM`` with the engine core in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the scheduler, the model runner and both roles of
 the connector live here and can be counted: the identifiers the scheduler sent to the encoder
 (``encoded``), the images that went through the vision tower (``vision_images``, a forward hook
-on it), the connector's ``SchedulerStats`` and its cache's ``CacheStats``.
+on it), the connector's ``SchedulerStats`` and its cache's ``CacheStats``. With the
+multiprocessing executor (``--engine-args '{"distributed_executor_backend": "mp", ...}'``) the
+model runner and the worker-role connectors run in vLLM's worker processes (``workers``: their
+pids by rank) and ``vision_images`` stays 0; the scheduler and its connector stay here.
 
 Requests come as JSON lines on stdin, answers go as JSON lines to the file descriptor
 ``--reply-fd``; vLLM's own output goes to stdout and stderr (the tier sends them to a log).
 Operations: ``generate`` (prompts of words and image numbers, greedy), ``serve`` (the same
 in a closed loop of a few clients, timed), ``stats``, ``check``
-(the connector's ``check_invariants``), ``quit``.
+(the connector's ``check_invariants``), ``ranks`` (what the scheduler knows of its ranks: the
+workers it watches, the deaths it learned, its holds and sizes, the states of some keys),
+``fence`` (the cache's fence, then ``ranks``), ``shutdown`` (vLLM's own shutdown of the engine
+core, as its failure path ends: the executor, then the scheduler and its connector; then
+``ranks``), ``quit``.
 
     python -m tests.engine.host --model DIR --reply-fd N [--ec JSON] [--engine-args JSON]
 """
@@ -68,9 +75,12 @@ class Engine:
         self.vision_images = 0
         self._served = 0
         self._wrap_schedule()
-        worker = core.model_executor.driver_worker.worker
-        model_obj = worker.model_runner.get_model()
-        model_obj.vision_tower.register_forward_hook(self._count_images)
+        executor = core.model_executor
+        self.workers = {h.rank: h.proc.pid for h in getattr(executor, "workers", None) or ()}
+        driver = getattr(executor, "driver_worker", None)
+        if driver is not None:  # the model runs in this process
+            model_obj = driver.worker.model_runner.get_model()
+            model_obj.vision_tower.register_forward_hook(self._count_images)
 
     def _wrap_schedule(self) -> None:
         schedule = self.scheduler.schedule
@@ -164,6 +174,7 @@ class Engine:
 
         out: dict[str, Any] = {
             "pid": os.getpid(),
+            "workers": self.workers,
             "embcache": embcache.__file__,
             "vision_images_total": self.vision_images,
         }
@@ -177,6 +188,37 @@ class Engine:
         if self.connector is not None:
             self.connector.check_invariants()
         return {"checked": self.connector is not None}
+
+    def ranks(self, keys: list[str] = []) -> dict[str, Any]:  # noqa: B006 (never changed)
+        """What the scheduler-role connector knows of its ranks, now: the worker processes it
+        watches (``workers()``), the deaths it learned (``deaths()``), its holds and sizes, its
+        cache's pins, and the entry state of each of ``keys``; ``now`` is this process's
+        ``time.monotonic()`` (the system's monotonic clock, as the scheduler's)."""
+        side = self.connector.scheduler_side
+        cache = side.cache.stats()
+        return {
+            "now": time.monotonic(),
+            "watched": side.workers(),
+            "deaths": [asdict(d) for d in side.deaths()],
+            "holds": side.holds(),
+            "sizes": side.sizes(),
+            "pinned_entries": cache.pinned_entries,
+            "cache_requests": cache.open_requests,
+            "states": {k: side.cache.entry_state(k).name for k in keys},
+        }
+
+    def fence(self, keys: list[str] = []) -> dict[str, Any]:  # noqa: B006 (never changed)
+        """The connector's cache fences (as its automatic fencer would); how many ranges it
+        freed, then ``ranks(keys)``."""
+        freed = self.connector.scheduler_side.cache.fence()
+        return {"freed": freed, **self.ranks(keys)}
+
+    def shutdown(self, keys: list[str] = []) -> dict[str, Any]:  # noqa: B006 (never changed)
+        """vLLM's own shutdown of the engine core (``EngineCore.shutdown``: the executor and
+        its workers, then the scheduler, which shuts the connector down), as its failure path
+        ends; then ``ranks(keys)``."""
+        self.llm.llm_engine.engine_core.shutdown()
+        return self.ranks(keys)
 
 
 def _plain(value: object) -> bool:
