@@ -49,8 +49,9 @@ POOL = 256 << 10  # one image (37 x 128 float32, 18,944 bytes) is 7% of it: the 
 IMAGE = 600  # image numbers of this test (disjoint from the other checks')
 TP = 2  # worker processes: ranks 0 and 1
 TP_ENGINE = {"tensor_parallel_size": TP, "distributed_executor_backend": "mp"}
-# vLLM's CPU backend binds each worker's OpenMP threads to cores of its own and keeps one core
-# a worker for the scheduler: 4 cores for TP 2. On 2 cores the workers are left unbound.
+# vLLM's CPU backend binds each worker's OpenMP threads to a NUMA node of its own by default
+# ("auto"); on one node it stops: "Not enough allowed NUMA nodes to bind threads of 2 local
+# CPUWorkers". The workers are left unbound, one thread each.
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 Start = Callable[[str], EngineProcess]
 
@@ -138,6 +139,7 @@ def killed_rank_frees_nothing_it_may_write_until_known(engine: EngineProcess) ->
     log = engine.log_text()
     assert "died unexpectedly" in log, engine.log_tail()  # vLLM's MultiprocWorkerMonitor
 
+    shutdown_at = time.monotonic()
     end = engine.call("shutdown", keys=[key])
     assert end["pinned_entries"] == end["cache_requests"] == 0 and end["holds"] == {}, end
     assert {k: v for k, v in end["sizes"].items() if v and k != "deaths"} == {}, end
@@ -147,6 +149,7 @@ def killed_rank_frees_nothing_it_may_write_until_known(engine: EngineProcess) ->
         "check_s": time.monotonic() - began_at,
         "workers_all_gone_within_s": time.monotonic() - killed_at,
         "learned_after_kill_s": death["learned_at"] - killed_at,
+        "shutdown_after_kill_s": shutdown_at - killed_at,
         "fill_owed_before_kill_s": killed_at - finished_at,
         "failed_step_s": failed_in,
         "failure": str(failed.value).strip().splitlines()[-1],
