@@ -14,7 +14,8 @@ Requests come as JSON lines on stdin, answers go as JSON lines to the file descr
 Operations: ``generate`` (prompts of words and image numbers, greedy), ``serve`` (the same
 in a closed loop of a few clients, timed), ``stats``, ``check``
 (the connector's ``check_invariants``), ``ranks`` (what the scheduler knows of its ranks: the
-workers it watches, the deaths it learned, its holds and sizes, the states of some keys),
+workers it watches, the deaths it learned, its holds and sizes, the states of some keys; and
+the identifiers encoded so far, and when ``generate(kill=...)`` killed a worker),
 ``fence`` (the cache's fence, then ``ranks``), ``shutdown`` (vLLM's own shutdown of the engine
 core, as its failure path ends: the executor, then the scheduler and its connector; then
 ``ranks``), ``quit``.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -74,6 +76,8 @@ class Engine:
         self.encoded: list[str] = []
         self.vision_images = 0
         self._served = 0
+        self._kill: list[int] | None = None  # [rank, steps left before its worker is killed]
+        self.killed_at: float | None = None
         self._wrap_schedule()
         executor = core.model_executor
         self.workers = {h.rank: h.proc.pid for h in getattr(executor, "workers", None) or ()}
@@ -90,9 +94,27 @@ class Engine:
             for req_id, indexes in out.scheduled_encoder_inputs.items():
                 features = self.scheduler.requests[req_id].mm_features
                 self.encoded.extend(features[i].identifier for i in indexes)
+            if self._kill is not None:
+                self._kill_when_due()
             return out
 
         self.scheduler.schedule = counted
+
+    def _kill_when_due(self) -> None:
+        """Count a scheduled step of ``generate(kill=...)``; at the due one, once the scheduler
+        built it and before the executor runs it, SIGKILL the rank's worker process and wait
+        until it has exited (``killed_at``: this process's monotonic clock at the kill)."""
+        assert self._kill is not None
+        self._kill[1] -= 1
+        if self._kill[1] > 0:
+            return
+        pid = self.workers[self._kill[0]]
+        self._kill = None
+        self.killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30.0
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def _count_images(self, module: Any, inputs: Any, output: Any) -> None:
         self.vision_images += int(inputs[0].shape[0])
@@ -111,9 +133,14 @@ class Engine:
             prompts.append(prompt)
         return prompts
 
-    def generate(self, requests: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+    def generate(
+        self, requests: list[dict[str, Any]], max_tokens: int, kill: list[int] | None = None
+    ) -> dict[str, Any]:
+        """Greedy answers to ``requests``; ``kill`` ``[rank, n]``: SIGKILL that rank's worker
+        process right after the ``n``-th step of this call is scheduled (``_kill_when_due``)."""
         from vllm import SamplingParams
 
+        self._kill = None if kill is None else list(kill)
         prompts = self._prompts(requests)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0, ignore_eos=True)
         before_encoded, before_images = len(self.encoded), self.vision_images
@@ -198,6 +225,8 @@ class Engine:
         cache = side.cache.stats()
         return {
             "now": time.monotonic(),
+            "killed_at": self.killed_at,
+            "encoded": self.encoded,
             "watched": side.workers(),
             "deaths": [asdict(d) for d in side.deaths()],
             "holds": side.holds(),
@@ -219,6 +248,15 @@ class Engine:
         ends; then ``ranks(keys)``."""
         self.llm.llm_engine.engine_core.shutdown()
         return self.ranks(keys)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _plain(value: object) -> bool:
