@@ -108,12 +108,14 @@ class Engine:
         self._kill[1] -= 1
         if self._kill[1] > 0:
             return
+        from tests.support.engines import running
+
         pid = self.workers[self._kill[0]]
         self._kill = None
         self.killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 30.0
-        while _running(pid) and time.monotonic() < deadline:
+        while running(pid) and time.monotonic() < deadline:
             time.sleep(0.001)
 
     def _count_images(self, module: Any, inputs: Any, output: Any) -> None:
@@ -248,15 +250,6 @@ class Engine:
         ends; then ``ranks(keys)``."""
         self.llm.llm_engine.engine_core.shutdown()
         return self.ranks(keys)
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and has not exited (a zombie has)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _plain(value: object) -> bool:

@@ -37,6 +37,8 @@ its fence gate) fails step 2: ``test_the_check_fails_when_an_overdue_fill_is_fre
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,7 +47,13 @@ from typing import Any
 import pytest
 
 from tests.engine.checks import prompt
-from tests.support.engines import EngineCallFailed, EngineProcess, embcache_ec, wait_for
+from tests.support.engines import (
+    EngineCallFailed,
+    EngineProcess,
+    embcache_ec,
+    running,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 HOLD_S = 0.05  # hold_timeout_s: a free on the timeout would come long before the kill
@@ -86,15 +94,6 @@ def tp_engine(engine_python: str, model_dir: Path, log_dir: Path) -> Iterator[St
     yield start
     for engine in started:
         engine.stop()
-
-
-def running(pid: int) -> bool:
-    """Whether process ``pid`` exists and has not exited (a zombie has)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def workers_of(answer: dict[str, Any], name: str = "watched") -> dict[int, int]:
@@ -184,3 +183,5 @@ def test_the_check_fails_when_an_overdue_fill_is_freed_on_a_timeout(tp_engine: S
     with pytest.raises(AssertionError, match="freed while it was alive and slow") as caught:
         killed_rank_frees_nothing_it_may_write_until_known(engine)
     print(f"the check fails on the plant: {str(caught.value).splitlines()[0]}")
+    for pid in workers_of(engine.ready, "workers").values():  # so that it stops at once (its
+        os.kill(pid, signal.SIGKILL)  # workers would take vLLM's grace period and SIGTERM)
