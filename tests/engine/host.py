@@ -4,13 +4,21 @@ The engine is vLLM's ``LLM`` with the engine core in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the scheduler, the model runner and both roles of
 the connector live here and can be counted: the identifiers the scheduler sent to the encoder
 (``encoded``), the images that went through the vision tower (``vision_images``, a forward hook
-on it), the connector's ``SchedulerStats`` and its cache's ``CacheStats``.
+on it), the connector's ``SchedulerStats`` and its cache's ``CacheStats``. With the
+multiprocessing executor (``--engine-args '{"distributed_executor_backend": "mp", ...}'``) the
+model runner and the worker-role connectors run in vLLM's worker processes (``workers``: their
+pids by rank) and ``vision_images`` stays 0; the scheduler and its connector stay here.
 
 Requests come as JSON lines on stdin, answers go as JSON lines to the file descriptor
 ``--reply-fd``; vLLM's own output goes to stdout and stderr (the tier sends them to a log).
 Operations: ``generate`` (prompts of words and image numbers, greedy), ``serve`` (the same
 in a closed loop of a few clients, timed), ``stats``, ``check``
-(the connector's ``check_invariants``), ``quit``.
+(the connector's ``check_invariants``), ``ranks`` (what the scheduler knows of its ranks: the
+workers it watches, the deaths it learned, its holds and sizes, the states of some keys; and
+the identifiers encoded so far, and when ``generate(kill=...)`` killed a worker),
+``fence`` (the cache's fence, then ``ranks``), ``shutdown`` (vLLM's own shutdown of the engine
+core, as its failure path ends: the executor, then the scheduler and its connector; then
+``ranks``), ``quit``.
 
     python -m tests.engine.host --model DIR --reply-fd N [--ec JSON] [--engine-args JSON]
 """
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -67,10 +76,15 @@ class Engine:
         self.encoded: list[str] = []
         self.vision_images = 0
         self._served = 0
+        self._kill: list[int] | None = None  # [rank, steps left before its worker is killed]
+        self.killed_at: float | None = None
         self._wrap_schedule()
-        worker = core.model_executor.driver_worker.worker
-        model_obj = worker.model_runner.get_model()
-        model_obj.vision_tower.register_forward_hook(self._count_images)
+        executor = core.model_executor
+        self.workers = {h.rank: h.proc.pid for h in getattr(executor, "workers", None) or ()}
+        driver = getattr(executor, "driver_worker", None)
+        if driver is not None:  # the model runs in this process
+            model_obj = driver.worker.model_runner.get_model()
+            model_obj.vision_tower.register_forward_hook(self._count_images)
 
     def _wrap_schedule(self) -> None:
         schedule = self.scheduler.schedule
@@ -80,9 +94,29 @@ class Engine:
             for req_id, indexes in out.scheduled_encoder_inputs.items():
                 features = self.scheduler.requests[req_id].mm_features
                 self.encoded.extend(features[i].identifier for i in indexes)
+            if self._kill is not None:
+                self._kill_when_due()
             return out
 
         self.scheduler.schedule = counted
+
+    def _kill_when_due(self) -> None:
+        """Count a scheduled step of ``generate(kill=...)``; at the due one, once the scheduler
+        built it and before the executor runs it, SIGKILL the rank's worker process and wait
+        until it has exited (``killed_at``: this process's monotonic clock at the kill)."""
+        assert self._kill is not None
+        self._kill[1] -= 1
+        if self._kill[1] > 0:
+            return
+        from tests.support.engines import running
+
+        pid = self.workers[self._kill[0]]
+        self._kill = None
+        self.killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30.0
+        while running(pid) and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def _count_images(self, module: Any, inputs: Any, output: Any) -> None:
         self.vision_images += int(inputs[0].shape[0])
@@ -101,9 +135,14 @@ class Engine:
             prompts.append(prompt)
         return prompts
 
-    def generate(self, requests: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+    def generate(
+        self, requests: list[dict[str, Any]], max_tokens: int, kill: list[int] | None = None
+    ) -> dict[str, Any]:
+        """Greedy answers to ``requests``; ``kill`` ``[rank, n]``: SIGKILL that rank's worker
+        process right after the ``n``-th step of this call is scheduled (``_kill_when_due``)."""
         from vllm import SamplingParams
 
+        self._kill = None if kill is None else list(kill)
         prompts = self._prompts(requests)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0, ignore_eos=True)
         before_encoded, before_images = len(self.encoded), self.vision_images
@@ -164,6 +203,7 @@ class Engine:
 
         out: dict[str, Any] = {
             "pid": os.getpid(),
+            "workers": self.workers,
             "embcache": embcache.__file__,
             "vision_images_total": self.vision_images,
         }
@@ -177,6 +217,39 @@ class Engine:
         if self.connector is not None:
             self.connector.check_invariants()
         return {"checked": self.connector is not None}
+
+    def ranks(self, keys: list[str] = []) -> dict[str, Any]:  # noqa: B006 (never changed)
+        """What the scheduler-role connector knows of its ranks, now: the worker processes it
+        watches (``workers()``), the deaths it learned (``deaths()``), its holds and sizes, its
+        cache's pins, and the entry state of each of ``keys``; ``now`` is this process's
+        ``time.monotonic()`` (the system's monotonic clock, as the scheduler's)."""
+        side = self.connector.scheduler_side
+        cache = side.cache.stats()
+        return {
+            "now": time.monotonic(),
+            "killed_at": self.killed_at,
+            "encoded": self.encoded,
+            "watched": side.workers(),
+            "deaths": [asdict(d) for d in side.deaths()],
+            "holds": side.holds(),
+            "sizes": side.sizes(),
+            "pinned_entries": cache.pinned_entries,
+            "cache_requests": cache.open_requests,
+            "states": {k: side.cache.entry_state(k).name for k in keys},
+        }
+
+    def fence(self, keys: list[str] = []) -> dict[str, Any]:  # noqa: B006 (never changed)
+        """The connector's cache fences (as its automatic fencer would); how many ranges it
+        freed, then ``ranks(keys)``."""
+        freed = self.connector.scheduler_side.cache.fence()
+        return {"freed": freed, **self.ranks(keys)}
+
+    def shutdown(self, keys: list[str] = []) -> dict[str, Any]:  # noqa: B006 (never changed)
+        """vLLM's own shutdown of the engine core (``EngineCore.shutdown``: the executor and
+        its workers, then the scheduler, which shuts the connector down), as its failure path
+        ends; then ``ranks(keys)``."""
+        self.llm.llm_engine.engine_core.shutdown()
+        return self.ranks(keys)
 
 
 def _plain(value: object) -> bool:

@@ -253,6 +253,15 @@ def wait_for(what: str, predicate: Any, timeout: float = 60.0, every: float = 0.
         time.sleep(every)
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def shm_paths_of(pid: int) -> set[str]:
     """The paths under /dev/shm that process ``pid`` has open or mapped."""
     paths: set[str] = set()

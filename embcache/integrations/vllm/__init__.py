@@ -9,7 +9,7 @@ from embcache.integrations.vllm.protocol import (
     EmbcacheECWorkerMetadata,
     Transfer,
 )
-from embcache.integrations.vllm.scheduler import SchedulerStats
+from embcache.integrations.vllm.scheduler import RankDeath, SchedulerStats
 from embcache.integrations.vllm.shm import PoolHandle
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "EmbcacheECMetadata",
     "EmbcacheECWorkerMetadata",
     "PoolHandle",
+    "RankDeath",
     "SchedulerStats",
     "Transfer",
     "parse_options",

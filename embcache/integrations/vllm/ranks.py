@@ -57,6 +57,7 @@ class RankWatch:
     def __init__(self, ranks: int) -> None:
         self._ranks = ranks
         self._fds: dict[int, int] = {}  # rank -> pidfd, while it runs
+        self._pids: dict[int, int] = {}  # rank -> the pid it announced on this machine
         self._announced: set[int] = set()
         self._dead: set[int] = set()
         self._poll = select.poll()
@@ -73,6 +74,7 @@ class RankWatch:
         boot, pid = who
         if not boot or boot != _boot_id() or not isinstance(pid, int) or pid <= 0:
             return False
+        self._pids[rank] = pid
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError:  # it exited before we looked: the rank is dead
@@ -90,6 +92,14 @@ class RankWatch:
             return []
         by_fd = {fd: rank for rank, fd in self._fds.items()}
         return [by_fd[fd] for fd, _ in self._poll.poll(0) if self._mark(by_fd[fd])]
+
+    def pid(self, rank: int) -> int | None:
+        """The pid rank ``rank`` announced on this machine (None: none). O(1)."""
+        return self._pids.get(rank)
+
+    def watched(self) -> dict[int, int]:
+        """rank -> pid of the processes watched now (announced here, not known dead). O(ranks)."""
+        return {rank: self._pids[rank] for rank in sorted(self._fds)}
 
     def mark_dead(self, rank: int) -> bool:
         """Rank ``rank`` is dead (the engine's failure path says so); True if news."""

@@ -55,7 +55,7 @@ from embcache.integrations.vllm.protocol import (
 from embcache.integrations.vllm.ranks import RankWatch
 from embcache.integrations.vllm.shm import SharedPool
 
-__all__ = ["Feature", "SchedulerSide", "SchedulerStats"]
+__all__ = ["Feature", "RankDeath", "SchedulerSide", "SchedulerStats"]
 log = logging.getLogger(__name__)
 
 Feature = tuple[str, int, int]  # (identifier, rows, width) of one multimodal item
@@ -91,6 +91,31 @@ class SchedulerStats:
     outstanding_saves: int
     quarantined_requests: int
     quarantined_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankDeath:
+    """How and when the scheduler learned that a rank's worker process is gone
+    (``SchedulerSide.deaths``): what the death ended, and what a fence may free from then on.
+
+    ``how`` is ``"process exit"`` (its pidfd was readable, or its pid was gone when it
+    announced: ``ranks.RankWatch``) or ``"engine"`` (``rank_died`` was called: the engine's
+    failure path). ``pid`` is the process the rank announced (None: never announced on this
+    machine). ``learned_at`` is the scheduler's clock then (``time.monotonic`` unless one was
+    given), ``step`` the steps built by then (``stats().steps``). ``loads_released`` counts
+    the loads no longer awaiting its ack; ``fills_ended`` are the keys of the fills it owed
+    (rank 0), ended UNKNOWN by the death; ``fills_unfenced`` the keys of the fills that had
+    ended UNKNOWN on the hold timeout and stayed unfreed (``writing``) until this death: from
+    now on a fence may free their ranges."""
+
+    rank: int
+    pid: int | None
+    how: str
+    learned_at: float
+    step: int
+    loads_released: int
+    fills_ended: tuple[str, ...]
+    fills_unfenced: tuple[str, ...]
 
 
 class SchedulerSide:
@@ -142,6 +167,7 @@ class SchedulerSide:
             str, float
         ] = {}  # finished, acks owed: when it finished (oldest first)
         self._quarantined: set[str] = set()
+        self._deaths: list[RankDeath] = []  # at most one per rank
         self._counts = dict.fromkeys(("deferred", "loads", "saves", "saves_skipped", "inserts"), 0)
 
     @property
@@ -234,7 +260,7 @@ class SchedulerSide:
         Unknown or repeated acks are ignored. O(acks)."""
         for rank, who in acks.alive.items():
             if self._watch.announce(rank, who):
-                self.rank_died(rank)
+                self._rank_died(rank, "process exit")
         touched: list[str] = []
         load_acks = self._load_acks
         for rank, done in acks.loaded.items():
@@ -269,37 +295,59 @@ class SchedulerSide:
             self._expire()
 
     def rank_died(self, rank: int) -> None:
-        """Rank ``rank``'s worker process is gone (``RankWatch`` saw it exit, or the engine's
-        failure path says so; never a timeout): it reads and writes nothing any more. The
-        loads it owes are owed no more (a finished request owing nothing else closes); rank
-        0's fills end UNKNOWN (the cache quarantines their ranges until a fence frees them);
-        no new load awaits its ack, and without rank 0 no fill is reserved. Raises
-        ``InvalidArgumentError`` for a rank out of range. O(outstanding transfers)."""
+        """Rank ``rank``'s worker process is gone (the engine's failure path says so; never
+        a timeout): it reads and writes nothing any more. The loads it owes are owed no more
+        (a finished request owing nothing else closes); rank 0's fills end UNKNOWN (the cache
+        quarantines their ranges until a fence frees them); no new load awaits its ack, and
+        without rank 0 no fill is reserved. ``ranks.RankWatch`` learns the same from the
+        process's exit by itself. Recorded in ``deaths``. Raises ``InvalidArgumentError`` for a
+        rank out of range. O(outstanding transfers)."""
+        self._rank_died(rank, "engine")
+
+    def deaths(self) -> tuple[RankDeath, ...]:
+        """The ranks known dead, in the order their deaths were learned (``RankDeath``: how,
+        when, what each death ended and let the fence free). O(ranks)."""
+        return tuple(self._deaths)
+
+    def workers(self) -> dict[int, int]:
+        """The worker process (pid) of each rank that announced one on this machine and is
+        watched for its exit (a rank known dead is absent). O(ranks)."""
+        return self._watch.watched()
+
+    def _rank_died(self, rank: int, how: str) -> None:
         if not self._watch.mark_dead(rank) and not self._live >> rank & 1:
             return
         bit = 1 << rank
         self._live &= ~bit
         touched: list[str] = []
+        released = 0
         for step_key, (request_id, missing) in list(self._load_acks.items()):
             if missing & bit:
+                released += 1
                 if missing & ~bit:
                     self._load_acks[step_key] = (request_id, missing & ~bit)
                     continue
                 del self._load_acks[step_key]
                 self._held[request_id].loads.discard(step_key)
                 touched.append(request_id)
+        unfenced: tuple[str, ...] = ()
         if rank == 0:
+            unfenced = tuple(key for _, key in sorted(self._writing))
             self._writing.clear()
+        ended_keys: tuple[str, ...] = ()
         if rank == 0 and self._save_acks:
             ended: dict[str, list[tuple[StepKey, str, int, TransferOutcome]]] = {}
             for step_key, (request_id, key, offset) in sorted(self._save_acks.items()):
                 ended.setdefault(request_id, []).append((step_key, key, offset, UNKNOWN))
+            ended_keys = tuple(key for saves in ended.values() for _, key, _, _ in saves)
             self._save_acks.clear()
             for request_id, saves in ended.items():
                 self._end_saves(request_id, saves)
                 touched.append(request_id)
-        log.error("rank %d's worker process is gone: %d holds no longer wait for it", rank,
-                  len(touched))  # fmt: skip
+        self._deaths.append(RankDeath(rank, self._watch.pid(rank), how, self._clock(), self._step,
+                                      released, ended_keys, unfenced))  # fmt: skip
+        log.error("rank %d's worker process is gone (%s): %d holds no longer wait for it",
+                  rank, how, len(touched))  # fmt: skip
         for request_id in touched:
             self._close_if_done(request_id)
 
@@ -338,8 +386,9 @@ class SchedulerSide:
         """How much each of the role's containers holds (embcache/DESIGN.md, "Memory bounds",
         "vLLM connector"), for watching memory: ``held`` (open requests), ``finishing`` (finished
         with an ack owed), ``quarantined`` (an ack lost), ``load_acks`` and ``save_acks``
-        (transfers awaiting acks), ``step_loads`` and ``step_saves`` (this step's, emptied by
-        ``build``). O(1)."""
+        (transfers awaiting acks), ``writing`` (overdue fills rank 0 may still write),
+        ``step_loads`` and ``step_saves`` (this step's, emptied by ``build``), ``deaths`` (the
+        ranks known dead: at most the world size). O(1)."""
         return {
             "held": len(self._held),
             "finishing": len(self._finishing),
@@ -349,6 +398,7 @@ class SchedulerSide:
             "writing": len(self._writing),
             "step_loads": len(self._step_loads),
             "step_saves": len(self._step_saves),
+            "deaths": len(self._deaths),
         }
 
     def holds(self) -> dict[str, str]:
@@ -519,7 +569,7 @@ class SchedulerSide:
                 self._held_bytes(held),
             )
         for rank in self._watch.dead_now():
-            self.rank_died(rank)
+            self._rank_died(rank, "process exit")
 
     def _no_fill_writing(self) -> bool:
         """The cache's fence gate: no fill ended UNKNOWN that rank 0 may still write."""
