@@ -10,7 +10,7 @@ process is seen gone. Only the worker role differs; the scheduler role is the co
 ``FreeOnTimeoutECConnector`` is the plant "free on a timeout": the same, with the scheduler's
 cache made without its fence gate, so a fence frees an overdue fill's range at once, its
 writer presumed dead because its ack is late (the connector's rule before it knew dead from
-slow; the unit tier's plant of the same name, in ``tests/integrations/test_vllm_dead_ranks.py``).
+slow; the unit tier's plant of the same name, in ``tests/vllm_connector/test_vllm_dead_ranks.py``).
 The worker-death check must fail with it.
 
     ec_transfer_config: {"ec_connector": "SlowRank0ECConnector",

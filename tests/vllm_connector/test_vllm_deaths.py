@@ -2,7 +2,7 @@
 when each death was learned, what it ended and what it let the fence free. The engine tier's
 ``tests/engine/test_worker_death.py`` reads the same record from a real engine whose worker
 process is SIGKILLed; here the workers are stand-in processes (``sleep``), as in
-``tests/integrations/test_vllm_dead_ranks.py``, whose helpers this file uses.
+``tests/vllm_connector/test_vllm_dead_ranks.py``, whose helpers this file uses.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.integrations.test_vllm_dead_ranks import (
+from tests.vllm_connector.test_vllm_dead_ranks import (
     EXTRA,
     announce,
     empty_step,
@@ -23,10 +23,9 @@ from tests.integrations.test_vllm_dead_ranks import (
     step,
     worker_process,
 )
-from tests.integrations.vllm_fixtures import make_scheduler, vllm_base
-from tests.integrations.vllm_replay import FakeRequest, embedding
+from tests.vllm_connector.vllm_replay import FakeRequest, embedding
 
-__all__ = ["make_scheduler", "vllm_base", "worker_process"]
+__all__ = ["worker_process"]
 pytestmark = pytest.mark.timeout(120)
 
 
