@@ -21,6 +21,7 @@ from embcache import EmbeddingCache, EncodePipeline, Item, PipelineStats
 from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
 from embcache.driver.locks import assert_unlocked
 from embcache.errors import InvalidArgumentError, InvalidTypeError, RequestError
+from embcache.pipeline.plan import Plan
 from embcache.testing import Fault, FaultInjectingStore
 from tests.support.helpers import assert_idle, raw, wait_until
 
@@ -396,25 +397,34 @@ def test_cache_reports_a_reason_for_every_item_it_does_not_serve(cache: Embeddin
         assert request.fallback_reasons() != [None]
 
 
-def test_an_all_hit_answer_copies_each_byte_out_of_the_pool_once(
-    cache: EmbeddingCache, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("then", [[3, 1, 2], [3, 9, 1, 10, 2]], ids=["all hit", "hits and misses"])
+def test_each_byte_of_the_answer_is_copied_once(
+    cache: EmbeddingCache, monkeypatch: pytest.MonkeyPatch, then: list[int]
 ) -> None:
+    """Held rows go from the pool straight into their place in the answer, fresh outputs too:
+    the bytes the pipeline copies (``copy_``, ``torch.cat``; the pool's own copy-in is a
+    memmove) are exactly the answer's."""
     pipeline = EncodePipeline(cache, FakeEncoder())
     encode(pipeline, "r1", [1, 2, 3])
-    cats: list[int] = []
-    cat = torch.cat
+    copied: list[int] = []
+    cat, copy = torch.cat, torch.Tensor.copy_
 
-    def counted(tensors: Sequence[torch.Tensor], *args: object, **kwargs: object) -> torch.Tensor:
-        cats.append(len(tensors))
-        return cat(tensors, *args, **kwargs)  # type: ignore[arg-type]
+    def counted_cat(tensors: Sequence[torch.Tensor], *args: object, **kw: object) -> torch.Tensor:
+        copied.append(sum(t.nbytes for t in tensors))
+        return cat(tensors, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(torch, "cat", counted)
-    got = encode(pipeline, "r2", [3, 1, 2])
+    def counted_copy(dst: torch.Tensor, src: torch.Tensor, *args: object) -> torch.Tensor:
+        copied.append(src.nbytes)
+        return copy(dst, src, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "cat", counted_cat)
+    monkeypatch.setattr(torch.Tensor, "copy_", counted_copy)
+    got = encode(pipeline, "r2", then)
     monkeypatch.undo()
-    assert_same(got, reference([3, 1, 2]))
-    assert cats == [3], "the held views concatenated once, into the answer"
+    assert_same(got, reference(then))
+    assert sum(copied) == got.nbytes, "every byte of the answer copied once"
     cache.remove("img-1")  # the answer is no view of the pool: it outlives the entry
-    assert_same(got, reference([3, 1, 2]))
+    assert_same(got, reference(then))
 
 
 # ---------------------------------------------------------------------------- on_insert
@@ -448,3 +458,18 @@ def test_a_raising_on_insert_is_logged_and_the_call_goes_on(
 def test_on_insert_must_be_callable(cache: EmbeddingCache) -> None:
     with pytest.raises(InvalidTypeError, match="on_insert must be callable"):
         EncodePipeline(cache, FakeEncoder(), on_insert=42)  # type: ignore[arg-type]
+
+
+def test_a_call_without_a_group_computes_no_fingerprint(
+    cache: EmbeddingCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only ranks of a tensor-parallel group compare fingerprints: a lone rank skips the
+    digest of every item on its request path."""
+
+    def refuse(plan: Plan) -> int:
+        raise AssertionError("fingerprint computed without a group")
+
+    monkeypatch.setattr(Plan, "fingerprint", refuse)
+    pipeline = EncodePipeline(cache, FakeEncoder())
+    assert_same(encode(pipeline, "r1", [1, 2]), reference([1, 2]))
+    assert_same(encode(pipeline, "r2", [2, 1, 4]), reference([2, 1, 4]))

@@ -8,12 +8,13 @@ Theory of operation. One call, ``encode(request_id, items, inputs)``, runs these
    for the loads.
 2. Rank 0 takes one snapshot of what it holds (``embeddings()``): the fallback mask is exactly
    the items it does not hold (misses, reservations, failed, timed-out, quarantined loads).
-   It copies the held rows to the encoder's device right away (the *hits*), so nothing is read
-   from the pool after the request ends.
+   It copies the held rows to the encoder's device right away, each straight into its place in
+   the answer (one copy of each byte), so nothing is read from the pool after the request ends.
 3. With a tensor-parallel group (the collectives are ``embcache.pipeline.tp_channel``): every rank
    gathers a header (failed?, item count, item fingerprint), so a failure on any rank before
    this point, or ranks called with different items, raises on every rank; then rank 0
-   broadcasts the mask and the hit rows (as bytes, so any dtype travels unchanged).
+   broadcasts the mask and the held rows (as bytes, so any dtype travels unchanged), and each
+   other rank copies them into its own answer.
 4. Every rank runs the encoder on exactly the masked items (a key once per call), in item
    order, so an encoder that is itself tensor-parallel sees the same calls on each rank. With
    a group, the ranks then agree (an all-reduce) on whether every encoder call succeeded.
@@ -21,7 +22,8 @@ Theory of operation. One call, ``encode(request_id, items, inputs)``, runs these
    request still holds its reservations, or their waiters would fall back) with
    ``publish=True``: the write to the global store runs on the cache's I/O pool and never
    delays the response. The request then ends, releasing every pin, wait and reservation.
-6. Every rank concatenates hits and fresh outputs in item order along dim 0.
+6. Every rank copies the fresh outputs into the rest of its answer: the items' rows in order
+   along dim 0.
 
 The result has the encoder's dtype and device whether an item came from the cache or the
 encoder: the pool stores each item in its own dtype, and encoder outputs of another shape,
@@ -118,7 +120,7 @@ class _Local:
     statuses: list[ItemStatus]
     mask: list[bool]  # True: encode
     reasons: list[Reason | None]
-    hits: torch.Tensor  # rows of the held items, in item order, on the encoder's device
+    answer: torch.Tensor  # the held items' rows in place (the masked rows unwritten), on device
 
 
 class EncodePipeline:
@@ -260,7 +262,7 @@ class EncodePipeline:
             fresh = self._encode_fallbacks(plan, local.mask)
             self._insert(request, fresh)
         self._count_call(plan, local, len(fresh))
-        return self._assemble(plan, local.mask, local.hits, fresh)
+        return self._assemble(plan, local.mask, local.answer, fresh)
 
     async def _lead_async(
         self, cache: EmbeddingCache, request_id: str, items: Sequence[Item], inputs: Sequence[Any]
@@ -284,19 +286,18 @@ class EncodePipeline:
             fresh = await _in_thread(lambda: self._encode_fallbacks(plan, local.mask))
             await _in_thread(lambda: self._insert(request, fresh))
         self._count_call(plan, local, len(fresh))
-        return await _in_thread(lambda: self._assemble(plan, local.mask, local.hits, fresh))
+        return await _in_thread(lambda: self._assemble(plan, local.mask, local.answer, fresh))
 
     def _collect(self, request: Request, plan: Plan, statuses: list[ItemStatus]) -> _Local:
-        """One snapshot of what the request holds; the held rows copied to the device."""
+        """One snapshot of what the request holds; each held row copied into its place in the
+        answer, on the device (a copy, never a view of the pool)."""
         reasons = request.fallback_reasons()  # before the snapshot: served only grows
         views = request.embeddings()
-        mask = [view is None for view in views]
-        held = [view for view in views if view is not None]
-        if held:
-            hits = torch.cat([view.to(self._device) for view in held])  # a copy, never a view
-        else:
-            hits = torch.empty((0, *plan.tail), dtype=plan.dtype, device=self._device)
-        return _Local(statuses, mask, reasons, hits)
+        answer, at = plan.empty_result(self._device), plan.offsets
+        for n, view in enumerate(views):
+            if view is not None:
+                answer[at[n] : at[n + 1]].copy_(view)
+        return _Local(statuses, [view is None for view in views], reasons, answer)
 
     def _insert(self, request: Request, fresh: dict[str, torch.Tensor]) -> None:
         """Copy fresh outputs into the pool; their publish runs on the cache's I/O pool."""
@@ -319,11 +320,12 @@ class EncodePipeline:
             self._share_failure()
             raise
         assert self._channel is not None  # a rank other than 0 has a group
-        mask, hits = self._channel.receive(plan, self._device)
+        answer = plan.empty_result(self._device)
+        mask = self._channel.receive(plan, answer)
         fresh = self._encode_fallbacks(plan, mask)
         with self._stats_lock:
             self._counts.update(calls=1, encoded=len(fresh), encoder_calls=int(bool(fresh)))
-        return self._assemble(plan, mask, hits, fresh)
+        return self._assemble(plan, mask, answer, fresh)
 
     # ------------------------------------------------------------------ every rank
     def _encode_fallbacks(self, plan: Plan, mask: list[bool]) -> dict[str, torch.Tensor]:
@@ -369,19 +371,14 @@ class EncodePipeline:
 
     @staticmethod
     def _assemble(
-        plan: Plan, mask: list[bool], hits: torch.Tensor, fresh: dict[str, torch.Tensor]
+        plan: Plan, mask: list[bool], answer: torch.Tensor, fresh: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        if not any(mask):
-            return hits  # every item held: the held rows, in order, are the answer (no copy)
-        pieces: list[torch.Tensor] = []
-        row = 0
-        for item, masked in zip(plan.items, mask, strict=True):
+        """``answer`` with each masked item's fresh output copied into its rows."""
+        at = plan.offsets
+        for n, (item, masked) in enumerate(zip(plan.items, mask, strict=True)):
             if masked:
-                pieces.append(fresh[item.key])
-            else:
-                pieces.append(hits[row : row + item.shape[0]])
-                row += item.shape[0]
-        return torch.cat(pieces)
+                answer[at[n] : at[n + 1]].copy_(fresh[item.key])
+        return answer
 
     # ------------------------------------------------------------------ collectives
     def _share_failure(self) -> None:
@@ -390,9 +387,9 @@ class EncodePipeline:
             self._channel.share_failure()
 
     def _send(self, plan: Plan, local: _Local) -> None:
-        """Rank 0: agree on the items, then broadcast the mask and the hit rows."""
+        """Rank 0: agree on the items, then broadcast the mask and the held rows."""
         if self._channel is not None:
-            self._channel.send(plan, local.mask, local.hits)
+            self._channel.send(plan, local.mask, local.answer)
 
     def _agree_encoded(self, *, failed: bool) -> None:
         """All-reduce whether the encoder failed anywhere; raise if another rank's did."""

@@ -1,8 +1,8 @@
 """``Plan``: one validated ``EncodePipeline.encode`` call, the same on every rank.
 
 It fixes the items and their inputs, the dtype and the shape after dim 0 that every item shares
-(the result is their concatenation along dim 0), and a fingerprint the tensor-parallel ranks
-compare to make sure they were called with the same items.
+(the result is their concatenation along dim 0), each item's rows in the result, and a
+fingerprint the tensor-parallel ranks compare to make sure they were called with the same items.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class Plan:
     inputs: list[Any]
     dtype: torch.dtype
     tail: tuple[int, ...]  # shape after dim 0, common to every item
-    fingerprint: int
+    offsets: tuple[int, ...]  # item i's rows in the result: offsets[i]:offsets[i + 1]
 
     def fallbacks(self, mask: Sequence[bool]) -> tuple[list[Item], list[Any]]:
         """The masked items and their inputs, each key once, in item order."""
@@ -40,8 +40,21 @@ class Plan:
                 inputs.append(value)
         return items, inputs
 
+    def fingerprint(self) -> int:
+        """A 56-bit digest of the items' keys, shapes and dtypes, in order: what the ranks of a
+        tensor-parallel group compare (computed on demand: a call without a group skips it)."""
+        digest = hashlib.blake2b(digest_size=7)
+        for item in self.items:
+            digest.update(f"{item.key}|{item.shape}|{item.dtype};".encode())
+        return int.from_bytes(digest.digest(), "big")
+
     def hit_rows(self, mask: Sequence[bool]) -> int:
+        """Rows of the items ``mask`` does not mark."""
         return sum(it.shape[0] for it, masked in zip(self.items, mask, strict=True) if not masked)
+
+    def empty_result(self, device: torch.device) -> torch.Tensor:
+        """The call's result, unwritten: every item's rows, in order along dim 0."""
+        return torch.empty((self.offsets[-1], *self.tail), dtype=self.dtype, device=device)
 
 
 def make_plan(items: Sequence[Item], inputs: Sequence[Any]) -> Plan:
@@ -60,7 +73,7 @@ def make_plan(items: Sequence[Item], inputs: Sequence[Any]) -> Plan:
     if not isinstance(first, Item):
         raise InvalidTypeError(f"items must be Item, got {type(first).__name__}")
     seen: dict[str, Item] = {}
-    digest = hashlib.blake2b(digest_size=7)
+    offsets = [0]
     for item in items:
         if not isinstance(item, Item):
             raise InvalidTypeError(f"items must be Item, got {type(item).__name__}")
@@ -75,11 +88,11 @@ def make_plan(items: Sequence[Item], inputs: Sequence[Any]) -> Plan:
                 f"{item.key!r} appears as {seen[item.key].shape} and as {item.shape}: one key "
                 "names one embedding"
             )
-        digest.update(f"{item.key}|{item.shape}|{item.dtype};".encode())
+        offsets.append(offsets[-1] + item.shape[0])
     return Plan(
         items=list(items),
         inputs=list(inputs),
         dtype=first.dtype,
         tail=first.shape[1:],
-        fingerprint=int.from_bytes(digest.digest(), "big"),
+        offsets=tuple(offsets),
     )

@@ -49,29 +49,40 @@ class GroupChannel:
         with contextlib.suppress(TensorParallelError):
             self._gather_header(None)
 
-    def send(self, plan: Plan, mask: list[bool], hits: torch.Tensor) -> None:
-        """Rank 0: agree on the items, then broadcast the mask and the hit rows."""
+    def send(self, plan: Plan, mask: list[bool], answer: torch.Tensor) -> None:
+        """Rank 0: agree on the items, then broadcast the mask and the held items' rows of
+        ``answer`` (concatenated in item order)."""
         self._check_header(self._gather_header(plan))
         wire = torch.tensor(mask, dtype=torch.uint8, device=self._comm_device)
         self._broadcast(wire, "fallback mask")
-        if hits.numel():
-            payload = hits.reshape(-1).view(torch.uint8).to(self._comm_device)
+        at = plan.offsets
+        held = [answer[at[n] : at[n + 1]] for n, masked in enumerate(mask) if not masked]
+        if plan.hit_rows(mask):
+            rows = held[0] if len(held) == 1 else torch.cat(held)
+            payload = rows.reshape(-1).view(torch.uint8).to(self._comm_device)
             self._broadcast(payload, "cached rows")
 
-    def receive(self, plan: Plan, device: torch.device) -> tuple[list[bool], torch.Tensor]:
-        """Other ranks: agree on the items, then receive the mask and the hit rows (on
-        ``device``)."""
+    def receive(self, plan: Plan, answer: torch.Tensor) -> list[bool]:
+        """Other ranks: agree on the items, receive the mask and copy the held items' rows
+        into their places in ``answer``; returns the mask."""
         self._check_header(self._gather_header(plan))
         wire = torch.empty(len(plan.items), dtype=torch.uint8, device=self._comm_device)
         self._broadcast(wire, "fallback mask")
         mask = [bool(v) for v in wire.tolist()]
         rows = plan.hit_rows(mask)
         nbytes = rows * math.prod(plan.tail) * plan.dtype.itemsize
+        if not nbytes:
+            return mask
         payload = torch.empty(nbytes, dtype=torch.uint8, device=self._comm_device)
-        if nbytes:
-            self._broadcast(payload, "cached rows")
-        hits = payload.view(plan.dtype).view(rows, *plan.tail).to(device)
-        return mask, hits
+        self._broadcast(payload, "cached rows")
+        held = payload.view(plan.dtype).view(rows, *plan.tail)
+        row, at = 0, plan.offsets
+        for n, masked in enumerate(mask):
+            if not masked:
+                rows_n = at[n + 1] - at[n]
+                answer[at[n] : at[n + 1]].copy_(held[row : row + rows_n])
+                row += rows_n
+        return mask
 
     def agree_encoded(self, *, failed: bool) -> None:
         """All-reduce whether the encoder failed anywhere; raise if another rank's did."""
@@ -96,7 +107,7 @@ class GroupChannel:
     def _gather_header(self, plan: Plan | None) -> list[list[int]]:
         """All-gather (failed, item count, fingerprint) from every rank."""
         mine = torch.tensor(
-            [1, 0, 0] if plan is None else [0, len(plan.items), plan.fingerprint],
+            [1, 0, 0] if plan is None else [0, len(plan.items), plan.fingerprint()],
             dtype=torch.int64,
             device=self._comm_device,
         )
