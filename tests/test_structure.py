@@ -8,7 +8,8 @@ of the state, a small core surface, a ``Request`` that holds its own steps, a ty
   ``core/request_actions.py``), through the transitions DESIGN lists ("Request bookkeeping").
 - ``Request`` holds no method that only forwards to another object's method.
 - The funnel (``EmbeddingCache._run``, and ``CachePort._run`` that ``Request`` calls) is typed
-  with ``ParamSpec``, so mypy checks every step's arguments: a wrong one is an error.
+  with a ``TypeVarTuple`` (or a ``ParamSpec``), so mypy checks every step's arguments: a wrong
+  one is an error.
 
 Each check is shown to fail on a planted violation.
 """
@@ -219,37 +220,49 @@ def test_a_planted_forwarder_is_found() -> None:
 
 
 # ---------------------------------------------------------------------------- the typed funnel
-def paramspec_typed(source: str, cls: str) -> bool:
-    """Whether ``cls._run`` in ``source`` is ``(step: Callable[P, Effects[T]], /, *args:
-    P.args, **kwargs: P.kwargs) -> T``."""
+def funnel_typed(source: str, cls: str) -> bool:
+    """Whether ``cls._run`` in ``source`` types its step's arguments: ``(step: Callable[[*Ts],
+    Effects[T]], /, *args: *Ts) -> T`` (a ``TypeVarTuple``: positional arguments only, so a
+    call builds no keyword dict) or ``(step: Callable[P, Effects[T]], /, *args: P.args,
+    **kwargs: P.kwargs) -> T`` (a ``ParamSpec``)."""
     run = next(
         node for node in class_def(source, cls).body
         if isinstance(node, ast.FunctionDef) and node.name == "_run"
     )  # fmt: skip
     args = run.args
+
+    def said(node: ast.expr | None) -> str:
+        return ast.unparse(node or ast.Constant(None))
+
     step = [*args.posonlyargs, *args.args][1:]
-    return (
-        len(step) == 1
-        and ast.unparse(step[0].annotation or ast.Constant(None)) == "Callable[P, Effects[T]]"
-        and args.vararg is not None
-        and ast.unparse(args.vararg.annotation or ast.Constant(None)) == "P.args"
-        and args.kwarg is not None
-        and ast.unparse(args.kwarg.annotation or ast.Constant(None)) == "P.kwargs"
-        and ast.unparse(run.returns or ast.Constant(None)) == "T"
+    if len(step) != 1 or args.vararg is None or said(run.returns) != "T":
+        return False
+    typed = (said(step[0].annotation), said(args.vararg.annotation), args.kwarg)
+    if typed[:2] == ("Callable[[*Ts], Effects[T]]", "*Ts"):
+        return args.kwarg is None
+    return typed[:2] == ("Callable[P, Effects[T]]", "P.args") and (
+        args.kwarg is not None and said(args.kwarg.annotation) == "P.kwargs"
     )
 
 
-def test_the_funnel_is_typed_with_paramspec() -> None:
-    assert paramspec_typed((PACKAGE / "driver/cache.py").read_text(), "EmbeddingCache")
-    assert paramspec_typed((PACKAGE / "driver/request.py").read_text(), "CachePort")
+def test_the_funnel_is_typed() -> None:
+    assert funnel_typed((PACKAGE / "driver/cache.py").read_text(), "EmbeddingCache")
+    assert funnel_typed((PACKAGE / "driver/request.py").read_text(), "CachePort")
 
 
-def test_a_planted_untyped_funnel_is_found() -> None:
-    source = (
-        "class EmbeddingCache:\n"
-        "    def _run(self, step: Callable[..., Effects[T]], *args: Any) -> T: ...\n"
-    )
-    assert not paramspec_typed(source, "EmbeddingCache")
+@pytest.mark.parametrize(
+    "signature",
+    [
+        "(self, step: Callable[..., Effects[T]], *args: Any) -> T",
+        "(self, step: Callable[[*Ts], Effects[T]], /, *args: Any) -> T",
+        "(self, step: Callable[[*Ts], Effects[T]], /, *args: *Ts, **kwargs: Any) -> T",
+        "(self, step: Callable[P, Effects[T]], /, *args: P.args, **kwargs: Any) -> T",
+        "(self, step: Callable[[*Ts], Effects[T]], /, *args: *Ts) -> Any",
+    ],
+)
+def test_a_planted_untyped_funnel_is_found(signature: str) -> None:
+    source = f"class EmbeddingCache:\n    def _run{signature}: ...\n"
+    assert not funnel_typed(source, "EmbeddingCache")
 
 
 def test_mypy_rejects_a_step_given_the_wrong_arguments(tmp_path: Path) -> None:

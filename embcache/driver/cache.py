@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ParamSpec, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, TypeVarTuple
 
 import torch
 
@@ -73,8 +73,8 @@ __all__ = [
     "TraceSink",
 ]
 log = logging.getLogger(__name__)
-P = ParamSpec("P")
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")  # a step's arguments: mypy checks each against the step
 
 
 class IOExecutor(Protocol):
@@ -449,7 +449,7 @@ class EmbeddingCache:
             return self._core.queries.fence_due(now, max_bytes, policy.max_age_s)
 
     # ------------------------------------------------------------------ the funnel
-    def _run(self, step: Callable[P, Effects[T]], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    def _run(self, step: Callable[[*Ts], Effects[T]], /, *args: *Ts) -> T:
         """The one place that takes the cache lock around a core step, and carries out the
         step's ``Effects``. Under the lock: the step (which raises, changing nothing, if the
         cache or the request is closed), then the poisoning of the ranges it freed (debug
@@ -458,7 +458,7 @@ class EmbeddingCache:
         the sink (in ``seq`` order across threads), its asyncio waiters resolved, its store
         reads and writes submitted to the I/O pool. Returns the step's result."""
         with self._lock:
-            fx = step(*args, **kwargs)
+            fx = step(*args)
             if fx.freed:
                 poison(self._pool, fx.freed)
             futures: list[Future] | None = None

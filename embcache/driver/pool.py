@@ -89,7 +89,10 @@ class PoolViews:
         shape: tuple[int, ...] = item.shape
         start = offset // dtype.itemsize
         if len(shape) == 1:
-            return self._typed_view(dtype)[start : start + shape[0]]
+            typed = self._typed.get(dtype)  # (``_typed_view`` inlined: this runs per hit)
+            if typed is None:
+                typed = self._typed_view(dtype)
+            return typed[start : start + shape[0]]
         inner = shape[1:]
         row = math.prod(inner)
         phase = start % row

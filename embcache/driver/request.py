@@ -36,7 +36,7 @@ import threading
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from types import TracebackType
-from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar, TypeVarTuple
 
 import torch
 
@@ -53,8 +53,8 @@ if TYPE_CHECKING:
     from embcache.driver.pool import PoolViews
     from embcache.driver.wakeups import Wakeups
 
-P = ParamSpec("P")
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")  # a step's arguments: mypy checks each against the step
 
 
 class CachePort(Protocol):
@@ -69,7 +69,7 @@ class CachePort(Protocol):
     _wakeups: Wakeups
     _lock: HierarchyLock | threading.Lock
 
-    def _run(self, step: Callable[P, Effects[T]], /, *args: P.args, **kwargs: P.kwargs) -> T: ...
+    def _run(self, step: Callable[[*Ts], Effects[T]], /, *args: *Ts) -> T: ...
 
 
 class Request:
@@ -111,8 +111,9 @@ class Request:
             raise InvalidTypeError("lookup takes a sequence of Item")
         cache = self._cache
         ask_store = prefetch and cache._store is not None
-        step = cache._core.begin_lookup
-        looked = cache._run(step, self._state, checked, ask_store, reserve_misses, True)
+        looked = cache._run(
+            cache._core.begin_lookup, self._state, checked, ask_store, reserve_misses, True
+        )
         if looked.ask or looked.fills or self._items is not None:
             return self._looked(checked, looked)
         self._items, self._served = checked, looked.served  # (``_looked``'s common case)

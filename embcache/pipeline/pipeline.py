@@ -65,7 +65,7 @@ from embcache.driver.item import Item
 from embcache.driver.locks import assert_unlocked
 from embcache.driver.request import Request
 from embcache.errors import InvalidArgumentError, InvalidTypeError, TensorParallelError
-from embcache.pipeline.plan import Plan, make_plan
+from embcache.pipeline.plan import Plan, copy_rows, make_plan
 from embcache.pipeline.tp_channel import GroupChannel
 
 __all__ = ["EncodePipeline", "Encoder", "PipelineStats", "TensorParallelError"]
@@ -296,7 +296,7 @@ class EncodePipeline:
         answer, at = plan.empty_result(self._device), plan.offsets
         for n, view in enumerate(views):
             if view is not None:
-                answer[at[n] : at[n + 1]].copy_(view)
+                copy_rows(answer[at[n] : at[n + 1]], view)
         return _Local(statuses, [view is None for view in views], reasons, answer)
 
     def _insert(self, request: Request, fresh: dict[str, torch.Tensor]) -> None:
@@ -377,7 +377,7 @@ class EncodePipeline:
         at = plan.offsets
         for n, (item, masked) in enumerate(zip(plan.items, mask, strict=True)):
             if masked:
-                answer[at[n] : at[n + 1]].copy_(fresh[item.key])
+                copy_rows(answer[at[n] : at[n + 1]], fresh[item.key])
         return answer
 
     # ------------------------------------------------------------------ collectives

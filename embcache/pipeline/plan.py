@@ -96,3 +96,12 @@ def make_plan(items: Sequence[Item], inputs: Sequence[Any]) -> Plan:
         tail=first.shape[1:],
         offsets=tuple(offsets),
     )
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, as bytes for the dtypes torch has no copy kernel for (the bit-width
+    placeholders such as ``int1``: their tensors are plain contiguous bytes)."""
+    try:
+        dst.copy_(src)
+    except NotImplementedError:  # raised before anything is copied
+        dst.view(torch.uint8).copy_(src.contiguous().view(torch.uint8))

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from embcache.driver.locks import assert_unlocked
 from embcache.errors import TensorParallelError
-from embcache.pipeline.plan import Plan
+from embcache.pipeline.plan import Plan, copy_rows
 
 __all__ = ["GroupChannel"]
 
@@ -80,7 +80,7 @@ class GroupChannel:
         for n, masked in enumerate(mask):
             if not masked:
                 rows_n = at[n + 1] - at[n]
-                answer[at[n] : at[n + 1]].copy_(held[row : row + rows_n])
+                copy_rows(answer[at[n] : at[n + 1]], held[row : row + rows_n])
                 row += rows_n
         return mask
 
