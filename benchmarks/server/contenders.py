@@ -16,8 +16,10 @@ Every contender gets the same images and its own ``MeteredEncoder`` around one s
 
 A request that fails (SGLang's controller can evict a hit between ``has_local_embedding`` and
 ``get_pool_views``: MMEncoder then raises) is counted, not retried. ``cache_seconds`` of a
-request is the time spent in cache calls, including the polling and the copies out of the pool
-(the pipeline: the call's time minus its encoder time).
+request is the time spent in cache calls, including the polling, the copies out of the pool and
+building the response (allocating it and copying the fresh outputs in: the pipeline does that
+inside ``encode``, whose time minus its encoder time is its cache time, so every contender's
+cache time counts it).
 """
 
 from __future__ import annotations
@@ -217,10 +219,8 @@ class MMEncoderServer(Contender):
         fresh: dict[int, torch.Tensor],
     ) -> torch.Tensor:
         c = self.controller
-        out = _output(images)
-        offsets = _offsets(images)
-        for n, tensor in fresh.items():
-            out[offsets[n] : offsets[n + 1]].copy_(tensor)
+        response: tuple[torch.Tensor, list[int]] = self._timed(lambda: _response(images, fresh))
+        out, offsets = response
         served = [n for n in hits if n not in fallbacks]
         if not served:
             return out
@@ -337,10 +337,10 @@ class OriginalPRServer(Contender):
         try:
             new = self.encoder([images[n].pixels for n in encode]) if encode else []
             timed(lambda: self._insert(images, encode, new))
-            out = _output(images)
-            offsets = _offsets(images)
-            for n, tensor in zip(encode, new, strict=True):
-                out[offsets[n] : offsets[n + 1]].copy_(tensor)
+            response: tuple[torch.Tensor, list[int]] = timed(
+                lambda: _response(images, dict(zip(encode, new, strict=True)))
+            )
+            out, offsets = response
             for n, view in held.items():
                 timed(lambda: out[offsets[n] : offsets[n + 1]].copy_(view))  # noqa: B023
             self._count(hit_items=len(held), read_bytes=sum(images[n].nbytes for n in held))
@@ -401,6 +401,18 @@ class PipelineServer(Contender):
     def close(self) -> None:
         self.cache.check_invariants()
         self.cache.close()
+
+
+def _response(
+    images: Sequence[Image], fresh: dict[int, torch.Tensor]
+) -> tuple[torch.Tensor, list[int]]:
+    """The response with the fresh outputs copied in (``fresh``: image index -> tensor), and
+    where each image's rows start. Timed as cache time, as the pipeline's is (it builds its
+    response inside ``encode``)."""
+    out, offsets = _output(images), _offsets(images)
+    for n, tensor in fresh.items():
+        out[offsets[n] : offsets[n + 1]].copy_(tensor)
+    return out, offsets
 
 
 def _output(images: Sequence[Image]) -> torch.Tensor:
