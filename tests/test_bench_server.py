@@ -14,11 +14,13 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
+from benchmarks.server import bench_server as server_bench
 from tests.support import breakdown
 from tests.support.server_workload import MAX_IMAGES, MIXES, TOKENS, make_encoder, make_workload
 
@@ -119,6 +121,7 @@ def test_a_tiny_run_gives_every_row_json_and_a_plot(tiny_run: dict[str, Any]) ->
             assert row["requests"] + row["failed_requests"] == measured, (mix, name)
             assert row["requests_per_s"] > 0 and row["p50_ms"] <= row["p99_ms"]
             assert 0 <= row["cache_share"] < 1
+            assert 0 <= row["single_flight_share"] < 1
             if name.startswith("embcache"):
                 assert row["failed_requests"] == 0, row["errors"]
         assert rows["no cache"]["encoder_tokens_saved"] == 0
@@ -223,3 +226,20 @@ def test_two_server_processes_share_one_mooncake_master(tmp_path: Path) -> None:
     assert alone["global_hits"] == 0
     assert shared["global_hits"] > 0 and shared["loads_failed"] == 0, shared
     assert set(result["skipped"]) == {"original PR", "SGLang 0.5.23"}
+
+
+def test_single_flight_waits_are_left_out_of_the_share_and_reported_beside() -> None:
+    """A row's cache share is (cache time - the waits for another request's encode) / request
+    time; the waits' own share sits beside it. Waits before the snapshot do not count."""
+    meter = SimpleNamespace(images=10, tokens=1000, seconds=2.0)
+    contender = SimpleNamespace(
+        encoder=SimpleNamespace(total=meter),
+        counts={},
+        failed_inserts=lambda: 0,
+        admissions_refused=lambda: 0,
+        single_flight_seconds=lambda: 5.0 + 0.3,  # 5.0 before the snapshot
+    )
+    tally = server_bench.Tally(seconds=1.0, latencies=[0.5, 0.5], cache_seconds=[0.2, 0.3])
+    got = server_bench.row(contender, tally, (0, 0, 0.0, {}, 5.0), 2000)  # type: ignore[arg-type]
+    assert got["cache_share"] == pytest.approx((0.5 - 0.3) / 1.0)
+    assert got["single_flight_share"] == pytest.approx(0.3 / 1.0)

@@ -270,6 +270,7 @@ def test_single_flight_between_two_pipelines(cache: EmbeddingCache) -> None:
     b.start()
     wait_until(lambda: cache.stats().single_flight_joins >= 1)
     assert second.calls == [], "b waits for a's encode of 71"
+    time.sleep(0.05)  # b's wait lasts at least this
     gate.set()
     a.join(WAIT_S)
     b.join(WAIT_S)
@@ -278,6 +279,7 @@ def test_single_flight_between_two_pipelines(cache: EmbeddingCache) -> None:
     assert first.calls == [[70, 71]]
     assert second.calls == [[72]], "71 was encoded once, by a"
     assert counts(p2.stats()) == (0, 1, 1)
+    assert 0.05 <= p2.stats().wait_seconds < WAIT_S, "b's wait for a's encode is timed"
 
 
 def test_concurrent_calls_with_eviction_stay_correct() -> None:

@@ -17,9 +17,12 @@ shared machine falls on every contender alike.
 
 Rows per mix and contender: requests/s, p50 and p99 latency, encoder seconds, encoder tokens
 saved (requested tokens not encoded), failed inserts (no space), admissions refused (policy),
-bytes copied (hit bytes read from the pool + fresh bytes offered to it), failed requests, and
-the cache's share of request time (time in cache calls / request time). Written as JSON, with a
-plot of requests/s and p99 per contender and mix next to it.
+bytes copied (hit bytes read from the pool + fresh bytes offered to it), failed requests, the
+cache's share of request time (time in cache calls, building the response included, less the
+waits for another request's encode of the same image / request time) and, beside it, the
+share of those single-flight waits (``joins %``: they replace encodes; the pipeline's, from its
+``stats().wait_seconds``). Written as JSON, with a plot of requests/s and p99 per contender
+and mix next to it.
 
     python -m benchmarks.server.bench_server [--quick] [--json PATH] [--plot PATH]
 """
@@ -149,7 +152,7 @@ def run_mix(
     cut = -(-len(jobs) // config.segments)
     segments = [jobs[i : i + cut] for i in range(0, len(jobs), cut)]
     tallies = {c.name: Tally() for c in contenders}
-    before: dict[str, tuple[int, int, float, dict[str, int]]] = {}
+    before: dict[str, tuple[int, int, float, dict[str, int], float]] = {}
     for n, segment in enumerate(segments):
         turn = n % len(contenders)
         for contender in contenders[turn:] + contenders[:turn]:
@@ -160,6 +163,7 @@ def run_mix(
                     meter.tokens,
                     meter.seconds,
                     dict(contender.counts),
+                    contender.single_flight_seconds(),
                 )
             run_segment(contender, segment, config.clients, tallies[contender.name] if n else None)
     requested = sum(i.tokens for _, images in jobs[cut:] for i in images)
@@ -169,12 +173,13 @@ def run_mix(
 def row(
     contender: Contender,
     tally: Tally,
-    before: tuple[int, int, float, dict[str, int]],
+    before: tuple[int, int, float, dict[str, int], float],
     requested_tokens: int,
 ) -> dict[str, Any]:
     """The measured numbers of one contender in one mix."""
     meter = contender.encoder.total
-    images, tokens, seconds, counts = before
+    images, tokens, seconds, counts, joined = before
+    waits = contender.single_flight_seconds() - joined
     got = {k: contender.counts[k] - counts.get(k, 0) for k in contender.counts}
     lat = sorted(tally.latencies)
     served = len(lat)
@@ -190,7 +195,9 @@ def row(
         "failed_inserts": contender.failed_inserts(),
         "admissions_refused": contender.admissions_refused(),
         "bytes_copied": got.get("read_bytes", 0) + got.get("offered_bytes", 0),
-        "cache_share": sum(tally.cache_seconds) / sum(lat) if lat else None,
+        # Single-flight waits replace encodes: reported beside the share, not in it.
+        "cache_share": (sum(tally.cache_seconds) - waits) / sum(lat) if lat else None,
+        "single_flight_share": waits / sum(lat) if lat else None,
         "cache_ms_per_request": 1e3 * statistics.fmean(tally.cache_seconds) if lat else None,
         "errors": tally.errors,
     }
@@ -310,7 +317,10 @@ def verify(config: Config) -> dict[str, Any]:
     return {"contenders": out, "skipped": skipped}
 
 
-SPREAD = ("requests_per_s", "p50_ms", "p99_ms", "cache_share", "cache_ms_per_request")
+SPREAD = (
+    "requests_per_s", "p50_ms", "p99_ms", "cache_share", "single_flight_share",
+    "cache_ms_per_request",
+)  # fmt: skip
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -414,7 +424,7 @@ def mix_table(result: dict[str, Any]) -> list[str]:
     head = (
         f"{'mix':9} {'contender':28} {'req/s':>7} {'p50 ms':>8} {'p99 ms':>8} {'enc s':>7} "
         f"{'saved tok':>10} {'fail ins':>8} {'refused':>7} {'MiB copied':>10} {'cache %':>7} "
-        f"{'failed':>6}"
+        f"{'joins %':>7} {'failed':>6}"
     )
     lines.append(head)
     for mix, rows in result["mixes"].items():
@@ -425,7 +435,7 @@ def mix_table(result: dict[str, Any]) -> list[str]:
                 f"{r['p99_ms'] or 0:8.1f} {r['encoder_s']:7.1f} {r['encoder_tokens_saved']:10d} "
                 f"{r['failed_inserts']:8d} {r['admissions_refused']:7d} "
                 f"{r['bytes_copied'] / 2**20:10.0f} {100 * (share or 0):7.2f} "
-                f"{r['failed_requests']:6d}"
+                f"{100 * (r.get('single_flight_share') or 0):7.2f} {r['failed_requests']:6d}"
             )
     for mix, by_side in result.get("ratios", {}).items():
         for name, r in by_side.items():

@@ -99,7 +99,9 @@ class PipelineStats:
     ``waited``: items that were LOADING at lookup and served after the wait (a store load or
     another request's encode). ``fallback_items``: items this rank encoded, by reason in
     ``fallbacks_by_reason`` (``not_found`` is a plain miss). ``encoded``: inputs given to the
-    encoder (a key repeated in one call is encoded once).
+    encoder (a key repeated in one call is encoded once). ``wait_seconds``: rank 0's time
+    waiting for the items LOADING at lookup (a store load, or another call's encode of the same
+    key: a wait that replaces an encode of its own).
     """
 
     calls: int
@@ -111,6 +113,7 @@ class PipelineStats:
     fallbacks_by_reason: dict[str, int]
     encoded: int
     encoder_calls: int
+    wait_seconds: float
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,7 @@ class EncodePipeline:
         self._on_insert = on_insert
         self._stats_lock = threading.Lock()  # a leaf lock: guards the counters only
         self._counts: Counter[str] = Counter()
+        self._wait_seconds = 0.0
 
     @property
     def rank(self) -> int:
@@ -190,7 +194,7 @@ class EncodePipeline:
     def stats(self) -> PipelineStats:
         """A snapshot of the counters. O(reasons)."""
         with self._stats_lock:
-            c = Counter(self._counts)
+            c, wait_seconds = Counter(self._counts), self._wait_seconds
         prefix = "reason:"
         return PipelineStats(
             calls=c["calls"],
@@ -204,6 +208,7 @@ class EncodePipeline:
             },
             encoded=c["encoded"],
             encoder_calls=c["encoder_calls"],
+            wait_seconds=wait_seconds,
         )
 
     def encode(self, request_id: str, items: Sequence[Item], inputs: Sequence[Any]) -> torch.Tensor:
@@ -253,7 +258,9 @@ class EncodePipeline:
                 request, statuses = cache.lookup(request_id, plan.items, reserve_misses=True)
                 stack.enter_context(request)
                 if any(s.status is Status.LOADING for s in statuses):
+                    started = time.perf_counter()
                     request.wait(self._prefetch_timeout)
+                    self._count_wait(time.perf_counter() - started)
                 local = self._collect(request, plan, statuses)
             except BaseException:
                 self._share_failure()
@@ -275,7 +282,9 @@ class EncodePipeline:
                 )
                 stack.enter_context(request)
                 if any(s.status is Status.LOADING for s in statuses):
+                    started = time.perf_counter()
                     await request.wait_async(self._prefetch_timeout)
+                    self._count_wait(time.perf_counter() - started)
                 local = await _in_thread(lambda: self._collect(request, plan, statuses))
             except BaseException:
                 if self._channel is not None:
@@ -400,6 +409,10 @@ class EncodePipeline:
     def _count(self, **counts: int) -> None:
         with self._stats_lock:
             self._counts.update(counts)
+
+    def _count_wait(self, seconds: float) -> None:
+        with self._stats_lock:
+            self._wait_seconds += seconds
 
     def _count_call(self, plan: Plan, local: _Local, encoded: int) -> None:
         local_hits = waited = 0
