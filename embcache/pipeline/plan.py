@@ -83,7 +83,8 @@ def make_plan(items: Sequence[Item], inputs: Sequence[Any]) -> Plan:
                 f"{first.shape} {first.dtype}: items are concatenated along dim 0, so they must "
                 "share the dtype and every other dim"
             )
-        if seen.setdefault(item.key, item) != item:
+        first = seen.setdefault(item.key, item)
+        if first is not item and first != item:  # (no dataclass ``__eq__`` for a new key)
             raise InvalidArgumentError(
                 f"{item.key!r} appears as {seen[item.key].shape} and as {item.shape}: one key "
                 "names one embedding"
