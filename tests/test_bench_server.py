@@ -14,13 +14,11 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from benchmarks.server import bench_server as server_bench
 from tests.support import breakdown
 from tests.support.server_workload import MAX_IMAGES, MIXES, TOKENS, make_encoder, make_workload
 
@@ -229,17 +227,24 @@ def test_two_server_processes_share_one_mooncake_master(tmp_path: Path) -> None:
 
 
 def test_single_flight_waits_are_left_out_of_the_share_and_reported_beside() -> None:
-    """A row's cache share is (cache time - the waits for another request's encode) / request
-    time; the waits' own share sits beside it. Waits before the snapshot do not count."""
-    meter = SimpleNamespace(images=10, tokens=1000, seconds=2.0)
-    contender = SimpleNamespace(
-        encoder=SimpleNamespace(total=meter),
-        counts={},
-        failed_inserts=lambda: 0,
-        admissions_refused=lambda: 0,
-        single_flight_seconds=lambda: 5.0 + 0.3,  # 5.0 before the snapshot
-    )
-    tally = server_bench.Tally(seconds=1.0, latencies=[0.5, 0.5], cache_seconds=[0.2, 0.3])
-    got = server_bench.row(contender, tally, (0, 0, 0.0, {}, 5.0), 2000)  # type: ignore[arg-type]
-    assert got["cache_share"] == pytest.approx((0.5 - 0.3) / 1.0)
-    assert got["single_flight_share"] == pytest.approx(0.3 / 1.0)
+    """The cache's share is (cache time - waits for another request's encode) / request time;
+    the waits' own share sits beside it (bench_server's rows use this rule)."""
+    share, joins = breakdown.cache_shares([0.2, 0.3], 0.3, [0.5, 0.5])
+    assert share == pytest.approx((0.5 - 0.3) / 1.0) and joins == pytest.approx(0.3)
+    assert breakdown.cache_shares([], 0.0, []) == (None, None)
+
+
+def test_the_compiled_cores_steps_count_as_core_time() -> None:
+    """Compiled, the core's steps are builtins to cProfile: they are core time, not their
+    caller's (the driver's)."""
+    step = ("~", 0, "<method 'begin_lookup' of 'CacheCore' objects>")
+    query = ("~", 0, "<method 'stats' of 'Actions' objects>")
+    driver = ("/x/embcache/driver/request.py", 1, "lookup")
+    stats = {
+        driver: (1, 1, 1.0, 4.0, {}),
+        step: (1, 1, 2.0, 2.0, {driver: (1, 1, 2.0, 2.0)}),
+        query: (1, 1, 1.0, 1.0, {driver: (1, 1, 1.0, 1.0)}),
+    }
+    seconds = breakdown.split(stats)
+    assert seconds["core step"] == pytest.approx(3.0)
+    assert seconds["driver Python"] == pytest.approx(1.0)

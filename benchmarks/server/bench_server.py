@@ -183,6 +183,7 @@ def row(
     got = {k: contender.counts[k] - counts.get(k, 0) for k in contender.counts}
     lat = sorted(tally.latencies)
     served = len(lat)
+    share, joins = breakdown.cache_shares(tally.cache_seconds, waits, lat)
     return {
         "requests": served,
         "failed_requests": tally.failed,
@@ -195,9 +196,8 @@ def row(
         "failed_inserts": contender.failed_inserts(),
         "admissions_refused": contender.admissions_refused(),
         "bytes_copied": got.get("read_bytes", 0) + got.get("offered_bytes", 0),
-        # Single-flight waits replace encodes: reported beside the share, not in it.
-        "cache_share": (sum(tally.cache_seconds) - waits) / sum(lat) if lat else None,
-        "single_flight_share": waits / sum(lat) if lat else None,
+        "cache_share": share,  # single-flight waits left out (they replace encodes) ...
+        "single_flight_share": joins,  # ... and reported beside it
         "cache_ms_per_request": 1e3 * statistics.fmean(tally.cache_seconds) if lat else None,
         "errors": tally.errors,
     }

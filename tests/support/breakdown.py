@@ -6,8 +6,9 @@ thread is in the cache (``Contender._timed``; the pipeline: all of ``encode`` bu
 calls). The profiled time is then split by what ran (``category``):
 
 - ``lock waits``: acquiring (and releasing) a lock outside a condition wait;
-- ``core step``: the cache's own state machine: ``embcache/core`` for embcache, the controller's
-  module for SGLang 0.5.23 and the original PR (their bookkeeping is their core);
+- ``core step``: the cache's own state machine: ``embcache/core`` for embcache (compiled, its
+  steps are builtins to cProfile: methods of ``CacheCore`` and of ``Actions``, the queries), the
+  controller's module for SGLang 0.5.23 and the original PR (their bookkeeping is their core);
 - ``driver Python``: every other Python line in the cache call (embcache's driver, adapters,
   pipeline; the serving sequence's own code) and the builtins it calls;
 - ``torch tensors and views``: torch calls that make tensors or views (not copies);
@@ -44,6 +45,7 @@ CATEGORIES = (
 )
 WAITS = "single-flight waits"
 CORE_FILES = ("/embcache/core/", "embedding_cache_controller", "tests/support/baselines.py")
+CORE_BUILTINS = ("of 'CacheCore' objects", "of 'Actions' objects")  # the compiled core's steps
 
 Key = tuple[str, int, str]
 
@@ -105,6 +107,8 @@ def category(key: Key) -> str | None:
             return "copies"
         if "time.sleep" in name:
             return "polling sleeps"
+        if any(part in name for part in CORE_BUILTINS):
+            return "core step"
         if "_thread.lock" in name or "_thread.RLock" in name:
             return None  # a condition wait or the lock: its caller says which
         if "torch" in name:
@@ -163,3 +167,15 @@ def table(breakdown: dict[str, dict[str, dict[str, Any]]]) -> str:
                 cells.append(f"{cell:>13}")
             lines.append(f"  {contender:<28}{''.join(cells)}")
     return "\n".join(lines)
+
+
+def cache_shares(
+    cache_seconds: list[float], single_flight_seconds: float, latencies: list[float]
+) -> tuple[float | None, float | None]:
+    """The cache's share of request time and, beside it, the share of single-flight waits
+    (waits for another request's encode of the same image: they replace an encode, so they
+    are left out of the cache's share); None, None with no requests."""
+    total = sum(latencies)
+    if not latencies or total <= 0:
+        return None, None
+    return (sum(cache_seconds) - single_flight_seconds) / total, single_flight_seconds / total
