@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from benchmarks.policy import bench_policy_grid as grid
+from benchmarks.policy.oracle_shadows import ByteShadows
 from embcache.errors import InvalidArgumentError
+from tests.support import mixes
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +64,30 @@ def test_a_stored_run_of_other_cells_is_refused(tiny_run: dict[str, Any]) -> Non
         grid.measure_variant("embcache.core.policy:AdaptivePolicy", tiny_run, False, True)
     with pytest.raises(InvalidArgumentError, match="same --tiny / --five"):
         grid.measure_variant("embcache.core.policy:AdaptivePolicy", {}, True, False)
+
+
+def test_the_byte_shadow_oracle_runs_as_a_variant(tiny_run: dict[str, Any]) -> None:
+    spec = "benchmarks.policy.oracle_shadows:ByteShadows"
+    cells = grid.measure_variant(spec, tiny_run, True, False)
+    assert len(cells) == len(tiny_run["cells"]) and all(0 < c.saved < 100 for c in cells)
+
+
+def test_the_byte_shadows_hold_at_most_the_pools_bytes_and_hit_by_bytes() -> None:
+    load = mixes.Workload(
+        [mixes.Spec(f"img{i}", 100 * (i + 1), torch.bfloat16) for i in range(6)], [], 4
+    )
+    sizes = {spec.key: mixes.aligned(spec.nbytes) for spec in load.specs}
+    capacity = sizes["img0"] + sizes["img1"] + sizes["img2"]
+    policy = ByteShadows(load, capacity)
+    policy.order()
+    for key in ["img0", "img1", "img2", "img0"]:
+        policy.record(key)
+    assert policy.shadow_hits() == (sizes["img0"], sizes["img0"])  # a hit weighs its bytes
+    assert policy.shadow_bytes() == (capacity, capacity)
+    policy.record("img3")  # the LRU shadow drops its oldest until it fits; the filter refuses
+    lru_bytes, filter_bytes = policy.shadow_bytes()
+    assert lru_bytes <= capacity and filter_bytes == capacity
+    assert lru_bytes == sizes["img0"] + sizes["img3"]
+    for _ in range(3):
+        policy.record("img4")  # counted more than img1 and img2, which it displaces
+    assert policy.shadow_bytes()[1] == sizes["img0"] + sizes["img4"]

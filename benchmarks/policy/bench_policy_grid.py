@@ -305,9 +305,13 @@ def policy_factory(spec: str) -> Callable[[], Policy]:
 
 
 def variant_saved(spec: str, cell: Cell, seed: int, requests: int) -> float:
-    """Tokens saved (%) by the policy that ``spec`` makes, on one seed of ``cell``."""
+    """Tokens saved (%) by the policy that ``spec`` makes, on one seed of ``cell``; an oracle
+    (a factory whose ``ORACLE`` is true) is made with the workload and the pool's capacity."""
     load = workload(cell, seed, requests)
-    return simulate(load, policy_factory(spec)(), capacity=cell.pool.capacity).tokens_saved
+    factory = policy_factory(spec)
+    oracle = getattr(factory, "ORACLE", False)
+    policy = factory(load, cell.pool.capacity) if oracle else factory()
+    return simulate(load, policy, capacity=cell.pool.capacity).tokens_saved
 
 
 @dataclass
