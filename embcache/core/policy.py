@@ -72,6 +72,27 @@ filter's answer. Tried, on the grid's cells (seed 1) and the five mixes:
   choosing the expert only at a period's end (a cheaper hit) lost 2.4 and 3.8 points on drift
   every 100 requests at skew 1.2. No variant led the best contender by a point on any cell:
   the duel at best follows the better expert, it does not beat it.
+Tried next (``bench_policy_grid --variant`` against the stored runs, 2 seeds, grid and five
+mixes: ``benchmarks/policy/results/variants_2026-12-03.md``), none kept:
+- sampled shadows (keys chosen by hash, as SHARDS samples, to cheapen the hit path): with at
+  least 128 sampled keys 22 cells behind (-0.41 mean lead), with 64 or 32 worse (24, 34): the
+  grid's caches hold 150-500 entries, too few to sample; and the hit path could not reach
+  1.1x ``lru``'s anyway: ``tinylfu``'s count alone is 1.099x (callgrind, instructions of an
+  8-item all-hit request; ``adaptive`` 1.230x, sampled 1 key in 4: 1.191x);
+- switching to the LRU expert on a detected shift (resetting the filter shadow's hits, or
+  both shadows', or no shadows and LRU for 1-10 x entries lookups after a shift): worse (the
+  detector misses the low-skew reshuffles: -6 points on 1GiB drift 100 z0.6), and
+  ``favour`` 0.98-1.0 or ``decay`` 0.5-0.8: within noise of today's (19-24 cells behind);
+- shadows that hold bytes, not entries, with hits weighed by bytes, as the real pool holds
+  and saves (``benchmarks.policy.oracle_shadows``): with every item's bytes and the pool's
+  capacity given (an oracle) 16 cells behind, mean lead -0.25, worst -1.06 (today 20, -0.37,
+  -2.61), the five mixes' worst -2.39 to -1.02; still no cell a point ahead. Both halves
+  matter (byte capacities with counted hits: -0.42; entries with weighed hits: -0.55). A
+  policy cannot build it: ``record`` gets no size, and sizes learned from ``admit`` (only
+  inserts that must evict reach it) left the entries stored before the pool filled unknown,
+  the capacity estimated 1.8x too big and scan 10 points behind. With ``record(key, nbytes)``
+  from the core (the capacity then the bytes of the resident entries) the oracle measured 15
+  cells behind, mean -0.26, worst -1.82 (1GiB scan): the change to ask for first.
 Shadows count entries, not bytes (``record`` gets no size), and share the real counts.
 Cost model: every lookup of a cached key saves one encoder run of that key; admission compares
 lookups per key (the filter) and hits per shadow entry (the duel), not encoder time per byte:
