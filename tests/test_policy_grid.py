@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks.policy import bench_policy_grid as grid
+from benchmarks.policy import cost_grid
 from benchmarks.policy.oracle_shadows import ByteShadows
 from embcache.errors import InvalidArgumentError
 from tests.support import mixes
@@ -91,3 +92,61 @@ def test_the_byte_shadows_hold_at_most_the_pools_bytes_and_hit_by_bytes() -> Non
     for _ in range(3):
         policy.record("img4")  # counted more than img1 and img2, which it displaces
     assert policy.shadow_bytes()[1] == sizes["img0"] + sizes["img4"]
+
+
+def _catalogue(tokens: list[int]) -> mixes.Workload:
+    return mixes.Workload(
+        [mixes.Spec(f"img{i}", t, torch.bfloat16) for i, t in enumerate(tokens)], [], 4
+    )
+
+
+def test_the_cost_workload_scales_work_and_keeps_bytes() -> None:
+    load = _catalogue([64, 512, 4096] * 50)
+    costly = cost_grid.cost_workload(load, seed=3)
+    assert costly.requests is load.requests
+    for spec, scaled in zip(load.specs, costly.specs, strict=True):
+        assert (scaled.key, scaled.nbytes) == (spec.key, spec.nbytes)
+        assert spec.tokens / cost_grid.SPREAD - 1 <= scaled.tokens
+        assert scaled.tokens <= spec.tokens * cost_grid.SPREAD + 1
+    ratios = {round(s.tokens / t.tokens, 1) for s, t in zip(costly.specs, load.specs, strict=True)}
+    assert len(ratios) > 10  # not proportional to bytes
+    assert cost_grid.cost_workload(load, seed=3) == costly
+
+
+def test_the_cost_filter_admits_by_lookups_times_work_per_byte() -> None:
+    load = mixes.Workload(
+        [
+            cost_grid.CostSpec("cheap", 100, 1 << 20),
+            cost_grid.CostSpec("dear", 400, 1 << 20),
+            cost_grid.CostSpec("big", 400, 4 << 20),
+        ],
+        [],
+        4,
+    )
+    policy = cost_grid.CostFilter(load, 1 << 30)
+    policy.order()
+    for key in ["cheap", "dear", "big"]:
+        policy.record(key)
+    # one lookup each: worth per byte decides (tinylfu would refuse all: no count is above)
+    assert policy.admit("dear", 1 << 20, ["cheap"])
+    assert not policy.admit("cheap", 1 << 20, ["dear"])
+    assert not policy.admit("big", 4 << 20, ["dear"])  # the same work for 4x the bytes
+    for _ in range(4):
+        policy.record("cheap")  # 5 lookups x 100 per MiB > 1 x 400 per MiB
+    assert policy.admit("cheap", 1 << 20, ["dear"])
+
+
+def test_adaptive_cost_answers_as_its_expert() -> None:
+    load = mixes.Workload(
+        [cost_grid.CostSpec("cheap", 100, 1 << 20), cost_grid.CostSpec("dear", 400, 1 << 20)],
+        [],
+        4,
+    )
+    policy = cost_grid.CostAdaptive(load, 1 << 30)
+    policy.order()
+    policy.record("cheap")
+    policy.record("dear")
+    assert policy.use_filter
+    assert policy.admit("dear", 1 << 20, ["cheap"]) and not policy.admit("cheap", 1 << 20, ["dear"])
+    policy.use_filter = False  # the LRU expert admits everything
+    assert policy.admit("cheap", 1 << 20, ["dear"])

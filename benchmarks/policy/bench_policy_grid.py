@@ -207,8 +207,11 @@ def optimum_cost(load: mixes.Workload, capacity: int) -> mixes.Result:
 # ---------------------------------------------------------------------------- the grid
 def run_cell(cell: Cell, seed: int, requests: int) -> dict[str, mixes.Result]:
     """Every contender on one seed of ``cell``."""
-    load = workload(cell, seed, requests)
-    pool = cell.pool
+    return run_load(workload(cell, seed, requests), cell.pool)
+
+
+def run_load(load: mixes.Workload, pool: Pool) -> dict[str, mixes.Result]:
+    """Every contender on ``load`` in ``pool``."""
     out = {
         mode: from_tally(frag.run_baseline(load, mode, pool.capacity)) for mode in frag.BASELINES
     }

@@ -97,6 +97,15 @@ Shadows count entries, not bytes (``record`` gets no size), and share the real c
 Cost model: every lookup of a cached key saves one encoder run of that key; admission compares
 lookups per key (the filter) and hits per shadow entry (the duel), not encoder time per byte:
 that needs each item's measured encoder time, which no front end reports to the core yet.
+Measured as an oracle (``benchmarks.policy.cost_grid``: each image's encoder work its tokens x a
+factor log-uniform in [1/4, 4], read by the policy from the workload): a filter that weighs a
+key's recent lookups by its encoder work per byte, f(k) x work(k) / bytes(k), against each
+victim's (with work proportional to bytes, ``tinylfu``'s rule), as ``adaptive``'s filter
+expert, leads the best contender by +0.47 point on average on the grid (a point or more on
+14 of 44 cells, more than 0.3 behind on 13, the fast-drift cells where ``adaptive`` is too;
+worst -1.62) and by +0.64 on the five mixes (3 of 10 a point ahead, worst -1.85).
+Building it needs the driver to time each fresh output's encoding and the core to pass that
+work to the policy on every insert (``benchmarks/policy/results/cost_*``).
 """
 
 from __future__ import annotations
