@@ -81,8 +81,9 @@ mixes: ``benchmarks/policy/results/variants_2026-12-03.md``), none kept:
   8-item all-hit request; ``adaptive`` 1.230x, sampled 1 key in 4: 1.191x);
 - switching to the LRU expert on a detected shift (resetting the filter shadow's hits, or
   both shadows', or no shadows and LRU for 1-10 x entries lookups after a shift): worse (the
-  detector misses the low-skew reshuffles: -6 points on 1GiB drift 100 z0.6), and
-  ``favour`` 0.98-1.0 or ``decay`` 0.5-0.8: within noise of today's (19-24 cells behind);
+  detector misses the low-skew reshuffles: -6 points on 1GiB drift 100 z0.6); ``favour``
+  1.0 (19 cells behind, mean -0.33) or ``decay`` 0.8 (23, -0.39) about today's, ``favour``
+  0.98 (22, -0.78) and ``decay`` 0.5 (24, -0.45) worse;
 - shadows that hold bytes, not entries, with hits weighed by bytes, as the real pool holds
   and saves (``benchmarks.policy.oracle_shadows``): with every item's bytes and the pool's
   capacity given (an oracle) 16 cells behind, mean lead -0.25, worst -1.06 (today 20, -0.37,
