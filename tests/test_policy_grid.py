@@ -150,3 +150,10 @@ def test_adaptive_cost_answers_as_its_expert() -> None:
     assert policy.admit("dear", 1 << 20, ["cheap"]) and not policy.admit("cheap", 1 << 20, ["dear"])
     policy.use_filter = False  # the LRU expert admits everything
     assert policy.admit("cheap", 1 << 20, ["dear"])
+
+
+def test_the_cost_run_scores_every_contender_and_the_control() -> None:
+    cell = grid.cells(tiny=True)[0]
+    out = cost_grid.run(cell, seed=1, requests=60)
+    assert set(out) == {*cost_grid.CONTENDERS, grid.OPTIMUM, grid.OPTIMUM_COST}
+    assert all(0 <= result.tokens_saved <= 100 for result in out.values())

@@ -12,7 +12,9 @@ the workload, as the driver would measure and report it):
 
 - ``tinylfu-cost``: TinyLFU whose filter admits a candidate only if its recent lookups x its
   encoder work per byte are above each victim's (``CostFilter``);
-- ``adaptive-cost``: ``adaptive`` with that filter as its filter expert (its shadow too).
+- ``adaptive-cost``: ``adaptive`` with that filter as its filter expert (its shadow too);
+- ``adaptive-blind``, the control: ``adaptive-cost`` given each image's tokens in place of its
+  work (the same rule and rounding, none of the information): what the rule alone does.
 
 Cost model (what ``CostFilter`` states): a hit of key k saves one encoder run of k, ``work(k)``
 (seconds, here token-equivalents); holding k costs its bytes ``b(k)``; with ``f(k)`` its
@@ -41,8 +43,9 @@ from tests.support import mixes
 
 SPREAD = 4.0  # an image's encoder work per token is its tokens' x [1/SPREAD, SPREAD]
 COST_SEED = 1_000  # added to a run's seed for the factors
-CONTENDERS = (*grid.BASELINES, *grid.OURS, "tinylfu-cost", "adaptive-cost")
+CONTENDERS = (*grid.BASELINES, *grid.OURS, "tinylfu-cost", "adaptive-cost", "adaptive-blind")
 CHOSEN = "adaptive-cost"
+BLIND = "adaptive-blind"  # the control: CostAdaptive given the tokens, not the work
 
 
 @dataclass(frozen=True)
@@ -122,11 +125,14 @@ class CostAdaptive(AdaptivePolicy):
 
 def run(cell: grid.Cell, seed: int, requests: int) -> dict[str, mixes.Result]:
     """Every contender, the cost-aware oracles too, on one seed of ``cell`` with work factors."""
-    load = cost_workload(grid.workload(cell, seed, requests), seed)
+    plain = grid.workload(cell, seed, requests)
+    load = cost_workload(plain, seed)
     out = grid.run_load(load, cell.pool)
     for factory in (CostFilter, CostAdaptive):
         policy = factory(load, cell.pool.capacity)
         out[policy.name] = simulate(load, policy, capacity=cell.pool.capacity)
+    blind = CostAdaptive(plain, cell.pool.capacity)
+    out[BLIND] = simulate(load, blind, capacity=cell.pool.capacity)
     return out
 
 
@@ -160,9 +166,9 @@ def markdown(saved: dict[grid.Cell, dict[str, float]], five: bool, seconds: floa
         f"{len(saved)} cells x {len(seeds)} seeds ({', '.join(map(str, seeds))}) x {requests} "
         f"requests, {seconds:.0f} s; each image's encoder work its tokens x a factor "
         f"log-uniform in [1/{SPREAD:g}, {SPREAD:g}]. Encoder work saved (%), means over the "
-        f"seeds; lead: `{CHOSEN}` minus the best contender but the two cost-aware oracles; "
-        f"vs adaptive: `{CHOSEN}` minus `adaptive`; to opt: `{grid.OPTIMUM_COST}` minus "
-        f"`{CHOSEN}`.",
+        f"seeds; lead: `{CHOSEN}` minus the best contender but the cost-aware oracles; "
+        f"vs adaptive: `{CHOSEN}` minus `adaptive`; `{BLIND}`: the control, the same rule "
+        f"given tokens in place of work; to opt: `{grid.OPTIMUM_COST}` minus `{CHOSEN}`.",
         "",
         "| cell | " + " | ".join(names) + " | lead | vs adaptive | to opt |",
         "|---|" + "---:|" * (len(names) + 3),
@@ -179,11 +185,15 @@ def markdown(saved: dict[grid.Cell, dict[str, float]], five: bool, seconds: floa
         )
     behind = sum(x < -grid.CONTENDER_SLACK for x in leads)
     ahead = sum(x >= grid.LEAD for x in leads)
+    means = {n: statistics.fmean(s[n] for s in saved.values()) for n in ("adaptive", CHOSEN, BLIND)}
     out += [
         "",
         f"`{CHOSEN}`: {behind} of {len(leads)} cells more than {grid.CONTENDER_SLACK:g} point "
         f"behind the best other contender, {ahead} ahead by {grid.LEAD:g} or more, mean lead "
-        f"{statistics.fmean(leads):+.2f}, worst {min(leads):+.2f}, best {max(leads):+.2f}.",
+        f"{statistics.fmean(leads):+.2f}, worst {min(leads):+.2f}, best {max(leads):+.2f}. "
+        "Mean work saved over the cells: "
+        + ", ".join(f"`{n}` {v:.2f}" for n, v in means.items())
+        + ".",
     ]
     return "\n".join(out) + "\n"
 

@@ -104,7 +104,10 @@ key's recent lookups by its encoder work per byte, f(k) x work(k) / bytes(k), ag
 victim's (with work proportional to bytes, ``tinylfu``'s rule), as ``adaptive``'s filter
 expert, leads the best contender by +0.47 point on average on the grid (a point or more on
 14 of 44 cells, more than 0.3 behind on 13, the fast-drift cells where ``adaptive`` is too;
-worst -1.62) and by +0.64 on the five mixes (3 of 10 a point ahead, worst -1.85).
+worst -1.62) and by +0.64 on the five mixes (3 of 10 a point ahead, worst -1.85); the same
+rule given tokens in place of work saves what ``adaptive`` saves (the gain is the information),
+and on the tokens grid itself it is worse (27 of 44 cells behind: equal counts decided by
+small differences of tokens per aligned byte, where the filter refuses a tie).
 Building it needs the driver to time each fresh output's encoding and the core to pass that
 work to the policy on every insert (``benchmarks/policy/results/cost_*``).
 """
