@@ -72,10 +72,46 @@ filter's answer. Tried, on the grid's cells (seed 1) and the five mixes:
   choosing the expert only at a period's end (a cheaper hit) lost 2.4 and 3.8 points on drift
   every 100 requests at skew 1.2. No variant led the best contender by a point on any cell:
   the duel at best follows the better expert, it does not beat it.
+Tried next (``bench_policy_grid --variant`` against the stored runs, 2 seeds, grid and five
+mixes: ``benchmarks/policy/results/variants_2026-12-03.md``), none kept:
+- sampled shadows (keys chosen by hash, as SHARDS samples, to cheapen the hit path): with at
+  least 128 sampled keys 22 cells behind (-0.41 mean lead), with 64 or 32 worse (24, 34): the
+  grid's caches hold 150-500 entries, too few to sample; and the hit path could not reach
+  1.1x ``lru``'s anyway: ``tinylfu``'s count alone is 1.099x (callgrind, instructions of an
+  8-item all-hit request; ``adaptive`` 1.230x, sampled 1 key in 4: 1.191x);
+- switching to the LRU expert on a detected shift (resetting the filter shadow's hits, or
+  both shadows', or no shadows and LRU for 1-10 x entries lookups after a shift): worse (the
+  detector misses the low-skew reshuffles: -6 points on 1GiB drift 100 z0.6); ``favour``
+  1.0 (19 cells behind, mean -0.33) or ``decay`` 0.8 (23, -0.39) about today's, ``favour``
+  0.98 (22, -0.78) and ``decay`` 0.5 (24, -0.45) worse;
+- shadows that hold bytes, not entries, with hits weighed by bytes, as the real pool holds
+  and saves (``benchmarks.policy.oracle_shadows``): with every item's bytes and the pool's
+  capacity given (an oracle) 16 cells behind, mean lead -0.25, worst -1.06 (today 20, -0.37,
+  -2.61), the five mixes' worst -2.39 to -1.02; still no cell a point ahead. Both halves
+  matter (byte capacities with counted hits: -0.42; entries with weighed hits: -0.55). A
+  policy cannot build it: ``record`` gets no size, and sizes learned from ``admit`` (only
+  inserts that must evict reach it) left the entries stored before the pool filled unknown,
+  the capacity estimated 1.8x too big and scan 10 points behind. With ``record(key, nbytes)``
+  from the core (the capacity then the bytes of the resident entries) the oracle measured 15
+  cells behind, mean -0.26, worst -1.82 (1GiB scan): the change to ask for first.
 Shadows count entries, not bytes (``record`` gets no size), and share the real counts.
 Cost model: every lookup of a cached key saves one encoder run of that key; admission compares
 lookups per key (the filter) and hits per shadow entry (the duel), not encoder time per byte:
 that needs each item's measured encoder time, which no front end reports to the core yet.
+Measured as an oracle (``benchmarks.policy.cost_grid``: each image's encoder work its tokens x a
+factor log-uniform in [1/4, 4], read by the policy from the workload): a filter that weighs a
+key's recent lookups by its encoder work per byte, f(k) x work(k) / bytes(k), against each
+victim's (with work proportional to bytes, ``tinylfu``'s rule), as ``adaptive``'s filter
+expert, leads the best contender by +0.47 point on average on the grid (a point or more on
+14 of 44 cells, more than 0.3 behind on 13, the fast-drift cells where ``adaptive`` is too;
+worst -1.62) and by +0.64 on the five mixes (3 of 10 a point ahead, worst -1.85); the same
+rule given tokens in place of work saves what ``adaptive`` saves (the gain is the information),
+and on the tokens grid itself it is worse (27 of 44 cells behind: equal counts decided by
+small differences of tokens per aligned byte, where the filter refuses a tie); asking 1.25x
+each victim's worth: 22 behind on the tokens grid (mean -0.41, today -0.37) and most of the
+gain on the cost grid (mean work saved 50.86 against 50.99; ``adaptive`` 50.07).
+Building it needs the driver to time each fresh output's encoding and the core to pass that
+work to the policy on every insert (``benchmarks/policy/results/cost_*``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,212 @@
+"""Admission by encoder work per byte (issue 41, point 2), measured where that work is not
+proportional to bytes.
+
+The cells and seeds are ``bench_policy_grid``'s (``--five``: issue 41's five mixes; else the
+grid), but each image's encoder work is its tokens x a factor drawn once per image,
+log-uniform in [1/``SPREAD``, ``SPREAD``] (images of one catalogue through encoders, resolutions
+or preprocessing of different cost), while its bytes stay its tokens' bytes. Every contender
+(the baselines, ``lru``, ``tinylfu``, ``adaptive``, both offline rules) then reports the share
+of encoder work saved where the grid reports tokens (``optimum-cost`` becomes Belady weighed by
+work per byte). Beside them, the cost-aware admission as an oracle (each image's work read from
+the workload, as the driver would measure and report it):
+
+- ``tinylfu-cost``: TinyLFU whose filter admits a candidate only if its recent lookups x its
+  encoder work per byte are above each victim's (``CostFilter``);
+- ``adaptive-cost``: ``adaptive`` with that filter as its filter expert (its shadow too);
+- ``adaptive-blind``, the control: ``adaptive-cost`` given each image's tokens in place of its
+  work (the same rule and rounding, none of the information): what the rule alone does.
+
+Cost model (what ``CostFilter`` states): a hit of key k saves one encoder run of k, ``work(k)``
+(seconds, here token-equivalents); holding k costs its bytes ``b(k)``; with ``f(k)`` its
+recent lookups (the filter's counts), k's worth per byte is f(k) x work(k) / b(k), and a
+candidate displaces victims only if its worth per byte is above each victim's. With work
+proportional to bytes this is ``tinylfu``'s rule. Run from the repository root:
+python -m benchmarks.policy.cost_grid [--five] [--jobs N] [--markdown OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from benchmarks.policy import bench_policy_grid as grid
+from benchmarks.policy.bench_policy import simulate
+from embcache.core.policy import AdaptivePolicy, TinyLfuPolicy
+from tests.support import mixes
+
+SPREAD = 4.0  # an image's encoder work per token is its tokens' x [1/SPREAD, SPREAD]
+COST_SEED = 1_000  # added to a run's seed for the factors
+CONTENDERS = (*grid.BASELINES, *grid.OURS, "tinylfu-cost", "adaptive-cost", "adaptive-blind")
+CHOSEN = "adaptive-cost"
+BLIND = "adaptive-blind"  # the control: CostAdaptive given the tokens, not the work
+
+
+@dataclass(frozen=True)
+class CostSpec:
+    """An image whose encoder work (``tokens``, what a hit saves) is not its bytes' measure."""
+
+    key: str
+    tokens: int  # encoder work of one miss, in token-equivalents
+    nbytes: int
+
+
+def cost_workload(load: mixes.Workload, seed: int) -> mixes.Workload:
+    """``load`` with each image's work scaled by a factor log-uniform in [1/SPREAD, SPREAD]
+    (drawn from ``seed``); its bytes unchanged."""
+    rng = random.Random(seed + COST_SEED)
+    specs = [
+        CostSpec(s.key, max(1, round(s.tokens * SPREAD ** rng.uniform(-1, 1))), s.nbytes)
+        for s in load.specs
+    ]
+    return mixes.Workload(specs, load.requests, load.inflight)  # type: ignore[arg-type]
+
+
+class CostFilter(TinyLfuPolicy):
+    """TinyLFU whose filter weighs each key's recent lookups by its encoder work per byte."""
+
+    name = "tinylfu-cost"
+    ORACLE: ClassVar[bool] = True
+
+    def __init__(self, workload: mixes.Workload, capacity: int) -> None:
+        super().__init__()
+        self._worth = {s.key: s.tokens / mixes.aligned(s.nbytes) for s in workload.specs}
+
+    def worth(self, key: str) -> float:
+        """Recent lookups x encoder work per byte of ``key``. O(1)."""
+        return self.estimate(key) * self._worth[key]
+
+    def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
+        """True iff ``key``'s worth per byte is above each victim's. O(victims)."""
+        mine = self.worth(key)
+        return all(mine > self.worth(victim) for victim in victims)
+
+
+class CostAdaptive(AdaptivePolicy):
+    """``adaptive`` whose filter expert (and that expert's shadow) is ``CostFilter``'s."""
+
+    name = "adaptive-cost"
+    ORACLE: ClassVar[bool] = True
+
+    def __init__(self, workload: mixes.Workload, capacity: int) -> None:
+        super().__init__()
+        self._worth = {s.key: s.tokens / mixes.aligned(s.nbytes) for s in workload.specs}
+
+    def worth(self, key: str) -> float:
+        """Recent lookups x encoder work per byte of ``key``. O(1)."""
+        return self.estimate(key) * self._worth[key]
+
+    def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
+        """True under the LRU expert; else iff ``key``'s worth per byte is above each
+        victim's. O(victims)."""
+        if not self.use_filter:
+            return True
+        mine = self.worth(key)
+        return all(mine > self.worth(victim) for victim in victims)
+
+    def _enter_filter_shadow(self, key: str) -> None:
+        shadow, cap = self._filter_shadow, self._entries()
+        if len(shadow) < cap:
+            shadow[key] = None
+            return
+        oldest = next(iter(shadow))
+        if self.worth(key) > self.worth(oldest):
+            del shadow[oldest]
+            shadow[key] = None
+        while len(shadow) > cap:
+            shadow.popitem(last=False)
+
+
+def run(cell: grid.Cell, seed: int, requests: int) -> dict[str, mixes.Result]:
+    """Every contender, the cost-aware oracles too, on one seed of ``cell`` with work factors."""
+    plain = grid.workload(cell, seed, requests)
+    load = cost_workload(plain, seed)
+    out = grid.run_load(load, cell.pool)
+    for factory in (CostFilter, CostAdaptive):
+        policy = factory(load, cell.pool.capacity)
+        out[policy.name] = simulate(load, policy, capacity=cell.pool.capacity)
+    blind = CostAdaptive(plain, cell.pool.capacity)
+    out[BLIND] = simulate(load, blind, capacity=cell.pool.capacity)
+    return out
+
+
+def measure(five: bool, jobs: int) -> dict[grid.Cell, dict[str, float]]:
+    """Per cell, each contender's share of encoder work saved (%), the mean over the seeds."""
+    cells, requests, seeds = grid.runs_of(False, five)
+    work = [(cell, seed) for cell in cells for seed in seeds]
+    if jobs == 1:
+        results = [run(cell, seed, requests) for cell, seed in work]
+    else:
+        with ProcessPoolExecutor(jobs) as pool:
+            results = [f.result() for f in [pool.submit(run, c, s, requests) for c, s in work]]
+    out = {}
+    for i, cell in enumerate(cells):
+        mine = results[i * len(seeds) : (i + 1) * len(seeds)]
+        names = list(mine[0])
+        out[cell] = {n: statistics.fmean(r[n].tokens_saved for r in mine) for n in names}
+    return out
+
+
+def markdown(saved: dict[grid.Cell, dict[str, float]], five: bool, seconds: float) -> str:
+    """The cells as a markdown page: each contender's work saved, and the leads."""
+    _, requests, seeds = grid.runs_of(False, five)
+    names = [*CONTENDERS, grid.OPTIMUM, grid.OPTIMUM_COST]
+    out = [
+        "# Admission by encoder work per byte, on work not proportional to bytes",
+        "",
+        "Generated by `python -m benchmarks.policy.cost_grid"
+        + (" --five" if five else "")
+        + " --markdown OUT`; do not edit by hand.",
+        f"{len(saved)} cells x {len(seeds)} seeds ({', '.join(map(str, seeds))}) x {requests} "
+        f"requests, {seconds:.0f} s; each image's encoder work its tokens x a factor "
+        f"log-uniform in [1/{SPREAD:g}, {SPREAD:g}]. Encoder work saved (%), means over the "
+        f"seeds; lead: `{CHOSEN}` minus the best contender but the cost-aware oracles; "
+        f"vs adaptive: `{CHOSEN}` minus `adaptive`; `{BLIND}`: the control, the same rule "
+        f"given tokens in place of work; to opt: `{grid.OPTIMUM_COST}` minus `{CHOSEN}`.",
+        "",
+        "| cell | " + " | ".join(names) + " | lead | vs adaptive | to opt |",
+        "|---|" + "---:|" * (len(names) + 3),
+    ]
+    leads = []
+    for cell, s in saved.items():
+        best = max(s[n] for n in (*grid.BASELINES, *grid.OURS))
+        leads.append(s[CHOSEN] - best)
+        out.append(
+            f"| {cell.label} | "
+            + " | ".join(f"{s[n]:.1f}" for n in names)
+            + f" | {s[CHOSEN] - best:+.1f} | {s[CHOSEN] - s['adaptive']:+.1f}"
+            f" | {s[grid.OPTIMUM_COST] - s[CHOSEN]:.1f} |"
+        )
+    behind = sum(x < -grid.CONTENDER_SLACK for x in leads)
+    ahead = sum(x >= grid.LEAD for x in leads)
+    means = {n: statistics.fmean(s[n] for s in saved.values()) for n in ("adaptive", CHOSEN, BLIND)}
+    out += [
+        "",
+        f"`{CHOSEN}`: {behind} of {len(leads)} cells more than {grid.CONTENDER_SLACK:g} point "
+        f"behind the best other contender, {ahead} ahead by {grid.LEAD:g} or more, mean lead "
+        f"{statistics.fmean(leads):+.2f}, worst {min(leads):+.2f}, best {max(leads):+.2f}. "
+        "Mean work saved over the cells: "
+        + ", ".join(f"`{n}` {v:.2f}" for n, v in means.items())
+        + ".",
+    ]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--five", action="store_true", help="issue 41's five mixes, not the grid")
+    parser.add_argument("--jobs", type=int, default=1, help="processes running the cells")
+    parser.add_argument("--markdown", type=Path, metavar="OUT", help="write the page to OUT")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    measured = measure(args.five, args.jobs)
+    page = markdown(measured, args.five, time.perf_counter() - started)
+    if args.markdown is not None:
+        args.markdown.write_text(page, encoding="utf-8")
+    print(page)
