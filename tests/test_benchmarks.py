@@ -667,3 +667,16 @@ def test_tiny_grid_reports_every_cell(tiny_grid: dict[str, Any]) -> None:
     heat = {(label, skew): pair for label, skew, *pair in result["heat"]["4MiB"]}
     steady = cells[-2]
     assert heat[("steady / scan", 0.0)][0] == pytest.approx(steady["margin"])
+
+
+
+@pytest.mark.timeout(900)
+def test_the_policy_grid_tools_pass_their_own_checks() -> None:
+    """``benchmarks/policy/test_policy_grid.py`` (the ``--variant`` runs and the oracles), run
+    by pytest in a child process: they import the benchmarks, which no test here may."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "benchmarks/policy/test_policy_grid.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=840, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -1,4 +1,9 @@
-"""``benchmarks.policy.bench_policy_grid --variant``: one policy run against a stored grid."""
+"""``benchmarks.policy.bench_policy_grid --variant``: one policy run against a stored grid,
+and the oracles it runs (``oracle_shadows``, ``cost_grid``).
+
+These checks import the benchmarks, so they live beside them, not in ``tests/`` (whose tests
+never import a benchmark: ``tests/test_layers.py``); ``tests/test_benchmarks.py`` runs this
+file with pytest in a child process, so the README's test command runs them."""
 
 from __future__ import annotations
 
