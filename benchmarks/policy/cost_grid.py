@@ -30,7 +30,7 @@ import argparse
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +68,27 @@ def cost_workload(load: mixes.Workload, seed: int) -> mixes.Workload:
     return mixes.Workload(specs, load.requests, load.inflight)  # type: ignore[arg-type]
 
 
-class CostFilter(TinyLfuPolicy):
+class _WorthPerByte:
+    """What both oracles share: each key's encoder work per aligned byte, read from the
+    workload, and a key's worth: its recent lookups (the policy's ``estimate``) x that."""
+
+    _worth: dict[str, float]
+    estimate: Callable[[str], int]
+
+    def _read_worth(self, workload: mixes.Workload) -> None:
+        self._worth = {s.key: s.tokens / mixes.aligned(s.nbytes) for s in workload.specs}
+
+    def worth(self, key: str) -> float:
+        """Recent lookups x encoder work per byte of ``key``. O(1)."""
+        return self.estimate(key) * self._worth[key]
+
+    def worth_more(self, key: str, victims: Sequence[str]) -> bool:
+        """Whether ``key``'s worth is above each victim's. O(victims)."""
+        mine = self.worth(key)
+        return all(mine > self.worth(victim) for victim in victims)
+
+
+class CostFilter(_WorthPerByte, TinyLfuPolicy):
     """TinyLFU whose filter weighs each key's recent lookups by its encoder work per byte."""
 
     name = "tinylfu-cost"
@@ -76,19 +96,14 @@ class CostFilter(TinyLfuPolicy):
 
     def __init__(self, workload: mixes.Workload, capacity: int) -> None:
         super().__init__()
-        self._worth = {s.key: s.tokens / mixes.aligned(s.nbytes) for s in workload.specs}
-
-    def worth(self, key: str) -> float:
-        """Recent lookups x encoder work per byte of ``key``. O(1)."""
-        return self.estimate(key) * self._worth[key]
+        self._read_worth(workload)
 
     def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
         """True iff ``key``'s worth per byte is above each victim's. O(victims)."""
-        mine = self.worth(key)
-        return all(mine > self.worth(victim) for victim in victims)
+        return self.worth_more(key, victims)
 
 
-class CostAdaptive(AdaptivePolicy):
+class CostAdaptive(_WorthPerByte, AdaptivePolicy):
     """``adaptive`` whose filter expert (and that expert's shadow) is ``CostFilter``'s."""
 
     name = "adaptive-cost"
@@ -96,19 +111,12 @@ class CostAdaptive(AdaptivePolicy):
 
     def __init__(self, workload: mixes.Workload, capacity: int) -> None:
         super().__init__()
-        self._worth = {s.key: s.tokens / mixes.aligned(s.nbytes) for s in workload.specs}
-
-    def worth(self, key: str) -> float:
-        """Recent lookups x encoder work per byte of ``key``. O(1)."""
-        return self.estimate(key) * self._worth[key]
+        self._read_worth(workload)
 
     def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
         """True under the LRU expert; else iff ``key``'s worth per byte is above each
         victim's. O(victims)."""
-        if not self.use_filter:
-            return True
-        mine = self.worth(key)
-        return all(mine > self.worth(victim) for victim in victims)
+        return not self.use_filter or self.worth_more(key, victims)
 
     def _enter_filter_shadow(self, key: str) -> None:
         shadow, cap = self._filter_shadow, self._entries()
