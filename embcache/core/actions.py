@@ -55,6 +55,9 @@ NOT_FOUND_MISS = MISSES[Reason.NOT_FOUND]
 MISMATCH_MISS = MISSES[Reason.MISMATCH]
 BUSY_MISS = MISSES[Reason.BUSY]
 MAX_SHAPES = 4096  # distinct item shapes interned at once (entries share one tuple per shape)
+# A named tuple built without its Python-level ``__new__`` (a frame each): the eviction
+# search's candidates, dozens per eviction (``allocator._new_block`` does the same).
+_NEW = tuple.__new__
 
 
 class Actions(StateQueries):
@@ -403,7 +406,7 @@ class Actions(StateQueries):
             def candidates() -> Iterator[Block]:
                 for entry in map(self._entries.__getitem__, self._order):
                     examined[entry.offset] = entry
-                    yield Block(entry.offset, entry.size, False)
+                    yield _NEW(Block, (entry.offset, entry.size, False))
 
             window = choose_victims(
                 size, candidates(), self._max_batch, allocator.block_before, allocator.block_at
