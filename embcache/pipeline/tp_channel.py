@@ -55,9 +55,9 @@ class GroupChannel:
         self._check_header(self._gather_header(plan))
         wire = torch.tensor(mask, dtype=torch.uint8, device=self._comm_device)
         self._broadcast(wire, "fallback mask")
-        at = plan.offsets
-        held = [answer[at[n] : at[n + 1]] for n, masked in enumerate(mask) if not masked]
         if plan.hit_rows(mask):
+            at = plan.offsets
+            held = [answer[at[n] : at[n + 1]] for n, masked in enumerate(mask) if not masked]
             rows = held[0] if len(held) == 1 else torch.cat(held)
             payload = rows.reshape(-1).view(torch.uint8).to(self._comm_device)
             self._broadcast(payload, "cached rows")
