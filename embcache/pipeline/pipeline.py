@@ -9,7 +9,8 @@ Theory of operation. One call, ``encode(request_id, items, inputs)``, runs these
 2. Rank 0 takes one snapshot of what it holds (``embeddings()``): the fallback mask is exactly
    the items it does not hold (misses, reservations, failed, timed-out, quarantined loads).
    It copies the held rows to the encoder's device right away, each straight into its place in
-   the answer (one copy of each byte), so nothing is read from the pool after the request ends.
+   the answer (one copy of each byte; on the CPU a byte copy from the pool, no view), so
+   nothing is read from the pool after the request ends.
 3. With a tensor-parallel group (the collectives are ``embcache.pipeline.tp_channel``): every rank
    gathers a header (failed?, item count, item fingerprint), so a failure on any rank before
    this point, or ranks called with different items, raises on every rank; then rank 0
