@@ -116,7 +116,9 @@ work to the policy on every insert (``benchmarks/policy/results/cost_*``).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
@@ -171,11 +173,24 @@ class Policy(Protocol):
         """The entry of ``key`` was freed."""
 
 
+class WorkPolicy(Policy, Protocol):
+    """A policy that uses measured encoder work: the core calls ``note_work`` at the EndLoad of
+    a fresh output whose encoder time the driver passed (a policy without ``records_work``
+    True is never called, and every caller may pass no work)."""
+
+    records_work: bool
+
+    def note_work(self, key: str, seconds: float, nbytes: int) -> None:
+        """The entry of ``key`` (``nbytes`` of pool) became READY; its encoder output took
+        ``seconds`` to compute (finite, >= 0)."""
+
+
 class LruPolicy:
     """Least recently used first; admits every insert (the seed's behaviour)."""
 
     name = "lru"
     records_lookups = False
+    records_work = False
 
     def order(self) -> RecencyOrder:
         """A new recency order."""
@@ -241,6 +256,7 @@ class TinyLfuPolicy:
 
     name = "tinylfu"
     records_lookups = True
+    records_work = False  # True: ``note_work`` is kept, and the core calls it (WorkPolicy)
     SMOOTHING = 0.3  # weight of the newest block in the running mean
     COUNTERS_PER_LOOKUP = 4  # sketch width per lookup of a sample (2: -0.35 point on a cell)
 
@@ -494,11 +510,15 @@ class AdaptivePolicy(TinyLfuPolicy):
             shadow[key] = None
             return
         oldest = next(iter(shadow))
-        if self.estimate(key) > self.estimate(oldest):
+        if self.worth(key) > self.worth(oldest):
             del shadow[oldest]
             shadow[key] = None
         while len(shadow) > cap:
             shadow.popitem(last=False)
+
+    def worth(self, key: str) -> float:
+        """What the filter ranks ``key`` by: its recent lookups (``estimate``). O(1)."""
+        return self.estimate(key)
 
     def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
         """True under the LRU expert; the filter's answer under the filter. O(victims)."""
@@ -520,11 +540,145 @@ class AdaptivePolicy(TinyLfuPolicy):
         return Footprint(super().bound(entries).sketch_bytes, entries, entries, shadows)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled: the tests' planted bugs extend it
+class WorkAdaptivePolicy(AdaptivePolicy):
+    """``adaptive`` whose filter (and the filter's shadow) ranks keys by their worth per byte
+    of pool: recent lookups x measured encoder seconds per byte.
+
+    Cost model: a hit of key k saves one encoder run of k, ``work(k)`` seconds as measured when
+    k was last encoded here (``note_work``: the driver's measure; the encode pipeline times each
+    encoder call and shares a batch's seconds among its items by rows, i.e. it assumes one
+    batch costs the same per row for every item in it); holding k costs its aligned bytes
+    ``b(k)``. With ``f(k)`` its recent lookups (``estimate``), k is worth f(k) x work(k) / b(k)
+    per byte, and under the filter expert a candidate displaces its victims only if its worth
+    is above each victim's (strictly; with work proportional to bytes this is ``tinylfu``'s
+    rule). A key with no remembered work is taken to cost the running mean seconds per byte of
+    the items measured here (a mean of the per-item values: the plain mean of the first
+    ``MEAN_WINDOW`` notes, then a moving mean of weight 1 / ``MEAN_WINDOW``); before any note,
+    every key costs the same, and the policy is ``adaptive`` exactly (as it is when no caller
+    passes work: the SGLang adapter, the vLLM connector, ``cache.insert`` without ``work``).
+    Admission happens at ``BeginLoad``, before the candidate is encoded (a pipeline reserves
+    its misses at lookup), so a candidate's own work is what was remembered of it, else the
+    mean.
+
+    Memory: one float per key whose entry is present and was noted (``note_work`` is called
+    only for READY entries, and ``forget`` moves the value out), plus the values of the most
+    recently freed keys, at most max(resident, ``min_entries``), oldest dropped first: at most
+    2 x max(entries, ``min_entries``) keys and floats (``footprint().work``, ``bound``).
+    ``note_work`` O(1) amortised; ``record`` as ``adaptive``'s; ``admit`` O(victims).
+    """
+
+    name = "adaptive-work"
+    records_work = True
+    MEAN_WINDOW = 1024  # notes in the running mean's window
+
+    def __init__(  # object: checked here, also when compiled (see make_policy)
+        self,
+        sample_factor: object = 10,
+        min_entries: object = 16,
+        max_count: object = 15,
+        shift_block: object = 50,
+        shift_drop: object = 0.6,
+        decay: object = 0.7,
+        favour: object = 1.02,
+    ) -> None:
+        super().__init__(sample_factor, min_entries, max_count, shift_block, shift_drop, decay,
+                         favour)  # fmt: skip
+        self._work: dict[str, float] = {}  # present keys noted -> seconds per byte
+        self._freed_work: OrderedDict[str, float] = OrderedDict()  # recently freed, oldest first
+        self._mean = 1.0  # seconds per byte of a key with no remembered work (1.0: no note yet)
+        self._notes = 0
+
+    def note_work(self, key: str, seconds: float, nbytes: int) -> None:
+        """The entry of ``key`` (``nbytes`` of pool, > 0) is READY, its encoding measured at
+        ``seconds`` (finite, >= 0: the driver checks). O(1) amortised."""
+        per_byte = seconds / nbytes
+        self._freed_work.pop(key, None)
+        self._work[key] = per_byte
+        self._notes += 1
+        if self._notes == 1:
+            self._mean = per_byte
+        else:
+            self._mean += (per_byte - self._mean) / min(self._notes, self.MEAN_WINDOW)
+
+    def work_per_byte(self, key: str) -> float:
+        """``key``'s remembered encoder seconds per byte, else the running mean. O(1)."""
+        per_byte = self._work.get(key)
+        if per_byte is None:
+            per_byte = self._freed_work.get(key)
+            if per_byte is None:
+                return self._mean
+        return per_byte
+
+    def worth(self, key: str) -> float:
+        """Recent lookups x encoder seconds per byte of ``key``. O(1)."""
+        return self.estimate(key) * self.work_per_byte(key)
+
+    def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
+        """True under the LRU expert; else iff ``key``'s worth is above each victim's.
+        O(victims)."""
+        if not self.use_filter:
+            return True
+        worth = self.worth
+        mine = worth(key)
+        return all(mine > worth(victim) for victim in victims)
+
+    def forget(self, key: str) -> None:
+        """``adaptive``'s ``forget``; ``key``'s work, if noted, joins the recently freed
+        (the oldest beyond max(resident, ``min_entries``) leave)."""
+        super().forget(key)
+        per_byte = self._work.pop(key, None)
+        if per_byte is not None:
+            freed, cap = self._freed_work, self._entries()
+            freed[key] = per_byte
+            while len(freed) > cap:
+                freed.popitem(last=False)
+
+    def footprint(self) -> Footprint:
+        """``adaptive``'s, and the keys whose work is remembered (present and freed). O(1)."""
+        return dataclasses.replace(
+            super().footprint(), work=len(self._work) + len(self._freed_work)
+        )
+
+    def bound(self, entries: int) -> Footprint:
+        """``adaptive``'s, and at most ``entries`` present + max(``entries``,
+        ``min_entries``) freed keys' work. O(1)."""
+        work = entries + max(entries, self._min_entries)
+        return dataclasses.replace(super().bound(entries), work=work)
+
+
 POLICIES: dict[str, Callable[..., Policy]] = {
     "lru": LruPolicy,
     "tinylfu": TinyLfuPolicy,
     "adaptive": AdaptivePolicy,
+    "adaptive-work": WorkAdaptivePolicy,
 }
+
+
+def checked_work(work: object, count: int) -> list[float] | None:
+    """``work`` (None: unknown, or one encoder time in seconds per item, ``count`` items) as a
+    list of floats; raises ``InvalidTypeError`` (not a sequence of numbers) or
+    ``InvalidArgumentError`` (another length, a value negative or not finite). O(count)."""
+    if work is None:
+        return None
+    if isinstance(work, str | bytes) or not isinstance(work, Sequence):
+        raise InvalidTypeError(
+            f"work must be a list of encoder seconds, one per item, got {type(work).__name__}"
+        )
+    if len(work) != count:
+        raise InvalidArgumentError(f"work has {len(work)} values for {count} items: give one each")
+    out: list[float] = []
+    for seconds in work:
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise InvalidTypeError(
+                f"work must be numbers of seconds, got {type(seconds).__name__} {seconds!r}"
+            )
+        if not math.isfinite(seconds) or seconds < 0:
+            raise InvalidArgumentError(
+                f"work must be finite seconds >= 0, got {seconds}: pass the encoder's measured time"
+            )
+        out.append(float(seconds))
+    return out
 
 
 def make_policy(name: object = "lru", **knobs: Any) -> Policy:
