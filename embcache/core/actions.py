@@ -90,6 +90,12 @@ class Actions(StateQueries):
         # The policy's record of each looked-up key; None when it records nothing (lru).
         records = getattr(self._policy, "records_lookups", True)
         self._record = self._policy.record if records else None
+        # The policy's note of a fresh output's encoder work; None when it keeps none.
+        self._note_work: Callable[[str, float, int], None] | None = (
+            getattr(self._policy, "note_work", None)
+            if getattr(self._policy, "records_work", False)
+            else None
+        )
         self._evictable_bytes = 0
         self._requests: dict[str, RequestState] = {}
         self._batches = 0  # request-less inserts so far (their internal requests' ids)

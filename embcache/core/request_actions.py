@@ -176,13 +176,14 @@ class RequestActions(Actions):
 
     def end_fills(
         self, rs: RequestState, fills: Sequence[Fill], outcomes: Sequence[TransferOutcome],
-        count: int, handed_out: bool,
+        count: int, handed_out: bool, work: Sequence[float] | None = None,
     ) -> tuple[list[bool], list[RequestState]]:  # fmt: skip
         """The one load-ending path of an insert, a request-less batch and an in-place fill:
         EndLoad each of ``rs``'s fills with its writer's outcome (OK: READY, pinned by its
         waiters). With ``handed_out``, a fill that is not (or no longer) handed out to a
-        writer is left alone. Which of ``count`` items are cached now, and the requests to
-        wake."""
+        writer is left alone. ``work`` (checked by the caller; None: unknown): each item's
+        encoder seconds, noted by a policy that keeps work for each fill that became READY.
+        Which of ``count`` items are cached now, and the requests to wake."""
         results = [False] * count
         wake: list[RequestState] = []
         end_load, entries, filling = self.end_load, self._entries, rs.filling
@@ -194,6 +195,11 @@ class RequestActions(Actions):
             wake += end_load(entry, outcome, Reason.LOAD_FAILED)
             results[i] = entry.state is READY
         self._counts["inserts"] += sum(results)
+        note_work = self._note_work
+        if work is not None and note_work is not None:
+            for i, entry in fills:
+                if results[i]:
+                    note_work(entry.key, work[i], entry.size)
         return results, wake
 
     def publish_keys(self, rs: RequestState, keys: Sequence[str]) -> list[Entry | None]:

@@ -101,7 +101,8 @@ class PipelineStats:
     ``fallbacks_by_reason`` (``not_found`` is a plain miss). ``encoded``: inputs given to the
     encoder (a key repeated in one call is encoded once). ``wait_seconds``: rank 0's time
     waiting for the items LOADING at lookup (a store load, or another call's encode of the same
-    key: a wait that replaces an encode of its own).
+    key: a wait that replaces an encode of its own). ``encoder_seconds``: this rank's time in
+    encoder calls (wall clock around each call).
     """
 
     calls: int
@@ -114,6 +115,7 @@ class PipelineStats:
     encoded: int
     encoder_calls: int
     wait_seconds: float
+    encoder_seconds: float
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,7 @@ class EncodePipeline:
         self._stats_lock = threading.Lock()  # a leaf lock: guards the counters only
         self._counts: Counter[str] = Counter()
         self._wait_seconds = 0.0
+        self._encoder_seconds = 0.0
 
     @property
     def rank(self) -> int:
@@ -195,6 +198,7 @@ class EncodePipeline:
         """A snapshot of the counters. O(reasons)."""
         with self._stats_lock:
             c, wait_seconds = Counter(self._counts), self._wait_seconds
+            encoder_seconds = self._encoder_seconds
         prefix = "reason:"
         return PipelineStats(
             calls=c["calls"],
@@ -209,6 +213,7 @@ class EncodePipeline:
             encoded=c["encoded"],
             encoder_calls=c["encoder_calls"],
             wait_seconds=wait_seconds,
+            encoder_seconds=encoder_seconds,
         )
 
     def encode(self, request_id: str, items: Sequence[Item], inputs: Sequence[Any]) -> torch.Tensor:
@@ -269,8 +274,8 @@ class EncodePipeline:
                 self._share_failure()
                 raise
             self._send(plan, local)
-            fresh = self._encode_fallbacks(plan, local.mask)
-            self._insert(request, fresh)
+            fresh, seconds = self._encode_fallbacks(plan, local.mask)
+            self._insert(request, fresh, seconds)
         self._count_call(plan, local, len(fresh))
         return self._assemble(plan, local.mask, local.answer, fresh)
 
@@ -295,8 +300,8 @@ class EncodePipeline:
                 raise
             if self._channel is not None:
                 await _in_thread(lambda: self._send(plan, local))
-            fresh = await _in_thread(lambda: self._encode_fallbacks(plan, local.mask))
-            await _in_thread(lambda: self._insert(request, fresh))
+            fresh, seconds = await _in_thread(lambda: self._encode_fallbacks(plan, local.mask))
+            await _in_thread(lambda: self._insert(request, fresh, seconds))
         self._count_call(plan, local, len(fresh))
         return await _in_thread(lambda: self._assemble(plan, local.mask, local.answer, fresh))
 
@@ -311,12 +316,19 @@ class EncodePipeline:
                 copy_rows(answer[at[n] : at[n + 1]], view)
         return _Local(statuses, [view is None for view in views], reasons, answer)
 
-    def _insert(self, request: Request, fresh: dict[str, torch.Tensor]) -> None:
-        """Copy fresh outputs into the pool; their publish runs on the cache's I/O pool."""
+    def _insert(self, request: Request, fresh: dict[str, torch.Tensor], seconds: float) -> None:
+        """Copy fresh outputs into the pool, each with its share of the encoder's ``seconds``
+        (the cost model's assumption: one call costs the same per row for every item in it, so
+        an item's share is its rows / the call's rows); their publish runs on the cache's I/O
+        pool."""
         if not fresh:
             return
+        tensors = list(fresh.values())
+        rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+        total = sum(rows)
+        work = [seconds * n / total for n in rows] if total else [seconds / len(rows)] * len(rows)
         started = time.perf_counter()
-        request.insert(list(fresh), list(fresh.values()), publish=True)
+        request.insert(list(fresh), tensors, publish=True, work=work)
         if self._on_insert is None:
             return
         try:
@@ -334,24 +346,32 @@ class EncodePipeline:
         assert self._channel is not None  # a rank other than 0 has a group
         answer = plan.empty_result(self._device)
         mask = self._channel.receive(plan, answer)
-        fresh = self._encode_fallbacks(plan, mask)
+        fresh, _ = self._encode_fallbacks(plan, mask)
         with self._stats_lock:
             self._counts.update(calls=1, encoded=len(fresh), encoder_calls=int(bool(fresh)))
         return self._assemble(plan, mask, answer, fresh)
 
     # ------------------------------------------------------------------ every rank
-    def _encode_fallbacks(self, plan: Plan, mask: list[bool]) -> dict[str, torch.Tensor]:
-        """Run the encoder on the masked items (each key once); every rank agrees it worked."""
+    def _encode_fallbacks(
+        self, plan: Plan, mask: list[bool]
+    ) -> tuple[dict[str, torch.Tensor], float]:
+        """Run the encoder on the masked items (each key once); every rank agrees it worked.
+        The outputs and the call's seconds (wall clock around the call: on an asynchronous
+        device, what the encoder waits for before it returns)."""
         items, inputs = plan.fallbacks(mask)
         if not items:
-            return {}
+            return {}, 0.0
         try:
+            started = time.perf_counter()
             fresh = self._call_encoder(items, inputs)
+            seconds = time.perf_counter() - started
         except BaseException:
             self._agree_encoded(failed=True)
             raise
+        with self._stats_lock:
+            self._encoder_seconds += seconds
         self._agree_encoded(failed=False)
-        return fresh
+        return fresh, seconds
 
     def _call_encoder(self, items: list[Item], inputs: list[Any]) -> dict[str, torch.Tensor]:
         assert_unlocked("encoder call")
