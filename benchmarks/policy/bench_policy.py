@@ -253,8 +253,9 @@ CONTENDERS: dict[str, Callable[[], Any]] = {
 class Simulated:
     """The cache's entries, pins and eviction order over the real allocator and victim rule;
     ``policy`` decides the order and admission. ``calls`` logs, when not None, the policy's
-    calls: record ``(key,)``, admit ``(key, nbytes, victims)``, and ``(step, key)`` for the
-    order's add and discard and the policy's forget (what makes keys resident)."""
+    calls: record ``(key,)``, admit ``(key, nbytes, victims)``, ``(step, key)`` for the
+    order's add and discard and the policy's forget (what makes keys resident), and
+    ``("work", key, seconds, size)`` for ``note_work`` (a policy that keeps work)."""
 
     def __init__(self, capacity: int, policy: Policy, calls: list[tuple[Any, ...]] | None) -> None:
         self.inserted_bytes = self.evicted_bytes = 0
@@ -267,6 +268,8 @@ class Simulated:
         self.evictable_bytes = 0
         self.evictions = 0
         self.calls = calls
+        works = getattr(policy, "records_work", False)
+        self.note_work: Callable[..., None] | None = policy.note_work if works else None  # type: ignore[attr-defined]
 
     def lookup(self, key: str) -> bool:
         """Lookup: every key is recorded; a hit pins the entry."""
@@ -326,6 +329,19 @@ class Simulated:
         self.pins.pin(key)
         return None
 
+    def end_loads(self, specs: Sequence[Any]) -> None:
+        """EndLoad(OK) of fresh outputs begun in one request, each with its encoder work (its
+        ``tokens``: token-equivalents, as the real cache is given it), as a request's insert
+        ends its reservations."""
+        note_work = self.note_work
+        if note_work is None:
+            return
+        for spec in specs:
+            size = self.entries[spec.key][1]
+            if self.calls is not None:
+                self.calls.append(("work", spec.key, spec.tokens, size))
+            note_work(spec.key, spec.tokens, size)
+
     def evict(self, key: str) -> None:
         offset, size = self.entries.pop(key)
         self.order.discard(key)
@@ -364,15 +380,18 @@ def simulate(
                 result.hit_tokens += spec.tokens
             else:
                 misses.append(spec)
+        loaded = []
         for spec in misses:
             result.inserts += 1
             reason = cache.begin_load(spec.key, spec.nbytes)
             if reason is None:
                 held.add(spec.key)
+                loaded.append(spec)
             elif reason == "no_space":
                 result.failed += 1
             else:
                 result.refused += 1
+        cache.end_loads(loaded)
         open_requests.append([spec.key for spec in specs if spec.key in held])
         if len(open_requests) > workload.inflight:
             for key in open_requests.popleft():
@@ -426,7 +445,8 @@ def run_real(workload: mixes.Workload, policy: str) -> mixes.Result:
                     sources[s.dtype][: s.tokens * mixes.HIDDEN].view(s.tokens, mixes.HIDDEN)
                     for s in reserved
                 ]
-                assert all(request.insert([s.key for s in reserved], tensors, publish=False))
+                keys, work = [s.key for s in reserved], [float(s.tokens) for s in reserved]
+                assert all(request.insert(keys, tensors, publish=False, work=work))
             open_requests.append(request)
             if len(open_requests) > workload.inflight:
                 open_requests.popleft().close()
@@ -508,6 +528,8 @@ def replay(policy: Any, calls: list[tuple[Any, ...]]) -> float:
             record(call[0])
         elif len(call) == 3:
             admit(*call)
+        elif len(call) == 4:
+            policy.note_work(*call[1:])
         else:
             steps[call[0]](call[1])
     return time.thread_time() - started
