@@ -123,6 +123,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
+from embcache.core.entries import ItemLike
 from embcache.core.recency import RecencyOrder, ResidentOrder
 from embcache.core.sketch import DEPTH, MAX_COUNTER, Footprint, FrequencySketch, next_power_of_two
 from embcache.errors import InvalidArgumentError, InvalidTypeError
@@ -174,15 +175,19 @@ class Policy(Protocol):
 
 
 class WorkPolicy(Policy, Protocol):
-    """A policy that uses measured encoder work: the core calls ``note_work`` at the EndLoad of
-    a fresh output whose encoder time the driver passed (a policy without ``records_work``
-    True is never called, and every caller may pass no work)."""
+    """A policy that uses measured encoder work: at the end of an insert given its outputs'
+    encoder seconds, the core calls ``note_work`` for each output now cached and
+    ``note_encoded`` for each other one (a policy without ``records_work`` True is never
+    called, and every caller may pass no work)."""
 
     records_work: bool
 
     def note_work(self, key: str, seconds: float, nbytes: int) -> None:
-        """The entry of ``key`` (``nbytes`` of pool) became READY; its encoder output took
+        """The entry of ``key`` (``nbytes`` of pool) is READY; its encoder output took
         ``seconds`` to compute (finite, >= 0)."""
+
+    def note_encoded(self, key: str, seconds: float, nbytes: int) -> None:
+        """``key``'s output (``nbytes`` aligned) took ``seconds`` but is not cached."""
 
 
 class LruPolicy:
@@ -545,32 +550,36 @@ class WorkAdaptivePolicy(AdaptivePolicy):
     """``adaptive`` whose filter (and the filter's shadow) ranks keys by their worth per byte
     of pool: recent lookups x measured encoder seconds per byte.
 
-    Cost model: a hit of key k saves one encoder run of k, ``work(k)`` seconds as measured when
-    k was last encoded here (``note_work``: the driver's measure; the encode pipeline times each
-    encoder call and shares a batch's seconds among its items by rows, i.e. it assumes one
-    batch costs the same per row for every item in it); holding k costs its aligned bytes
-    ``b(k)``. With ``f(k)`` its recent lookups (``estimate``), k is worth f(k) x work(k) / b(k)
-    per byte, and under the filter expert a candidate displaces its victims only if its worth
-    is above each victim's (strictly; with work proportional to bytes this is ``tinylfu``'s
-    rule). A key with no remembered work is taken to cost the running mean seconds per byte of
-    the items measured here (a mean of the per-item values: the plain mean of the first
-    ``MEAN_WINDOW`` notes, then a moving mean of weight 1 / ``MEAN_WINDOW``); before any note,
-    every key costs the same, and the policy is ``adaptive`` exactly (as it is when no caller
-    passes work: the SGLang adapter, the vLLM connector, ``cache.insert`` without ``work``).
-    Admission happens at ``BeginLoad``, before the candidate is encoded (a pipeline reserves
-    its misses at lookup), so a candidate's own work is what was remembered of it, else the
-    mean.
+    Cost model: a hit of key k saves one encoder run of k, ``work(k)`` seconds as measured the
+    last time k was encoded here (the driver's measure: the encode pipeline times each encoder
+    call and shares a call's seconds among its items by rows, i.e. it assumes one call costs
+    the same per row for every item in it); holding k costs its aligned bytes ``b(k)``. With
+    ``f(k)`` its recent lookups (``estimate``), k is worth f(k) x work(k) / b(k) per byte, and
+    under the filter expert a candidate displaces its victims only if its worth is above each
+    victim's (strictly; with work proportional to bytes this is ``tinylfu``'s rule). A key
+    with no remembered work is taken to cost the running mean seconds per byte of every
+    encoding measured here (a mean of the per-item values: the plain mean of the first
+    ``MEAN_WINDOW``, then a moving mean of weight 1 / ``MEAN_WINDOW``). Before any
+    measurement every key costs the same, and the policy is ``adaptive`` exactly (as it stays
+    when no caller passes work: the SGLang adapter, the vLLM connector, ``insert`` without
+    ``work``). Admission happens at ``BeginLoad``, before the candidate is encoded (a pipeline
+    reserves its misses at lookup), so a candidate's own work is what is remembered of it (an
+    earlier encoding), else the mean.
 
-    Memory: one float per key whose entry is present and was noted (``note_work`` is called
-    only for READY entries, and ``forget`` moves the value out), plus the values of the most
-    recently freed keys, at most max(resident, ``min_entries``), oldest dropped first: at most
-    2 x max(entries, ``min_entries``) keys and floats (``footprint().work``, ``bound``).
-    ``note_work`` O(1) amortised; ``record`` as ``adaptive``'s; ``admit`` O(victims).
+    What is remembered: ``note_work`` (the core, at the EndLoad of a fresh output that became
+    READY) keeps a present key's seconds per byte until ``forget``, which moves it among the
+    ghosts; ``note_encoded`` (the core, for an output given with its work that was not
+    cached: refused, no space, present already as another load) puts it among the ghosts
+    directly. Ghosts are the ``GHOSTS`` x max(resident, ``min_entries``) most recently
+    noted, oldest dropped first. Memory: at most entries + ``GHOSTS`` x max(entries,
+    ``min_entries``) keys and floats (``footprint().work``, ``bound``). ``note_work``,
+    ``note_encoded`` O(1) amortised; ``record`` as ``adaptive``'s; ``admit`` O(victims).
     """
 
     name = "adaptive-work"
     records_work = True
-    MEAN_WINDOW = 1024  # notes in the running mean's window
+    MEAN_WINDOW = 1024  # measurements in the running mean's window
+    GHOSTS = 4  # ghosts per entry (1: -0.1 to -0.5 point on steady and scan, cost_grid --five)
 
     def __init__(  # object: checked here, also when compiled (see make_policy)
         self,
@@ -585,27 +594,46 @@ class WorkAdaptivePolicy(AdaptivePolicy):
         super().__init__(sample_factor, min_entries, max_count, shift_block, shift_drop, decay,
                          favour)  # fmt: skip
         self._work: dict[str, float] = {}  # present keys noted -> seconds per byte
-        self._freed_work: OrderedDict[str, float] = OrderedDict()  # recently freed, oldest first
-        self._mean = 1.0  # seconds per byte of a key with no remembered work (1.0: no note yet)
-        self._notes = 0
+        self._ghost_work: OrderedDict[str, float] = OrderedDict()  # not present, oldest first
+        self._mean = 1.0  # seconds per byte of a key with no remembered work (1.0: none yet)
+        self._measured = 0
 
     def note_work(self, key: str, seconds: float, nbytes: int) -> None:
         """The entry of ``key`` (``nbytes`` of pool, > 0) is READY, its encoding measured at
-        ``seconds`` (finite, >= 0: the driver checks). O(1) amortised."""
-        per_byte = seconds / nbytes
-        self._freed_work.pop(key, None)
+        ``seconds`` (finite, >= 0: the driver checks). O(1)."""
+        per_byte = self._measure(seconds, nbytes)
+        self._ghost_work.pop(key, None)
         self._work[key] = per_byte
-        self._notes += 1
-        if self._notes == 1:
+
+    def note_encoded(self, key: str, seconds: float, nbytes: int) -> None:
+        """``key`` (``nbytes`` aligned, > 0) was encoded in ``seconds`` but is not cached: it
+        becomes the newest ghost. O(1) amortised."""
+        self._haunt(key, self._measure(seconds, nbytes))
+
+    def _measure(self, seconds: float, nbytes: int) -> float:
+        """Seconds per byte of one encoding, counted into the running mean."""
+        per_byte = seconds / nbytes
+        self._measured += 1
+        if self._measured == 1:
             self._mean = per_byte
         else:
-            self._mean += (per_byte - self._mean) / min(self._notes, self.MEAN_WINDOW)
+            self._mean += (per_byte - self._mean) / min(self._measured, self.MEAN_WINDOW)
+        return per_byte
+
+    def _haunt(self, key: str, per_byte: float) -> None:
+        """``key``'s work joins the ghosts as the newest; the oldest beyond ``GHOSTS`` x
+        max(resident, ``min_entries``) leave."""
+        ghosts, cap = self._ghost_work, self.GHOSTS * self._entries()
+        ghosts.pop(key, None)
+        ghosts[key] = per_byte
+        while len(ghosts) > cap:
+            ghosts.popitem(last=False)
 
     def work_per_byte(self, key: str) -> float:
         """``key``'s remembered encoder seconds per byte, else the running mean. O(1)."""
         per_byte = self._work.get(key)
         if per_byte is None:
-            per_byte = self._freed_work.get(key)
+            per_byte = self._ghost_work.get(key)
             if per_byte is None:
                 return self._mean
         return per_byte
@@ -624,26 +652,22 @@ class WorkAdaptivePolicy(AdaptivePolicy):
         return all(mine > worth(victim) for victim in victims)
 
     def forget(self, key: str) -> None:
-        """``adaptive``'s ``forget``; ``key``'s work, if noted, joins the recently freed
-        (the oldest beyond max(resident, ``min_entries``) leave)."""
+        """``adaptive``'s ``forget``; ``key``'s work, if noted, joins the ghosts."""
         super().forget(key)
         per_byte = self._work.pop(key, None)
         if per_byte is not None:
-            freed, cap = self._freed_work, self._entries()
-            freed[key] = per_byte
-            while len(freed) > cap:
-                freed.popitem(last=False)
+            self._haunt(key, per_byte)
 
     def footprint(self) -> Footprint:
-        """``adaptive``'s, and the keys whose work is remembered (present and freed). O(1)."""
+        """``adaptive``'s, and the keys whose work is remembered (present and ghosts). O(1)."""
         return dataclasses.replace(
-            super().footprint(), work=len(self._work) + len(self._freed_work)
+            super().footprint(), work=len(self._work) + len(self._ghost_work)
         )
 
     def bound(self, entries: int) -> Footprint:
-        """``adaptive``'s, and at most ``entries`` present + max(``entries``,
-        ``min_entries``) freed keys' work. O(1)."""
-        work = entries + max(entries, self._min_entries)
+        """``adaptive``'s, and at most ``entries`` present + ``GHOSTS`` x max(``entries``,
+        ``min_entries``) ghosts' work. O(1)."""
+        work = entries + self.GHOSTS * max(entries, self._min_entries)
         return dataclasses.replace(super().bound(entries), work=work)
 
 
@@ -655,20 +679,23 @@ POLICIES: dict[str, Callable[..., Policy]] = {
 }
 
 
-def checked_work(work: object, count: int) -> list[float] | None:
-    """``work`` (None: unknown, or one encoder time in seconds per item, ``count`` items) as a
-    list of floats; raises ``InvalidTypeError`` (not a sequence of numbers) or
-    ``InvalidArgumentError`` (another length, a value negative or not finite). O(count)."""
+def checked_work(work: object, items: Sequence[ItemLike]) -> list[tuple[str, float, int]] | None:
+    """``work`` (None: unknown; else one encoder time in seconds per item of ``items``) as
+    ``(key, seconds, nbytes)`` per item, what ``CacheCore.end_inserts`` takes; raises
+    ``InvalidTypeError`` (not a sequence of numbers) or ``InvalidArgumentError`` (another
+    length, a value negative or not finite). O(items)."""
     if work is None:
         return None
     if isinstance(work, str | bytes) or not isinstance(work, Sequence):
         raise InvalidTypeError(
             f"work must be a list of encoder seconds, one per item, got {type(work).__name__}"
         )
-    if len(work) != count:
-        raise InvalidArgumentError(f"work has {len(work)} values for {count} items: give one each")
-    out: list[float] = []
-    for seconds in work:
+    if len(work) != len(items):
+        raise InvalidArgumentError(
+            f"work has {len(work)} values for {len(items)} items: give one each"
+        )
+    out: list[tuple[str, float, int]] = []
+    for item, seconds in zip(items, work, strict=True):
         if isinstance(seconds, bool) or not isinstance(seconds, int | float):
             raise InvalidTypeError(
                 f"work must be numbers of seconds, got {type(seconds).__name__} {seconds!r}"
@@ -677,7 +704,7 @@ def checked_work(work: object, count: int) -> list[float] | None:
             raise InvalidArgumentError(
                 f"work must be finite seconds >= 0, got {seconds}: pass the encoder's measured time"
             )
-        out.append(float(seconds))
+        out.append((item.key, float(seconds), item.nbytes))
     return out
 
 
