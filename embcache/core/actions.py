@@ -47,7 +47,7 @@ from embcache.core.outcomes import (
     Reason,
     TransferOutcome,
 )
-from embcache.core.policy import LruPolicy, Policy
+from embcache.core.policy import LruPolicy, Policy, WorkPolicy
 from embcache.core.queries import StateQueries
 from embcache.errors import InvariantError
 
@@ -90,12 +90,9 @@ class Actions(StateQueries):
         # The policy's record of each looked-up key; None when it records nothing (lru).
         records = getattr(self._policy, "records_lookups", True)
         self._record = self._policy.record if records else None
-        # The policy's note of a fresh output's encoder work; None when it keeps none.
-        self._note_work: Callable[[str, float, int], None] | None = (
-            getattr(self._policy, "note_work", None)
-            if getattr(self._policy, "records_work", False)
-            else None
-        )
+        # The policy that keeps fresh outputs' encoder work; None when it keeps none.
+        works = getattr(self._policy, "records_work", False)
+        self._work_policy: WorkPolicy | None = self._policy if works else None  # type: ignore[assignment]
         self._evictable_bytes = 0
         self._requests: dict[str, RequestState] = {}
         self._batches = 0  # request-less inserts so far (their internal requests' ids)

@@ -147,7 +147,7 @@ class CacheCore:
     def end_inserts(
         self, rs: RequestState, fills: Sequence[Fill], outcomes: Sequence[TransferOutcome],
         count: int, publish: bool, close: bool = False, handed_out: bool = False,
-        check: bool = False, work: Sequence[float] | None = None,
+        check: bool = False, work: Sequence[tuple[str, float, int]] | None = None,
     ) -> Effects[list[bool]]:  # fmt: skip
         """The one path that ends fills: EndLoad each of ``rs``'s fills with its writer's
         outcome (a copy's, whatever became of the cache or the request meanwhile: a load in
@@ -157,8 +157,8 @@ class CacheCore:
         after. ``check``
         (an insert into the ranges a lookup reserved, which no step checked before the copy):
         raise ``ClosedError`` unless the cache and ``rs`` are open, changing nothing.
-        ``work``: each item's measured encoder seconds (checked by the caller), for a policy
-        that keeps work (``WorkPolicy``); None: unknown."""
+        ``work``: ``(key, seconds, nbytes)`` of each output encoded (checked by the caller),
+        for a policy that keeps work (``WorkPolicy``); None: unknown."""
         actions = self._actions
         if handed_out or check:
             self._check(rs)

@@ -31,6 +31,7 @@ from embcache.core.outcomes import (
     Reason,
     TransferOutcome,
 )
+from embcache.core.policy import WorkPolicy
 from embcache.errors import InvalidArgumentError
 
 NOT_FOUND = Reason.NOT_FOUND
@@ -176,14 +177,16 @@ class RequestActions(Actions):
 
     def end_fills(
         self, rs: RequestState, fills: Sequence[Fill], outcomes: Sequence[TransferOutcome],
-        count: int, handed_out: bool, work: Sequence[float] | None = None,
+        count: int, handed_out: bool, work: Sequence[tuple[str, float, int]] | None = None,
     ) -> tuple[list[bool], list[RequestState]]:  # fmt: skip
         """The one load-ending path of an insert, a request-less batch and an in-place fill:
         EndLoad each of ``rs``'s fills with its writer's outcome (OK: READY, pinned by its
         waiters). With ``handed_out``, a fill that is not (or no longer) handed out to a
-        writer is left alone. ``work`` (checked by the caller; None: unknown): each item's
-        encoder seconds, noted by a policy that keeps work for each fill that became READY.
-        Which of ``count`` items are cached now, and the requests to wake."""
+        writer is left alone. ``work`` (checked by the caller; None: unknown): ``(key,
+        seconds, nbytes)`` of each output encoded, told to a policy that keeps work
+        (``WorkPolicy``) after the loads end: ``note_work`` where the key's entry is READY,
+        else ``note_encoded``. Which of ``count`` items are cached now, and the requests to
+        wake."""
         results = [False] * count
         wake: list[RequestState] = []
         end_load, entries, filling = self.end_load, self._entries, rs.filling
@@ -195,12 +198,19 @@ class RequestActions(Actions):
             wake += end_load(entry, outcome, Reason.LOAD_FAILED)
             results[i] = entry.state is READY
         self._counts["inserts"] += sum(results)
-        note_work = self._note_work
-        if work is not None and note_work is not None:
-            for i, entry in fills:
-                if results[i]:
-                    note_work(entry.key, work[i], entry.size)
+        if work is not None and self._work_policy is not None:
+            self._note_work(self._work_policy, work)
         return results, wake
+
+    def _note_work(self, policy: WorkPolicy, work: Sequence[tuple[str, float, int]]) -> None:
+        """Tell ``policy`` each output's encoder seconds: cached (its entry READY) or not."""
+        entries, align = self._entries, self._align
+        for key, seconds, nbytes in work:
+            entry = entries.get(key)
+            if entry is not None and entry.state is READY:
+                policy.note_work(key, seconds, entry.size)
+            else:
+                policy.note_encoded(key, seconds, max((nbytes + align - 1) & -align, align))
 
     def publish_keys(self, rs: RequestState, keys: Sequence[str]) -> list[Entry | None]:
         """Publish(r, k) of each key: per key the entry whose range to write, or None."""

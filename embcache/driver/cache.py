@@ -266,8 +266,8 @@ class EmbeddingCache:
         ``work``: as ``Request.insert``'s (each output's encoder seconds; None: unknown)."""
         if isinstance(keys, str) or len(keys) != len(tensors):
             raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
-        seconds = checked_work(work, len(keys))
         items = [Item.of(k, t) for k, t in zip(keys, tensors, strict=True)]  # (checks the key)
+        seconds = checked_work(work, items)
         core = self._core
         rs, fills = self._run(core.begin_insert, None, items, False)
         outcomes, error = self._views.copy_in([(e, tensors[i]) for i, e in fills])

@@ -228,8 +228,8 @@ class Request:
         """
         if isinstance(keys, str) or len(keys) != len(tensors):
             raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
-        seconds = checked_work(work, len(keys))
         items = [Item.of(k, t) for k, t in zip(keys, tensors, strict=True)]  # (checks the key)
+        seconds = checked_work(work, items)
         cache = self._cache
         core = cache._core
         fills = None if self._reserved is None else self._reserved_fills(items)
