@@ -347,9 +347,13 @@ class ModelCache:
             results[i] = key in self.entries and self.entries[key].state == "READY"
         self.counts["inserts"] += sum(results)
         if work is not None and getattr(self.policy, "note_work", None) is not None:
-            for i, key in filling:
-                if results[i]:
-                    self.policy.note_work(key, work[i], self.entries[key].size)
+            for (key, _, _, nbytes), seconds in zip(items, work, strict=True):
+                e = self.entries.get(key)
+                if e is not None and e.state == "READY":
+                    self.policy.note_work(key, seconds, e.size)
+                else:
+                    unit = self.alloc.alignment
+                    self.policy.note_encoded(key, seconds, max(-(-nbytes // unit) * unit, unit))
         if publish:
             started = []
             for i, key in filling:

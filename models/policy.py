@@ -4,8 +4,8 @@ The eviction order is a list (oldest first); counts are a count-min sketch kept 
 rows of ints, each key's counter in row ``r`` at ``(hash + r * step) % width``, except those of
 resident keys looked up while resident: exact, in a dict, written back when forgotten; the
 running mean of the shift detector is recomputed from the list of block means every time; the
-adaptive policy's shadows are lists, oldest first; ``adaptive-work``'s remembered work is two
-dicts (present keys; recently freed keys, trimmed oldest first) and a running mean.
+adaptive policy's shadows are lists, oldest first; ``adaptive-work``'s remembered work is a
+dict of present keys, a list of ghosts (oldest first, trimmed) and a running mean.
 """
 
 from __future__ import annotations
@@ -257,35 +257,48 @@ class ModelAdaptive(ModelTinyLfu):
 class ModelWorkAdaptive(ModelAdaptive):
     """``adaptive-work`` as its docstring says it: ``adaptive`` whose filter (``admit`` under
     the filter expert, and the filter's shadow) compares worth = estimate x seconds per byte;
-    a key's seconds per byte is its last note while present, else while among the
-    max(resident, min_entries) most recently freed noted keys, else the running mean of every
-    note (the plain mean of the first ``window`` notes, then a moving mean of weight
-    1 / ``window``; 1.0 before any note)."""
+    a key's seconds per byte is its last note while present, else its last among the ghosts
+    (the ``ghosts`` x max(resident, min_entries) most recently noted keys not present: freed
+    with a note, or encoded and not cached), else the running mean of every note (the plain
+    mean of the first ``window`` notes, then a moving mean of weight 1 / ``window``; 1.0
+    before any note)."""
 
     name = "adaptive-work"
     window = 1024
+    ghosts = 4
 
     def __init__(self, **knobs: Any) -> None:
         super().__init__(**knobs)
         self.work: dict[str, float] = {}  # present keys noted
-        self.freed: list[tuple[str, float]] = []  # recently freed noted keys, oldest first
+        self.ghost: list[tuple[str, float]] = []  # oldest first
         self.mean = 1.0
         self.notes = 0
 
-    def note_work(self, key: str, seconds: float, nbytes: int) -> None:
+    def measure(self, seconds: float, nbytes: int) -> float:
         per_byte = seconds / nbytes
-        self.freed = [(k, w) for k, w in self.freed if k != key]
-        self.work[key] = per_byte
         self.notes += 1
         if self.notes == 1:
             self.mean = per_byte
         else:
             self.mean = self.mean + (per_byte - self.mean) / min(self.notes, self.window)
+        return per_byte
+
+    def haunt(self, key: str, per_byte: float) -> None:
+        self.ghost = [(k, w) for k, w in self.ghost if k != key] + [(key, per_byte)]
+        self.ghost = self.ghost[max(len(self.ghost) - self.ghosts * self.entries(), 0) :]
+
+    def note_work(self, key: str, seconds: float, nbytes: int) -> None:
+        per_byte = self.measure(seconds, nbytes)
+        self.ghost = [(k, w) for k, w in self.ghost if k != key]
+        self.work[key] = per_byte
+
+    def note_encoded(self, key: str, seconds: float, nbytes: int) -> None:
+        self.haunt(key, self.measure(seconds, nbytes))
 
     def work_per_byte(self, key: str) -> float:
         if key in self.work:
             return self.work[key]
-        for k, w in self.freed:
+        for k, w in self.ghost:
             if k == key:
                 return w
         return self.mean
@@ -328,9 +341,7 @@ class ModelWorkAdaptive(ModelAdaptive):
     def forget(self, key: str) -> None:
         super().forget(key)
         if key in self.work:
-            self.freed = [(k, w) for k, w in self.freed if k != key]
-            self.freed.append((key, self.work.pop(key)))
-            self.freed = self.freed[max(len(self.freed) - self.entries(), 0) :]
+            self.haunt(key, self.work.pop(key))
 
 
 MODELS = {
