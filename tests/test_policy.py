@@ -5,6 +5,7 @@ against the real cache."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import subprocess
@@ -15,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from embcache import EmbeddingCache, Item
 from embcache.core.cache_core import CacheCore
 from embcache.core.outcomes import Status, TransferOutcome
 from embcache.core.policy import (
@@ -815,3 +818,32 @@ def test_the_model_comparison_catches_an_admission_that_ignores_work(
     monkeypatch.setitem(POLICIES, "adaptive-work", _AdmitsByCounts)
     with pytest.raises(AssertionError):
         test_adaptive_work_matches_its_model_on_two_keys()
+
+
+def test_adaptive_work_metadata_per_entry_the_pool_can_hold() -> None:
+    """DESIGN.md's "about 1.8 KB of metadata an entry with ``adaptive-work``" (``adaptive``'s
+    1.0 to 1.1 KB, and the work of up to 5 keys an entry: the present one and 4 ghosts, each
+    key, float and dict slot): a 1 MiB pool (4096 one-unit entries) through which 6x that
+    many distinct images pass, each inserted with its work, so the ghosts reach their bound
+    (4 x 4096); keys of 13 characters."""
+    pool, unit = 1 << 20, 256
+    e = pool // unit
+    payload = torch.zeros((unit,), dtype=torch.uint8)
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        policy: Any = make_policy("adaptive-work")
+        with EmbeddingCache(pool, pin_memory=False, policy=policy) as cache:
+            for first in range(0, 6 * e, 8):
+                keys = [f"img-{j:09d}" for j in range(first, first + 8)]
+                with cache.request(f"r{first}") as request:
+                    request.lookup([Item(key, (unit,), torch.uint8) for key in keys])
+                    request.insert(keys, [payload] * 8, work=[0.01] * 8)
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+            assert cache.stats().entries == e
+            assert policy.footprint().work == policy.bound(e).work == 5 * e
+    finally:
+        tracemalloc.stop()
+    assert held <= 2000 * e, f"{held / e:.0f} bytes an entry"

@@ -6,7 +6,9 @@ first entries of that order. A policy decides where an entry enters the order (`
 when it becomes evictable) and may refuse a ``BeginLoad`` that would have to evict (``admit``):
 the item is then served from its fresh encoder output and not cached (reason
 ``not_admitted``), and nothing is evicted. The core calls ``record`` for every looked-up key
-(hit, join or miss) and ``forget`` when an entry is freed. Safety never depends on the policy:
+(hit, join or miss), ``forget`` when an entry is freed, and, for a policy that keeps encoder
+work (``records_work``), ``note_work`` / ``note_encoded`` at the end of an insert given its
+outputs' measured encoder seconds. Safety never depends on the policy:
 the core enforces every invariant whatever the order says or admission answers. This module is
 pure (no clock, no thread, no I/O, no torch); the caller holds the cache lock around every
 call, and one policy object serves one cache.
@@ -18,6 +20,9 @@ Policies (``make_policy(name, **knobs)``):
 - ``adaptive``: ``tinylfu``'s counts, and admission by whichever expert (admit everything, as
   ``lru``; or ``tinylfu``'s filter) has had more hits lately in a shadow cache of keys that
   follows it alone.
+- ``adaptive-work``: ``adaptive`` whose filter weighs each key's recent lookups by its measured
+  encoder seconds per byte (the driver passes each fresh output's encoder time to ``insert``;
+  without it, ``adaptive`` exactly).
 
 Design notes on ``tinylfu`` (chosen by measurement, ``benchmarks/policy/bench_policy.py`` and
 ``benchmarks/policy/bench_policy_grid.py``). Counts are a count-min sketch (``FrequencySketch``: 4
@@ -95,23 +100,30 @@ mixes: ``benchmarks/policy/results/variants_2026-12-03.md``), none kept:
   from the core (the capacity then the bytes of the resident entries) the oracle measured 15
   cells behind, mean -0.26, worst -1.82 (1GiB scan): the change to ask for first.
 Shadows count entries, not bytes (``record`` gets no size), and share the real counts.
-Cost model: every lookup of a cached key saves one encoder run of that key; admission compares
-lookups per key (the filter) and hits per shadow entry (the duel), not encoder time per byte:
-that needs each item's measured encoder time, which no front end reports to the core yet.
-Measured as an oracle (``benchmarks.policy.cost_grid``: each image's encoder work its tokens x a
-factor log-uniform in [1/4, 4], read by the policy from the workload): a filter that weighs a
-key's recent lookups by its encoder work per byte, f(k) x work(k) / bytes(k), against each
-victim's (with work proportional to bytes, ``tinylfu``'s rule), as ``adaptive``'s filter
-expert, leads the best contender by +0.47 point on average on the grid (a point or more on
-14 of 44 cells, more than 0.3 behind on 13, the fast-drift cells where ``adaptive`` is too;
-worst -1.62) and by +0.64 on the five mixes (3 of 10 a point ahead, worst -1.85); the same
-rule given tokens in place of work saves what ``adaptive`` saves (the gain is the information),
-and on the tokens grid itself it is worse (27 of 44 cells behind: equal counts decided by
-small differences of tokens per aligned byte, where the filter refuses a tie); asking 1.25x
-each victim's worth: 22 behind on the tokens grid (mean -0.41, today -0.37) and most of the
-gain on the cost grid (mean work saved 50.86 against 50.99; ``adaptive`` 50.07).
-Building it needs the driver to time each fresh output's encoding and the core to pass that
-work to the policy on every insert (``benchmarks/policy/results/cost_*``).
+Cost model of ``tinylfu`` and ``adaptive``: every lookup of a cached key saves one encoder run
+of that key; admission compares lookups per key (the filter) and hits per shadow entry (the
+duel), not encoder time per byte.
+
+Design notes on ``adaptive-work`` (issue 41, point 2; ``benchmarks.policy.cost_grid``, where
+each image's encoder work is its tokens x a factor log-uniform in [1/4, 4], its bytes
+unchanged). Cost model: a hit of k saves work(k) encoder seconds, holding k costs its aligned
+bytes b(k), so with f(k) its recent lookups k is worth f(k) x work(k) / b(k) per byte, and the
+filter admits a candidate only if its worth is above each victim's (with work proportional to
+bytes: ``tinylfu``'s rule). As an oracle that reads each image's work from the workload
+(``adaptive-cost``), this led the best contender by +0.47 point on average on the grid (a
+point or more on 14 of 44 cells) and by +0.64 on the five mixes; the same rule given tokens in
+place of work saved what ``adaptive`` saves: the gain is the information. The product cannot
+read the future: work is measured when a key is encoded (the encode pipeline times each
+encoder call and shares it among the call's items by rows), admission comes at ``BeginLoad``,
+before the candidate is encoded (a pipeline reserves its misses at lookup), so the policy
+prices a key by what it remembers of it, else by the running mean seconds per byte. What to
+remember was measured (five mixes, simulated, mean work saved: ``adaptive`` 52.34, the oracle
+53.61): the present keys' work and the freed keys' (as many ghosts as entries) 52.70; with 4
+ghosts an entry 52.86; with the work of outputs encoded but not cached (refused, no space: the
+pipeline inserts every output it encoded, and the core tells the policy) 53.08, and both
+53.38: kept (``GHOSTS`` = 4, about 0.65 KB more metadata an entry than ``adaptive``). The
+measured runs (``benchmarks/policy/results/cost_*_2026-12-03-real.md``): see docs/benchmarks.md,
+"Eviction policies".
 """
 
 from __future__ import annotations
