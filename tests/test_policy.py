@@ -121,7 +121,10 @@ def drive(name: str, knobs: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
             assert {k: policy.worth(k) for k in "abcdefg"} == {
                 k: model.worth(k) for k in "abcdefg"
             }, op
-            assert policy.footprint().work == len(model.work) + len(model.ghost), op
+            footprint = policy.footprint()
+            assert (footprint.work, footprint.work_ghosts) == (len(model.work), len(model.ghost)), (
+                op
+            )
 
 
 @given(OPS)
@@ -606,8 +609,8 @@ def drive_work_through_core(policy: Any) -> int:
         core.end_request(rs)
         now = policy.footprint()
         assert now.within(bound), (n, now, bound)
-        assert len(policy._work) <= len(core.queries.entries) <= units
-        most = max(most, now.work)
+        assert now.work <= len(core.queries.entries) <= units
+        most = max(most, now.work + now.work_ghosts)
     core.queries.check_invariants()
     return most
 
@@ -616,18 +619,19 @@ def test_the_core_keeps_remembered_work_within_its_bound() -> None:
     """``adaptive-work`` through the core, every insert with its work: 20,000 distinct keys
     (2,500x the 8 entries) and a hot set. The keys whose work is remembered (present, and at
     most 4 x max(resident, ``min_entries``) ghosts: freed, or encoded and not cached) never
-    exceed ``bound(8).work`` (8 + 32) and come within a few of it (a victim leaves the
+    exceed ``bound(8)`` (8 present, 32 ghosts) and come within a few of it (a victim leaves the
     residents before its ``forget``); the core notes present work only for READY entries, so
     that part is at most the entries."""
     policy = WorkAdaptivePolicy(min_entries=1)
     most = drive_work_through_core(policy)
-    assert policy.bound(8).work == 40 and most >= 36
+    bound = policy.bound(8)
+    assert (bound.work, bound.work_ghosts) == (8, 32) and most >= 36
     assert policy.work_per_byte("hot0") == pytest.approx(0.5 / 256)  # remembered, not the mean
 
 
 def test_the_work_bound_test_catches_ghosts_never_trimmed() -> None:
     """Planted: ghosts never trimmed: the drive above fails as soon as they pass the bound."""
-    with pytest.raises(AssertionError, match="work=41"):
+    with pytest.raises(AssertionError, match="work_ghosts=33"):
         drive_work_through_core(_GhostsKeptForever(min_entries=1))
 
 
@@ -843,7 +847,8 @@ def test_adaptive_work_metadata_per_entry_the_pool_can_hold() -> None:
             gc.collect()
             held = tracemalloc.get_traced_memory()[0] - before
             assert cache.stats().entries == e
-            assert policy.footprint().work == policy.bound(e).work == 5 * e
+            now, bound = policy.footprint(), policy.bound(e)
+            assert (now.work, now.work_ghosts) == (bound.work, bound.work_ghosts) == (e, 4 * e)
     finally:
         tracemalloc.stop()
     assert held <= 2000 * e, f"{held / e:.0f} bytes an entry"

@@ -584,7 +584,8 @@ class WorkAdaptivePolicy(AdaptivePolicy):
     cached: refused, no space, present already as another load) puts it among the ghosts
     directly. Ghosts are the ``GHOSTS`` x max(resident, ``min_entries``) most recently
     noted, oldest dropped first. Memory: at most entries + ``GHOSTS`` x max(entries,
-    ``min_entries``) keys and floats (``footprint().work``, ``bound``). ``note_work``,
+    ``min_entries``) keys and floats (``footprint().work`` and ``work_ghosts``, ``bound``).
+    ``note_work``,
     ``note_encoded`` O(1) amortised; ``record`` as ``adaptive``'s; ``admit`` O(victims).
     """
 
@@ -671,16 +672,16 @@ class WorkAdaptivePolicy(AdaptivePolicy):
             self._haunt(key, per_byte)
 
     def footprint(self) -> Footprint:
-        """``adaptive``'s, and the keys whose work is remembered (present and ghosts). O(1)."""
+        """``adaptive``'s, and the keys whose work is remembered: present, and ghosts. O(1)."""
         return dataclasses.replace(
-            super().footprint(), work=len(self._work) + len(self._ghost_work)
+            super().footprint(), work=len(self._work), work_ghosts=len(self._ghost_work)
         )
 
     def bound(self, entries: int) -> Footprint:
-        """``adaptive``'s, and at most ``entries`` present + ``GHOSTS`` x max(``entries``,
-        ``min_entries``) ghosts' work. O(1)."""
-        work = entries + self.GHOSTS * max(entries, self._min_entries)
-        return dataclasses.replace(super().bound(entries), work=work)
+        """``adaptive``'s, and the work of at most ``entries`` present keys and ``GHOSTS`` x
+        max(``entries``, ``min_entries``) ghosts. O(1)."""
+        ghosts = self.GHOSTS * max(entries, self._min_entries)
+        return dataclasses.replace(super().bound(entries), work=entries, work_ghosts=ghosts)
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {
