@@ -183,9 +183,10 @@ class EmbeddingCache:
             enable_eviction,
             trace=trace is not None,
             clock=time.monotonic,
-            policy=as_policy(policy),
+            policy=(chosen := as_policy(policy)),
             record_freed=poison_requested() if poison_freed is None else poison_freed,
         )
+        self._uses_work = bool(getattr(chosen, "records_work", False))
         self._capacity = capacity_bytes
         self._outbox = None if trace is None else TraceOutbox(trace)
         self._wakeups = Wakeups()
@@ -220,6 +221,11 @@ class EmbeddingCache:
     def capacity(self) -> int:
         """Pool size in bytes."""
         return self._capacity
+
+    @property
+    def uses_work(self) -> bool:
+        """Whether the policy admits by encoder work (``insert``'s ``work``; else unused)."""
+        return self._uses_work
 
     @property
     def pool(self) -> torch.Tensor:

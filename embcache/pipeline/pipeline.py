@@ -172,6 +172,7 @@ class EncodePipeline:
                 "items up, pass cache=None on the other ranks"
             )
         self._cache = cache
+        self._uses_work = cache is not None and cache.uses_work  # insert's work: only if used
         self._encoder = encoder
         self._device = torch.empty(0, device=encoder.device).device  # "cuda" -> "cuda:0"
         self._channel = (
@@ -318,15 +319,13 @@ class EncodePipeline:
 
     def _insert(self, request: Request, fresh: dict[str, torch.Tensor], seconds: float) -> None:
         """Copy fresh outputs into the pool, each with its share of the encoder's ``seconds``
-        (the cost model's assumption: one call costs the same per row for every item in it, so
-        an item's share is its rows / the call's rows); their publish runs on the cache's I/O
-        pool."""
+        when the cache's policy uses work (the cost model's assumption: one call costs the same
+        per row for every item in it, so an item's share is its rows / the call's rows); their
+        publish runs on the cache's I/O pool."""
         if not fresh:
             return
         tensors = list(fresh.values())
-        rows = [t.shape[0] if t.dim() else 1 for t in tensors]
-        total = sum(rows)
-        work = [seconds * n / total for n in rows] if total else [seconds / len(rows)] * len(rows)
+        work = _shares(seconds, tensors) if self._uses_work else None
         started = time.perf_counter()
         request.insert(list(fresh), tensors, publish=True, work=work)
         if self._on_insert is None:
@@ -458,6 +457,15 @@ class EncodePipeline:
             c["encoder_calls"] += encoded > 0
             for reason_key in reasons:
                 c[reason_key] += 1
+
+
+def _shares(seconds: float, tensors: list[torch.Tensor]) -> list[float]:
+    """Each output's share of one encoder call's ``seconds``, by rows (equal shares if none)."""
+    rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+    total = sum(rows)
+    if not total:
+        return [seconds / len(rows)] * len(rows)
+    return [seconds * n / total for n in rows]
 
 
 def _check_seconds(name: str, value: float) -> None:
