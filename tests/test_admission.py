@@ -240,3 +240,31 @@ def test_the_pipeline_passes_each_outputs_share_of_the_encoder_time() -> None:
         one, three = policy.work_per_byte("rows1"), policy.work_per_byte("rows3")
         assert one * UNIT == pytest.approx(seconds / 4) and three == pytest.approx(one)
         assert (policy.footprint().work, policy.footprint().work_ghosts) == (2, 0)
+
+
+@pytest.mark.parametrize(
+    ("policy", "uses"), [("lru", False), ("adaptive", False), ("adaptive-work", True)]
+)
+def test_the_pipeline_passes_work_only_to_a_cache_whose_policy_uses_it(
+    monkeypatch: pytest.MonkeyPatch, policy: str, uses: bool
+) -> None:
+    """``EmbeddingCache.uses_work`` says whether the policy admits by work; the pipeline then
+    shares its encoder time among the outputs, else passes none (no list built per insert)."""
+    from embcache import Request
+    from embcache.pipeline import EncodePipeline
+
+    passed: list[object] = []
+    insert = Request.insert
+
+    def spy(self: Request, keys: Any, tensors: Any, **kwargs: Any) -> list[bool]:
+        passed.append(kwargs.get("work"))
+        return insert(self, keys, tensors, **kwargs)
+
+    monkeypatch.setattr(Request, "insert", spy)
+    with EmbeddingCache(16 * UNIT, alignment=UNIT, pin_memory=False, policy=policy) as cache:
+        assert cache.uses_work is uses
+        EncodePipeline(cache, RowsEncoder()).encode(
+            "r", [Item("a", (2, UNIT // 4), torch.float32)], [2]
+        )
+    [work] = passed
+    assert (work is not None) is uses
