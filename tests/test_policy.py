@@ -217,6 +217,15 @@ def test_adaptive_work_matches_its_model_on_two_keys(ops: list[tuple[Any, ...]])
     drive("adaptive-work", {"shift_drop": 0, "favour": 2.0}, ops)
 
 
+def test_adaptive_work_adds_nothing_to_a_hit() -> None:
+    """A hit's cost is ``adaptive``'s: ``record`` is the very same function (work is told at
+    the end of an insert, never on a lookup), and ``lru``, ``tinylfu`` and ``adaptive`` keep no
+    work (the core never calls them for it)."""
+    assert WorkAdaptivePolicy.record is AdaptivePolicy.record
+    assert WorkAdaptivePolicy.records_lookups and WorkAdaptivePolicy.records_work
+    assert not any(POLICIES[name]().records_work for name in ("lru", "tinylfu", "adaptive"))
+
+
 def work_policy_after(notes: dict[str, float], lookups: dict[str, int]) -> WorkAdaptivePolicy:
     """A fresh ``adaptive-work`` (the filter expert: no shadow duel lost yet) with ``notes``
     (seconds for 256 bytes each) and ``lookups`` (times each key is looked up)."""
