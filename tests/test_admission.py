@@ -143,15 +143,16 @@ def test_adaptive_work_remembers_the_work_of_an_output_it_refused(
     make_cache: Callable[..., EmbeddingCache], told: bool, reason: str | None
 ) -> None:
     """``new`` is refused (3 lookups at the mean, 10 ms, against ``cheap``'s 5 at 10 ms); its
-    request still inserts its encoder output, telling its work (10 s): not cached, it is
-    remembered among the ghosts, so its next lookup (4 lookups at 10 s) displaces ``cheap``
+    request still inserts its encoder output, telling its work (20 ms): not cached, it is
+    remembered among the ghosts, so its next lookup (4 lookups at 20 ms) displaces ``cheap``
     (6 at 10 ms by then). Not told (``work`` None), it stays at the mean and is refused
-    again."""
+    again; so it would be at the mean told (13.3 ms: 4 x 13.3 < 6 x 10) if the ghosts were
+    not consulted."""
     cache = make_cache(2 * UNIT, alignment=UNIT, policy=make_policy("adaptive-work", **FILTER_ONLY))
     assert cheap_dear_then_new(cache, {"cheap": 0.01, "dear": 0.01}) == "not_admitted"
     with cache.request("insert-new") as request:
         tensor = payload((UNIT // 4,), torch.float32, 2)
-        work = [10.0] if told else None
+        work = [0.02] if told else None
         assert request.insert(["new"], [tensor], publish=False, work=work) == [False]
     warm(cache, ["cheap", "dear"], 1)  # (the filter's shadow hits: the filter still answers)
     with cache.request("new-again") as request:

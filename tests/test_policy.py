@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from embcache import EmbeddingCache, Item
@@ -179,6 +179,12 @@ def test_adaptive_work_matches_its_model(
     drive("adaptive-work", {**knobs, **duel}, ops)
 
 
+@example(  # a freed key's work, and an output's not cached: each unlike the mean
+    [
+        ("record", "a"), ("work", "a", 1e-3, 256), ("work", "b", 3.0, 256), ("forget", "a"),
+        ("record", "c"), ("encoded", "c", 3.0, 256), ("work", "d", 1e-3, 256),
+    ]
+)  # fmt: skip
 @given(
     st.lists(
         st.one_of(
