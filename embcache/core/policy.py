@@ -117,13 +117,16 @@ read the future: work is measured when a key is encoded (the encode pipeline tim
 encoder call and shares it among the call's items by rows), admission comes at ``BeginLoad``,
 before the candidate is encoded (a pipeline reserves its misses at lookup), so the policy
 prices a key by what it remembers of it, else by the running mean seconds per byte. What to
-remember was measured (five mixes, simulated, mean work saved: ``adaptive`` 52.34, the oracle
-53.61): the present keys' work and the freed keys' (as many ghosts as entries) 52.70; with 4
-ghosts an entry 52.86; with the work of outputs encoded but not cached (refused, no space: the
-pipeline inserts every output it encoded, and the core tells the policy) 53.08, and both
-53.38: kept (``GHOSTS`` = 4, about 0.65 KB more metadata an entry than ``adaptive``). The
-measured runs (``benchmarks/policy/results/cost_*_2026-12-03-real.md``): see docs/benchmarks.md,
-"Eviction policies".
+remember was measured (five mixes, simulated with only reservations inserted, one hash seed,
+mean work saved: ``adaptive`` 52.34, the oracle 53.61): the present keys' work and the freed
+keys' (as many ghosts as entries) 52.70; with 4 ghosts an entry 52.86; with the work of outputs
+encoded but not cached (refused, no space: the pipeline inserts every output it encoded, and
+the core tells the policy) 53.08, and both 53.38: kept (``GHOSTS`` = 4, about 0.65 KB more
+metadata an entry than ``adaptive``). Measured as the pipeline drives it
+(``benchmarks/policy/results/cost_*_2026-12-03-real.md``): the grid's mean work saved 50.69
+(``adaptive`` 50.04, the oracle 51.01), a point or more ahead of the best contender on 9 of 44
+cells, more than 0.3 behind on 15 (fast drift, as ``adaptive``); the five mixes 53.52 (52.19,
+53.70), 4 of 10 a point ahead, 1 behind (docs/benchmarks.md).
 """
 
 from __future__ import annotations
