@@ -131,7 +131,6 @@ cells, more than 0.3 behind on 15 (fast drift, as ``adaptive``); the five mixes 
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 from collections import OrderedDict
@@ -676,15 +675,20 @@ class WorkAdaptivePolicy(AdaptivePolicy):
 
     def footprint(self) -> Footprint:
         """``adaptive``'s, and the keys whose work is remembered: present, and ghosts. O(1)."""
-        return dataclasses.replace(
-            super().footprint(), work=len(self._work), work_ghosts=len(self._ghost_work)
-        )
+        mine = super().footprint()
+        return Footprint(
+            mine.sketch_bytes, mine.resident, mine.counts, mine.ghosts, len(self._work),
+            len(self._ghost_work),
+        )  # fmt: skip
 
     def bound(self, entries: int) -> Footprint:
         """``adaptive``'s, and the work of at most ``entries`` present keys and ``GHOSTS`` x
         max(``entries``, ``min_entries``) ghosts. O(1)."""
+        mine = super().bound(entries)
         ghosts = self.GHOSTS * max(entries, self._min_entries)
-        return dataclasses.replace(super().bound(entries), work=entries, work_ghosts=ghosts)
+        return Footprint(
+            mine.sketch_bytes, mine.resident, mine.counts, mine.ghosts, entries, ghosts
+        )
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {
