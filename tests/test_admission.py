@@ -161,18 +161,14 @@ def test_adaptive_work_remembers_the_work_of_an_output_it_refused(
     cache.check_invariants()
 
 
-def test_the_admission_test_catches_a_core_that_drops_the_work(
+def test_the_admission_test_catches_an_insert_that_drops_the_work(
     make_cache: Callable[..., EmbeddingCache], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Planted: the core's end of an insert drops the work it is given: ``new`` is refused."""
-    from embcache.core.request_actions import RequestActions
+    """Planted: ``Request.insert`` checks the work it is given and passes none on (patched in
+    the driver, which both builds run as Python): ``new`` is refused."""
+    import embcache.driver.request as driver_request
 
-    end_fills = RequestActions.end_fills
-
-    def dropping(self: RequestActions, *args: object, work: object = None) -> object:
-        return end_fills(self, *args[:5])  # type: ignore[arg-type]
-
-    monkeypatch.setattr(RequestActions, "end_fills", dropping)
+    monkeypatch.setattr(driver_request, "checked_work", lambda work, items: None)
     cache = make_cache(2 * UNIT, alignment=UNIT, policy=make_policy("adaptive-work", **FILTER_ONLY))
     assert cheap_dear_then_new(cache, {"cheap": 0.001, "dear": 1.0}) == "not_admitted"
 
