@@ -30,6 +30,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import FlakyFailure
 
 import embcache.driver.pool as pool_module
 from embcache import EmbeddingCache, EncodePipeline, Item, TransferOutcome
@@ -214,10 +215,12 @@ def layouts(
 # ---------------------------------------------------------------------------- the copy spy
 class CopySpy:
     """Counts the copies of ``PoolViews.copy_in`` by path: ``memmove`` (either of the two
-    ``memmove`` functions) or ``copy_`` (a copy into a pool view)."""
+    ``memmove`` functions, into ``pool``: the pipeline's own byte copies into its answer do
+    not count) or ``copy_`` (a copy into a pool view)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: torch.Tensor) -> None:
         self.counts = {"memmove": 0, "copy_": 0}
+        self._pool = range(pool.data_ptr(), pool.data_ptr() + pool.nbytes)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[CopySpy]:
@@ -226,7 +229,8 @@ class CopySpy:
 
         def count_memmove(move: Callable[..., Any]) -> Callable[..., Any]:
             def spy(*args: Any) -> Any:
-                self.counts["memmove"] += 1
+                if args[0] in self._pool:
+                    self.counts["memmove"] += 1
                 return move(*args)
 
             return spy
@@ -335,7 +339,7 @@ COPIES_IN = {"Request.insert", "EmbeddingCache.insert", "EncodePipeline"}  # thr
 def check_layout(front_end: str, kind: str, tensor: torch.Tensor) -> None:
     cache = new_cache()
     try:
-        with CopySpy().installed() as spy:
+        with CopySpy(cache.pool).installed() as spy:
             got = FRONT_ENDS[front_end](cache, next(_keys), tensor)
         assert got == expected(tensor), f"{front_end}, {kind}: served other bytes"
         if front_end in COPIES_IN:
@@ -450,8 +454,13 @@ def test_a_layout_blind_fast_path_fails_the_property(
         finally:
             cache.close()
 
-    with pytest.raises(AssertionError, match="served other bytes"):
+    # The plant reads past a broadcast tensor's storage, bytes that may by chance equal the
+    # right ones on Hypothesis's replay: a failure it cannot replay (FlakyFailure) still
+    # caught the plant, if what failed was the property.
+    with pytest.raises((AssertionError, FlakyFailure)) as caught:
         served_as_contiguous()
+    failures = caught.value.exceptions if isinstance(caught.value, FlakyFailure) else [caught.value]
+    assert any("served other bytes" in str(failure) for failure in failures), caught.value
 
 
 # ---------------------------------------------------------------------------- SGLang

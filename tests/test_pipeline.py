@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+import embcache.pipeline.pipeline as pipeline_module
 from embcache import EmbeddingCache, EncodePipeline, Item, PipelineStats
 from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
 from embcache.driver.locks import assert_unlocked
@@ -404,12 +405,16 @@ def test_each_byte_of_the_answer_is_copied_once(
     cache: EmbeddingCache, monkeypatch: pytest.MonkeyPatch, then: list[int]
 ) -> None:
     """Held rows go from the pool straight into their place in the answer, fresh outputs too:
-    the bytes the pipeline copies (``copy_``, ``torch.cat``; the pool's own copy-in is a
-    memmove) are exactly the answer's."""
+    the bytes the pipeline copies (``copy_``, ``torch.cat``, its byte copies to addresses
+    outside the pool; the pool's own copy-in is a byte copy into the pool) are exactly the
+    answer's. On the CPU they all go as bytes: no ``copy_`` (its dispatch) at all."""
     pipeline = EncodePipeline(cache, FakeEncoder())
     encode(pipeline, "r1", [1, 2, 3])
     copied: list[int] = []
-    cat, copy = torch.cat, torch.Tensor.copy_
+    dispatched: list[int] = []
+    cat, copy, copy_bytes = torch.cat, torch.Tensor.copy_, pipeline_module.copy_bytes
+    pool_start = cache.pool.data_ptr()
+    pool_end = pool_start + cache.pool.nbytes
 
     def counted_cat(tensors: Sequence[torch.Tensor], *args: object, **kw: object) -> torch.Tensor:
         copied.append(sum(t.nbytes for t in tensors))
@@ -417,14 +422,22 @@ def test_each_byte_of_the_answer_is_copied_once(
 
     def counted_copy(dst: torch.Tensor, src: torch.Tensor, *args: object) -> torch.Tensor:
         copied.append(src.nbytes)
+        dispatched.append(src.nbytes)
         return copy(dst, src, *args)  # type: ignore[arg-type]
+
+    def counted_bytes(dst: int, src: int, nbytes: int) -> None:
+        if not pool_start <= dst < pool_end:
+            copied.append(nbytes)
+        copy_bytes(dst, src, nbytes)
 
     monkeypatch.setattr(torch, "cat", counted_cat)
     monkeypatch.setattr(torch.Tensor, "copy_", counted_copy)
+    monkeypatch.setattr(pipeline_module, "copy_bytes", counted_bytes)
     got = encode(pipeline, "r2", then)
     monkeypatch.undo()
     assert_same(got, reference(then))
     assert sum(copied) == got.nbytes, "every byte of the answer copied once"
+    assert dispatched == [], "on the CPU each row goes as bytes, with no copy_ dispatch"
     cache.remove("img-1")  # the answer is no view of the pool: it outlives the entry
     assert_same(got, reference(then))
 

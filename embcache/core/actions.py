@@ -17,10 +17,10 @@ pin starts comes from the ``clock`` the driver passes in.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from embcache.core.allocator import BestFitAllocator, Block
+from embcache.core.allocator import BestFitAllocator
 from embcache.core.entries import (
     NOBODY,
     Entry,
@@ -29,7 +29,7 @@ from embcache.core.entries import (
     ItemLike,
     RequestState,
 )
-from embcache.core.eviction import choose_victims
+from embcache.core.eviction import VictimSearch, Window
 from embcache.core.lifecycle import (
     ABSENT,
     LOADING,
@@ -55,9 +55,6 @@ NOT_FOUND_MISS = MISSES[Reason.NOT_FOUND]
 MISMATCH_MISS = MISSES[Reason.MISMATCH]
 BUSY_MISS = MISSES[Reason.BUSY]
 MAX_SHAPES = 4096  # distinct item shapes interned at once (entries share one tuple per shape)
-# A named tuple built without its Python-level ``__new__`` (a frame each): the eviction
-# search's candidates, dozens per eviction (``allocator._new_block`` does the same).
-_NEW = tuple.__new__
 
 
 class Actions(StateQueries):
@@ -399,21 +396,21 @@ class Actions(StateQueries):
         if not self._enable_eviction or free + self._evictable_bytes < size:
             return Reason.NO_SPACE
         if (head := next(iter(self._order), None)) is None:
-            return Reason.NO_SPACE  # (what ``choose_victims`` says of no candidates)
+            return Reason.NO_SPACE  # (what the search says of no candidates)
         first = self._entries[head]
         start, stop = allocator.free_around(first.offset, first.offset + first.size)
-        victims = [first]  # ``choose_victims``' first step, with no generator: it alone fits
+        victims = [first]  # the search's first step, without the search: it alone fits
         if stop - start < size:
             examined: dict[int, Entry] = {}  # offset -> entry, of the candidates looked at
-
-            def candidates() -> Iterator[Block]:
-                for entry in map(self._entries.__getitem__, self._order):
-                    examined[entry.offset] = entry
-                    yield _NEW(Block, (entry.offset, entry.size, False))
-
-            window = choose_victims(
-                size, candidates(), self._max_batch, allocator.block_before, allocator.block_at
-            )
+            search = VictimSearch.over(size, self._max_batch, allocator)
+            entries = self._entries
+            window: Window | None = None
+            for candidate in self._order:
+                entry = entries[candidate]
+                examined[entry.offset] = entry
+                window = search.add(entry.offset, entry.size)
+                if window is not None:
+                    break
             if window is None:
                 return Reason.NO_SPACE
             victims = [examined[offset] for offset in window.victims]

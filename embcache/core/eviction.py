@@ -12,8 +12,8 @@ victim bytes, then the lowest offset. Evicting exactly those leaves one free blo
 that the best-fit allocator must then choose, since no other free block fits.
 
 Cost. A window never spans more than the *run of available space* it lies in: the maximal
-stretch of free blocks and candidates around it. So ``choose_victims`` keeps the runs as
-candidates arrive (two dicts, start -> end and end -> start: adding a candidate merges it with
+stretch of free blocks and candidates around it. So ``VictimSearch`` keeps the runs as
+candidates arrive (one dict, start -> end and end -> start: adding a candidate merges it with
 the runs that end where it starts and start where it ends, or else with a free block beside it,
 which no run can hold yet, since free blocks are coalesced and a run swallows the free blocks
 beside its candidates), and searches only when the newest candidate's run spans ``need`` bytes:
@@ -27,7 +27,9 @@ and in that walk a block is a candidate exactly when it lies inside the run.
 common with this module; a test compares the two.
 
 ``best_window`` is the pure core (CrossHair checks its contract); ``neighbourhood`` walks the
-allocator's blocks around a candidate, through free blocks and candidates only.
+allocator's blocks around a candidate, through free blocks and candidates only. The core feeds
+``VictimSearch`` its eviction order in a typed loop (no generator, no block per candidate);
+``choose_victims`` is the same search over any iterable of blocks.
 """
 
 from __future__ import annotations
@@ -158,6 +160,81 @@ def free_around_by_blocks(
     return free_around
 
 
+class VictimSearch:
+    """The eviction rule of DESIGN.md, fed one candidate at a time in eviction order (lowest
+    value first): ``add`` returns the chosen window as soon as one exists, else None.
+
+    Given a ``BestFitAllocator`` its own ``free_around`` answers both sides of a candidate in
+    one call; other block queries (tests, models) get the same answer from two calls.
+    Cost: O(1) dict operations and one ``free_around`` a candidate, plus one walk of at most
+    ``2 * max_batch`` blocks and one window search each time a merged run spans ``need``.
+    """
+
+    def __init__(
+        self,
+        need: int,
+        max_batch: int,
+        block_before: Callable[[int], Block | None],
+        block_at: Callable[[int], Block | None],
+        allocator: BestFitAllocator | None = None,
+    ) -> None:
+        self._need = need
+        self._max_batch = max_batch
+        self._block_before = block_before
+        self._block_at = block_at
+        self._allocator = allocator  # when set, block_before/block_at are its own methods
+        self._free_around = free_around_by_blocks(block_before, block_at)
+        # Both edges of each run of free blocks and candidates: start -> end and end -> start.
+        # One dict serves both: no two runs touch (they would have merged), and no run starts
+        # or ends inside a new candidate, so a candidate's own start can only be a run's end,
+        # and its end only a run's start.
+        self._edges: dict[int, int] = {}
+
+    @classmethod
+    def over(cls, need: int, max_batch: int, allocator: BestFitAllocator) -> VictimSearch:
+        """A search over ``allocator``'s blocks."""
+        return cls(need, max_batch, allocator.block_before, allocator.block_at, allocator)
+
+    def add(self, offset: int, size: int) -> Window | None:
+        """The next candidate, the block ``[offset, offset + size)``; the window once feasible."""
+        end = offset + size
+        edges = self._edges
+        left = edges.get(offset)  # the start of a run that ends where the block starts
+        right = edges.get(end)  # the end of a run that starts where the block ends
+        free_start = free_stop = 0
+        if left is None or right is None:
+            allocator = self._allocator
+            if allocator is not None:
+                free_start, free_stop = allocator.free_around(offset, end)
+            else:
+                free_start, free_stop = self._free_around(offset, end)
+        if left is None:
+            start = free_start
+        else:
+            start = left
+            del edges[offset]
+        if right is None:
+            stop = free_stop
+        else:
+            stop = right
+            del edges[end]
+        edges[start] = stop
+        edges[stop] = start
+        if stop - start < self._need:
+            return None
+        if left is None and right is None:  # no other candidate beside it: one window
+            return Window((offset,), size, start, stop - start)
+        inside = range(start, stop).__contains__  # the run's allocated blocks: candidates
+        pieces, must = neighbourhood(
+            Block(offset, size, False),
+            self._max_batch,
+            self._block_before,
+            self._block_at,
+            inside,
+        )
+        return best_window(pieces, self._need, self._max_batch, must)
+
+
 def choose_victims(
     need: int,
     candidates: Iterable[Block],
@@ -166,51 +243,20 @@ def choose_victims(
     block_at: Callable[[int], Block | None],
 ) -> Window | None:
     """The eviction rule of DESIGN.md over ``candidates`` in eviction order (lowest value
-    first); None when nothing can work.
-
-    When both queries are one ``BestFitAllocator``'s own methods, its ``free_around`` answers
-    both sides of a candidate in one call (the same answer, half the calls).
-    Cost: O(k) for the k candidates examined (never all entries), plus one walk of at most
-    ``2 * max_batch`` blocks and one window search each time a merged run spans ``need``.
+    first); None when nothing can work. (``VictimSearch`` fed each candidate in turn.)
+    Cost: O(k) for the k candidates examined (never all entries), as ``VictimSearch.add``.
     """
-    free_around: Callable[[int, int], tuple[int, int]]
     owner = getattr(block_before, "__self__", None)
+    allocator = None
     if (
         isinstance(owner, BestFitAllocator)
         and block_before == owner.block_before
         and block_at == owner.block_at
     ):
-        free_around = owner.free_around
-    else:
-        free_around = free_around_by_blocks(block_before, block_at)
-    run_end: dict[int, int] = {}  # start -> end of each run of free blocks and candidates
-    run_start: dict[int, int] = {}  # end -> start
+        allocator = owner
+    search = VictimSearch(need, max_batch, block_before, block_at, allocator)
     for block in candidates:
-        offset, size, _ = block
-        end = offset + size
-        left = run_start.pop(offset, None)  # the start of a run that ends where block starts
-        right = run_end.pop(end, None)  # the end of a run that starts where block ends
-        if left is None or right is None:
-            free_start, free_stop = free_around(offset, end)
-        if left is None:
-            start = free_start
-        else:
-            start = left
-            del run_end[left]
-        if right is None:
-            stop = free_stop
-        else:
-            stop = right
-            del run_start[right]
-        run_end[start] = stop
-        run_start[stop] = start
-        if stop - start < need:
-            continue
-        if left is None and right is None:  # no other candidate beside it: one window
-            return Window((offset,), size, start, stop - start)
-        inside = range(start, stop).__contains__  # the run's allocated blocks: candidates
-        pieces, must = neighbourhood(block, max_batch, block_before, block_at, inside)
-        window = best_window(pieces, need, max_batch, must)
+        window = search.add(block[0], block[1])
         if window is not None:
             return window
     return None

@@ -134,9 +134,7 @@ class PoolViews:
         for i, (entry, tensor) in enumerate(filling):
             try:
                 if bytes_only(tensor, entry):
-                    nbytes = tensor.nbytes
-                    move = memmove_releasing if nbytes >= self.RELEASE_BYTES else memmove
-                    move(self._base + entry.offset, tensor.data_ptr(), nbytes)
+                    copy_bytes(self._base + entry.offset, tensor.data_ptr(), tensor.nbytes)
                 else:
                     _check_strided(tensor)
                     with torch.no_grad():
@@ -155,7 +153,13 @@ memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, c
 memmove_releasing = ctypes.memmove
 
 
-def bytes_only(tensor: torch.Tensor, entry: Entry) -> bool:
+def copy_bytes(dst: int, src: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from address ``src`` to address ``dst`` (host memory): keeps the
+    interpreter lock below ``PoolViews.RELEASE_BYTES``, releases it while it copies above."""
+    (memmove_releasing if nbytes >= PoolViews.RELEASE_BYTES else memmove)(dst, src, nbytes)
+
+
+def bytes_only(tensor: torch.Tensor, entry: ItemLike | Entry) -> bool:
     """Whether ``copy_`` of ``tensor`` into ``entry``'s view would only copy its bytes: a plain
     CPU tensor, contiguous, of the entry's dtype and shape (no broadcast, no conversion), not
     quantized, with no lazy conjugate or negation bit to apply."""

@@ -63,6 +63,7 @@ from embcache.core.outcomes import ItemStatus, Reason, Status
 from embcache.driver.cache import EmbeddingCache
 from embcache.driver.item import Item
 from embcache.driver.locks import assert_unlocked
+from embcache.driver.pool import bytes_only, copy_bytes
 from embcache.driver.request import Request
 from embcache.errors import InvalidArgumentError, InvalidTypeError, TensorParallelError
 from embcache.pipeline.plan import Plan, copy_rows, make_plan
@@ -173,6 +174,7 @@ class EncodePipeline:
             )
         self._cache = cache
         self._uses_work = cache is not None and cache.uses_work  # insert's work: only if used
+        self._pool_address = 0 if cache is None else cache.pool.data_ptr()  # host memory
         self._encoder = encoder
         self._device = torch.empty(0, device=encoder.device).device  # "cuda" -> "cuda:0"
         self._channel = (
@@ -308,10 +310,19 @@ class EncodePipeline:
 
     def _collect(self, request: Request, plan: Plan, statuses: list[ItemStatus]) -> _Local:
         """One snapshot of what the request holds; each held row copied into its place in the
-        answer, on the device (a copy, never a view of the pool)."""
+        answer, on the device (a copy, never a view of the pool). On the CPU the pool's bytes
+        go straight into the answer's rows (no view, no ``copy_`` dispatch per item)."""
         reasons = request.fallback_reasons()  # before the snapshot: served only grows
-        views = request.embeddings()
         answer, at = plan.empty_result(self._device), plan.offsets
+        if answer.is_cpu:
+            held = request.offsets()
+            rows = _Rows(answer)
+            pool = self._pool_address
+            for n, offset in enumerate(held):
+                if offset is not None:
+                    copy_bytes(rows.address(at[n]), pool + offset, rows.nbytes(at[n], at[n + 1]))
+            return _Local(statuses, [offset is None for offset in held], reasons, answer)
+        views = request.embeddings()
         for n, view in enumerate(views):
             if view is not None:
                 copy_rows(answer[at[n] : at[n + 1]], view)
@@ -404,11 +415,17 @@ class EncodePipeline:
     def _assemble(
         plan: Plan, mask: list[bool], answer: torch.Tensor, fresh: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        """``answer`` with each masked item's fresh output copied into its rows."""
+        """``answer`` with each masked item's fresh output copied into its rows (as bytes
+        where that is all ``copy_`` would do: a plain contiguous CPU output into a CPU answer)."""
         at = plan.offsets
+        rows = _Rows(answer) if answer.is_cpu else None
         for n, (item, masked) in enumerate(zip(plan.items, mask, strict=True)):
             if masked:
-                copy_rows(answer[at[n] : at[n + 1]], fresh[item.key])
+                out = fresh[item.key]
+                if rows is not None and bytes_only(out, item):
+                    copy_bytes(rows.address(at[n]), out.data_ptr(), out.nbytes)
+                else:
+                    copy_rows(answer[at[n] : at[n + 1]], out)
         return answer
 
     # ------------------------------------------------------------------ collectives
@@ -466,6 +483,22 @@ def _shares(seconds: float, tensors: list[torch.Tensor]) -> list[float]:
     if not total:
         return [seconds / len(rows)] * len(rows)
     return [seconds * n / total for n in rows]
+
+
+class _Rows:
+    """Addresses of a contiguous host tensor's rows along dim 0."""
+
+    def __init__(self, answer: torch.Tensor) -> None:
+        self._base = answer.data_ptr()
+        self._row = answer.nbytes // answer.shape[0] if answer.shape[0] else 0
+
+    def address(self, row: int) -> int:
+        """Where row ``row`` starts."""
+        return self._base + row * self._row
+
+    def nbytes(self, start: int, stop: int) -> int:
+        """The bytes of rows ``start:stop``."""
+        return (stop - start) * self._row
 
 
 def _check_seconds(name: str, value: float) -> None:
