@@ -10,12 +10,14 @@ images, the last ``inflight`` requests held open):
 (``--quick``: the first three over the quick catalogue of 600 images, 1500 requests.)
 
 ``lru`` and ``tinylfu`` run through the real ``EmbeddingCache(policy=...)`` (real copies of
-real-sized tensors), as ``bench_fragmentation.run_ours`` drives it. Every contender also runs
-in ``simulate``: the real allocator (``RangeAllocator``) and victim rule
-(``eviction.choose_victims``, its candidates the first entries of the policy's eviction order)
-under the cache's actions in the cache's order (Lookup of every item: ``record``, a hit pins; a
-reserving BeginLoad per miss: ``admit`` when it must evict, a refusal evicts nothing; EndLoad
-OK; the request's pins released in lookup order when it closes). For ``lru`` and ``tinylfu``
+real-sized tensors), as the encode pipeline drives it (every miss encoded and inserted with its
+work). Every contender also runs in ``simulate``: the real allocator (``RangeAllocator``) and
+victim rule (``eviction.choose_victims``, its candidates the first entries of the policy's
+eviction order) under the cache's actions in the cache's order (Lookup of every item:
+``record``, a hit pins; a reserving BeginLoad per miss: ``admit`` when it must evict, a refusal
+evicts nothing; the insert: a second BeginLoad for each miss refused at lookup, EndLoad OK, and
+each output's work told to a policy that keeps it; the request's pins released in lookup order
+when it closes). For ``lru`` and ``tinylfu``
 the simulation must make exactly the real cache's hits, refusals and evictions (else the
 benchmark fails), which is what lets the candidates run only simulated. ``--quick`` simulates
 every contender and runs that check on the first 400 requests of the scan mix only (the real
