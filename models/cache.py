@@ -328,7 +328,9 @@ class ModelCache:
             self.order.add(e.key)
 
     # -- insert and publish --
-    def insert(self, r: str, items: list, publish: bool) -> list[bool]:
+    def insert(
+        self, r: str, items: list, publish: bool, work: list[float] | None = None
+    ) -> list[bool]:
         rq = self.requests[r]
         filling: list[tuple[int, str]] = []
         for i, (key, shape, dtype, nbytes) in enumerate(items):
@@ -344,6 +346,14 @@ class ModelCache:
             self.end_load(key, OK, "load_failed")
             results[i] = key in self.entries and self.entries[key].state == "READY"
         self.counts["inserts"] += sum(results)
+        if work is not None and getattr(self.policy, "note_work", None) is not None:
+            for (key, _, _, nbytes), seconds in zip(items, work, strict=True):
+                e = self.entries.get(key)
+                if e is not None and e.state == "READY":
+                    self.policy.note_work(key, seconds, e.size)
+                else:
+                    unit = self.alloc.alignment
+                    self.policy.note_encoded(key, seconds, max(-(-nbytes // unit) * unit, unit))
         if publish:
             started = []
             for i, key in filling:

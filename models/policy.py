@@ -4,12 +4,14 @@ The eviction order is a list (oldest first); counts are a count-min sketch kept 
 rows of ints, each key's counter in row ``r`` at ``(hash + r * step) % width``, except those of
 resident keys looked up while resident: exact, in a dict, written back when forgotten; the
 running mean of the shift detector is recomputed from the list of block means every time; the
-adaptive policy's shadows are lists, oldest first.
+adaptive policy's shadows are lists, oldest first; ``adaptive-work``'s remembered work is a
+dict of present keys, a list of ghosts (oldest first, trimmed) and a running mean.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 
 class ModelOrder:
@@ -252,4 +254,99 @@ class ModelAdaptive(ModelTinyLfu):
         return super().admit(key, nbytes, victims)
 
 
-MODELS = {"lru": ModelLru, "tinylfu": ModelTinyLfu, "adaptive": ModelAdaptive}
+class ModelWorkAdaptive(ModelAdaptive):
+    """``adaptive-work`` as its docstring says it: ``adaptive`` whose filter (``admit`` under
+    the filter expert, and the filter's shadow) compares worth = estimate x seconds per byte;
+    a key's seconds per byte is its last note while present, else its last among the ghosts
+    (the ``ghosts`` x max(resident, min_entries) most recently noted keys not present: freed
+    with a note, or encoded and not cached), else the running mean of every note (the plain
+    mean of the first ``window`` notes, then a moving mean of weight 1 / ``window``; 1.0
+    before any note)."""
+
+    name = "adaptive-work"
+    window = 1024
+    ghosts = 4
+
+    def __init__(self, **knobs: Any) -> None:
+        super().__init__(**knobs)
+        self.work: dict[str, float] = {}  # present keys noted
+        self.ghost: list[tuple[str, float]] = []  # oldest first
+        self.mean = 1.0
+        self.notes = 0
+
+    def measure(self, seconds: float, nbytes: int) -> float:
+        per_byte = seconds / nbytes
+        self.notes += 1
+        if self.notes == 1:
+            self.mean = per_byte
+        else:
+            self.mean = self.mean + (per_byte - self.mean) / min(self.notes, self.window)
+        return per_byte
+
+    def haunt(self, key: str, per_byte: float) -> None:
+        self.ghost = [(k, w) for k, w in self.ghost if k != key] + [(key, per_byte)]
+        self.ghost = self.ghost[max(len(self.ghost) - self.ghosts * self.entries(), 0) :]
+
+    def note_work(self, key: str, seconds: float, nbytes: int) -> None:
+        per_byte = self.measure(seconds, nbytes)
+        self.ghost = [(k, w) for k, w in self.ghost if k != key]
+        self.work[key] = per_byte
+
+    def note_encoded(self, key: str, seconds: float, nbytes: int) -> None:
+        self.haunt(key, self.measure(seconds, nbytes))
+
+    def work_per_byte(self, key: str) -> float:
+        if key in self.work:
+            return self.work[key]
+        for k, w in self.ghost:
+            if k == key:
+                return w
+        return self.mean
+
+    def worth(self, key: str) -> float:
+        return self.estimate(key) * self.work_per_byte(key)
+
+    def record(self, key: str) -> None:
+        """``adaptive``'s, with the filter's shadow taking a key by worth, not count."""
+        ModelTinyLfu.record(self, key)
+        cap = self.entries()
+        if key in self.lru_shadow:
+            self.lru_hits += 1
+            self.lru_shadow.remove(key)
+            self.lru_shadow.append(key)
+        else:
+            self.lru_shadow = [*self.lru_shadow, key][-cap:]
+        if key in self.filter_shadow:
+            self.filter_hits += 1
+            self.filter_shadow.remove(key)
+            self.filter_shadow.append(key)
+        elif len(self.filter_shadow) < cap:
+            self.filter_shadow.append(key)
+        else:
+            if self.worth(key) > self.worth(self.filter_shadow[0]):
+                self.filter_shadow = [*self.filter_shadow[1:], key]
+            self.filter_shadow = self.filter_shadow[max(len(self.filter_shadow) - cap, 0) :]
+        self.period -= 1
+        if self.period == 0:
+            self.lru_hits *= self.decay
+            self.filter_hits *= self.decay
+            self.period = self.entries()
+        self.use_filter = self.filter_hits * self.favour >= self.lru_hits
+
+    def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
+        if not self.use_filter:
+            return True
+        return all(self.worth(victim) < self.worth(key) for victim in victims)
+
+    def forget(self, key: str) -> None:
+        super().forget(key)
+        if key in self.work:
+            self.haunt(key, self.work.pop(key))
+
+
+MODELS = {
+    "lru": ModelLru,
+    "tinylfu": ModelTinyLfu,
+    "adaptive": ModelAdaptive,
+    "adaptive-work": ModelWorkAdaptive,
+}

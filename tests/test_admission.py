@@ -3,7 +3,10 @@ would evict; a refusal evicts nothing, is traced, counted and reported as a fall
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -90,3 +93,175 @@ def test_a_bad_policy_is_refused(
 ) -> None:
     with pytest.raises(error, match=match):
         make_cache(UNIT, alignment=UNIT, policy=policy)
+
+
+# No halving or shift within the test, and the filter expert answers (its shadow's hits x 2
+# stay above the LRU shadow's): what admission does is the filter's rule alone.
+FILTER_ONLY = {"min_entries": 1, "sample_factor": 100, "shift_drop": 0, "favour": 2.0}
+
+
+def cheap_dear_then_new(cache: EmbeddingCache, work: dict[str, float] | None) -> str | None:
+    """A pool of two units holding ``cheap`` and ``dear`` (inserted with ``work``'s seconds,
+    or none), each looked up 5 times, ``cheap`` the older; then ``new`` looked up twice and a
+    third time reserving its miss, which must evict ``cheap``. The reservation's fallback
+    reason (None: admitted)."""
+    for key in ("cheap", "dear"):
+        with cache.request(f"fill-{key}") as request:
+            seconds = None if work is None else [work[key]]
+            tensor = payload((UNIT // 4,), torch.float32, 0)
+            assert request.insert([key], [tensor], publish=False, work=seconds) == [True]
+    warm(cache, ["cheap", "dear"], 5)
+    warm(cache, ["new"], 2)
+    with cache.request("new") as request:
+        [status] = request.lookup([unit_item("new")], prefetch=False, reserve_misses=True)
+    cache.check_invariants()
+    return None if status.reason is None else status.reason.value
+
+
+@pytest.mark.parametrize(
+    ("policy", "work", "reason"),
+    [
+        ("adaptive-work", {"cheap": 0.001, "dear": 1.0}, None),  # 3 x mean > 5 x cheap's
+        ("adaptive-work", None, "not_admitted"),  # no work told: adaptive's answer (3 < 5)
+        ("adaptive", {"cheap": 0.001, "dear": 1.0}, "not_admitted"),  # work unused
+    ],
+)
+def test_adaptive_work_admits_by_the_work_the_inserts_measured(
+    make_cache: Callable[..., EmbeddingCache], policy: str, work: dict[str, float] | None,
+    reason: str | None,
+) -> None:  # fmt: skip
+    """Issue 41, point 2, through the real cache: ``new`` (3 lookups, never encoded here: the
+    mean of the measured seconds per byte) is worth more than ``cheap`` (5 lookups, 1 ms) and
+    displaces it; without work, or under ``adaptive``, the counts alone refuse it."""
+    cache = make_cache(2 * UNIT, alignment=UNIT, policy=make_policy(policy, **FILTER_ONLY))
+    assert cheap_dear_then_new(cache, work) == reason
+    assert cache.entry_state("cheap").name == ("ABSENT" if reason is None else "READY")
+
+
+@pytest.mark.parametrize(("told", "reason"), [(True, None), (False, "not_admitted")])
+def test_adaptive_work_remembers_the_work_of_an_output_it_refused(
+    make_cache: Callable[..., EmbeddingCache], told: bool, reason: str | None
+) -> None:
+    """``new`` is refused (3 lookups at the mean, 10 ms, against ``cheap``'s 5 at 10 ms); its
+    request still inserts its encoder output, telling its work (20 ms): not cached, it is
+    remembered among the ghosts, so its next lookup (4 lookups at 20 ms) displaces ``cheap``
+    (6 at 10 ms by then). Not told (``work`` None), it stays at the mean and is refused
+    again; so it would be at the mean told (13.3 ms: 4 x 13.3 < 6 x 10) if the ghosts were
+    not consulted."""
+    cache = make_cache(2 * UNIT, alignment=UNIT, policy=make_policy("adaptive-work", **FILTER_ONLY))
+    assert cheap_dear_then_new(cache, {"cheap": 0.01, "dear": 0.01}) == "not_admitted"
+    with cache.request("insert-new") as request:
+        tensor = payload((UNIT // 4,), torch.float32, 2)
+        work = [0.02] if told else None
+        assert request.insert(["new"], [tensor], publish=False, work=work) == [False]
+    warm(cache, ["cheap", "dear"], 1)  # (the filter's shadow hits: the filter still answers)
+    with cache.request("new-again") as request:
+        [status] = request.lookup([unit_item("new")], prefetch=False, reserve_misses=True)
+    assert (None if status.reason is None else status.reason.value) == reason
+    cache.check_invariants()
+
+
+def test_the_admission_test_catches_an_insert_that_drops_the_work(
+    make_cache: Callable[..., EmbeddingCache], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted: ``Request.insert`` checks the work it is given and passes none on (patched in
+    the driver, which both builds run as Python): ``new`` is refused."""
+    import embcache.driver.request as driver_request
+
+    monkeypatch.setattr(driver_request, "checked_work", lambda work, items: None)
+    cache = make_cache(2 * UNIT, alignment=UNIT, policy=make_policy("adaptive-work", **FILTER_ONLY))
+    assert cheap_dear_then_new(cache, {"cheap": 0.001, "dear": 1.0}) == "not_admitted"
+
+
+@pytest.mark.parametrize(
+    ("work", "error", "named"),
+    [
+        ([-0.5], InvalidArgumentError, "finite seconds >= 0, got -0.5"),
+        ([float("nan")], InvalidArgumentError, "got nan"),
+        ([float("-inf")], InvalidArgumentError, "got -inf"),
+        ([1.0, 1.0], InvalidArgumentError, "2 values for 1 items"),
+        (["fast"], InvalidTypeError, "got str 'fast'"),
+        (0.5, InvalidTypeError, "got float"),
+    ],
+)
+def test_bad_work_is_refused_and_changes_nothing(
+    make_cache: Callable[..., EmbeddingCache], work: object, error: type, named: str
+) -> None:
+    """A bad ``work`` to ``Request.insert`` (into a reservation) or ``EmbeddingCache.insert``
+    raises a specific error before anything moves: the reservation is still held and still
+    fillable, nothing is inserted, the counters and the policy's notes are as before."""
+    policy = make_policy("adaptive-work", min_entries=1)
+    cache = make_cache(4 * UNIT, alignment=UNIT, policy=policy)
+    tensor = payload((UNIT // 4,), torch.float32, 0)
+    with cache.request("r") as request:
+        [status] = request.lookup([unit_item("k")], prefetch=False, reserve_misses=True)
+        assert status.status.name == "RESERVED"
+        before = (cache.stats(), policy.footprint())  # type: ignore[attr-defined]
+        with pytest.raises(error, match=re.escape(named)):
+            request.insert(["k"], [tensor], publish=False, work=work)  # type: ignore[arg-type]
+        with pytest.raises(error, match=re.escape(named)):
+            cache.insert(["other"], [tensor], publish=False, work=work)  # type: ignore[arg-type]
+        assert (cache.stats(), policy.footprint()) == before  # type: ignore[attr-defined]
+        assert cache.entry_state("k").name == "LOADING"
+        assert cache.entry_state("other").name == "ABSENT"
+        assert request.insert(["k"], [tensor], publish=False, work=[0.25]) == [True]
+    assert policy.work_per_byte("k") == 0.25 / UNIT  # type: ignore[attr-defined]
+    cache.check_invariants()
+
+
+class RowsEncoder:
+    """Input ``n`` encodes to ``n`` rows of 64 float32 (one unit a row); each call sleeps
+    ``SLEEP`` seconds, whatever its rows."""
+
+    SLEEP = 0.05
+    device = torch.device("cpu")
+
+    def __call__(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
+        time.sleep(self.SLEEP)
+        return [torch.full((n, UNIT // 4), float(n)) for n in inputs]
+
+
+def test_the_pipeline_passes_each_outputs_share_of_the_encoder_time() -> None:
+    """The encode pipeline times its encoder call (``encoder_seconds``) and gives each fresh
+    output its share by rows: one call encoding 1 and 3 rows gives the first a quarter of the
+    call's seconds, the second three quarters, both the same seconds per byte."""
+    from embcache.pipeline import EncodePipeline
+
+    policy: Any = make_policy("adaptive-work")
+    with EmbeddingCache(16 * UNIT, alignment=UNIT, pin_memory=False, policy=policy) as cache:
+        pipeline = EncodePipeline(cache, RowsEncoder())
+        items = [Item(f"rows{n}", (n, UNIT // 4), torch.float32) for n in (1, 3)]
+        pipeline.encode("r", items, [1, 3])
+        seconds = pipeline.stats().encoder_seconds
+        assert seconds >= RowsEncoder.SLEEP
+        one, three = policy.work_per_byte("rows1"), policy.work_per_byte("rows3")
+        assert one * UNIT == pytest.approx(seconds / 4) and three == pytest.approx(one)
+        assert (policy.footprint().work, policy.footprint().work_ghosts) == (2, 0)
+
+
+@pytest.mark.parametrize(
+    ("policy", "uses"), [("lru", False), ("adaptive", False), ("adaptive-work", True)]
+)
+def test_the_pipeline_passes_work_only_to_a_cache_whose_policy_uses_it(
+    monkeypatch: pytest.MonkeyPatch, policy: str, uses: bool
+) -> None:
+    """``EmbeddingCache.uses_work`` says whether the policy admits by work; the pipeline then
+    shares its encoder time among the outputs, else passes none (no list built per insert)."""
+    from embcache import Request
+    from embcache.pipeline import EncodePipeline
+
+    passed: list[object] = []
+    insert = Request.insert
+
+    def spy(self: Request, keys: Any, tensors: Any, **kwargs: Any) -> list[bool]:
+        passed.append(kwargs.get("work"))
+        return insert(self, keys, tensors, **kwargs)
+
+    monkeypatch.setattr(Request, "insert", spy)
+    with EmbeddingCache(16 * UNIT, alignment=UNIT, pin_memory=False, policy=policy) as cache:
+        assert cache.uses_work is uses
+        EncodePipeline(cache, RowsEncoder()).encode(
+            "r", [Item("a", (2, UNIT // 4), torch.float32)], [2]
+        )
+    [work] = passed
+    assert (work is not None) is uses

@@ -308,9 +308,11 @@ def drive_every_path(policy: Any, units: int = 16, requests: int = 12_000) -> di
       exact count goes back into the sketch and is counted again;
     - one key never seen before (far past every bound: 12,000 of them);
     and every 500 requests, 100 request-less inserts of new keys (admission asked with no
-    lookup: no period ends to prune ``adaptive``'s ghosts). Many lookups end samples
+    lookup: no period ends to prune ``adaptive``'s ghosts). Every insert says its encoder
+    work (``adaptive-work`` keeps it; the others ignore it). Many lookups end samples
     (halvings). Returns the most each container held and how often each path ran."""
-    most = {"sketch_bytes": 0, "resident": 0, "counts": 0, "ghosts": 0}
+    most = {"sketch_bytes": 0, "resident": 0, "counts": 0, "ghosts": 0, "work": 0}
+    most["work_ghosts"] = 0
     seen: set[str] = set()
     readmitted = hits = 0
     bound = policy.bound(units)
@@ -324,31 +326,33 @@ def drive_every_path(policy: Any, units: int = 16, requests: int = 12_000) -> di
                 hits += len(keys) - len(missed)
                 readmitted += sum(key in seen for key in missed)
                 seen.update(missed)
-                request.insert(
-                    missed, [torch.full((256,), n % 251, dtype=torch.uint8)] * len(missed)
-                )
+                tensors = [torch.full((256,), n % 251, dtype=torch.uint8)] * len(missed)
+                request.insert(missed, tensors, work=[0.001 * (1 + n % 7)] * len(missed))
             if n % 500 == 499:  # request-less inserts: admissions with no lookup
                 for j in range(100):
-                    cache.insert([f"put{n}-{j}"], [torch.zeros((256,), dtype=torch.uint8)])
+                    put = [torch.zeros((256,), dtype=torch.uint8)]
+                    cache.insert([f"put{n}-{j}"], put, work=[0.002])
             now = policy.footprint()
             entries = cache.stats().entries
             assert now.within(bound), (n, now, bound)
             assert now.counts <= now.resident <= entries, (n, now, entries)
+            assert now.work <= entries, (n, now, entries)
             for field in most:
                 most[field] = max(most[field], getattr(now, field))
         cache.check_invariants()
     return {**most, "hits": hits, "readmitted": readmitted}
 
 
-@pytest.mark.parametrize("name", ["tinylfu", "adaptive"])
+@pytest.mark.parametrize("name", ["tinylfu", "adaptive", "adaptive-work"])
 def test_every_policy_container_stays_at_its_bound_down_every_path(name: str) -> None:
     """Issue 42: lookups of resident keys, evictions and readmissions, halvings and shifts, and
     12,000 distinct keys looked up and 2,400 inserted with no request (750x and 150x the 16
     entries; the sketch's bound: 4 rows of 4,096 counters; the ghosts': 64, tinylfu's: 0) keep
     every container within the bound, and the paths did run: hits, keys
-    readmitted, samples halved, shifts cleared the counts, and the exact counts and (adaptive)
-    ghosts filled up. Samples of 50 x 16 lookups and blocks of 12 (``shift_block``), so that
-    each move of the hot set shows in a block before its new keys' counts build up."""
+    readmitted, samples halved, shifts cleared the counts, and the exact counts, (adaptive)
+    ghosts and (adaptive-work) remembered work filled up. Samples of 50 x 16 lookups and blocks
+    of 12 (``shift_block``), so that each move of the hot set shows in a block before its new
+    keys' counts build up."""
     policy: Any = make_policy(name, sample_factor=50, shift_block=12)
     got = drive_every_path(policy)
     bound = policy.bound(16)
@@ -357,6 +361,8 @@ def test_every_policy_container_stays_at_its_bound_down_every_path(name: str) ->
     assert got["sketch_bytes"] == bound.sketch_bytes and got["resident"] == 16, got
     assert got["counts"] >= 4, got  # the hot set, at least, counted exactly
     assert got["ghosts"] == bound.ghosts, got  # adaptive: 64 reached (2,400 inserts passed)
+    # adaptive-work: every entry's work (16) and its ghosts' (4 x 16) reached; others keep none
+    assert (got["work"], got["work_ghosts"]) == (bound.work, bound.work_ghosts), got
 
 
 def test_the_bound_test_catches_a_forget_that_keeps_the_exact_count() -> None:

@@ -5,6 +5,7 @@ against the real cache."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import subprocess
@@ -15,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+import torch
+from hypothesis import example, given
 from hypothesis import strategies as st
 
+from embcache import EmbeddingCache, Item
 from embcache.core.cache_core import CacheCore
 from embcache.core.outcomes import Status, TransferOutcome
 from embcache.core.policy import (
@@ -28,6 +31,8 @@ from embcache.core.policy import (
     LruPolicy,
     Policy,
     TinyLfuPolicy,
+    WorkAdaptivePolicy,
+    checked_work,
     make_policy,
 )
 from embcache.errors import InvalidArgumentError, InvalidTypeError
@@ -45,6 +50,27 @@ OPS = st.lists(
         st.tuples(st.just("admit"), KEYS, st.integers(1, 4), st.integers(1, 9)),
     ),
     max_size=200,
+)
+WORK = st.tuples(
+    st.sampled_from(["work", "encoded"]),
+    KEYS,
+    st.sampled_from([0.0, 1e-3, 0.5, 1.0, 3.0]),  # seconds: ties, zero, spread
+    st.integers(1, 4).map(lambda units: units << 8),  # aligned bytes
+)
+WORK_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("record"), KEYS),
+        st.tuples(st.just("add"), KEYS),
+        st.tuples(st.just("discard"), KEYS),
+        st.tuples(st.just("forget"), KEYS),
+        st.tuples(st.just("admit"), KEYS, st.integers(1, 4), st.integers(1, 9)),
+        WORK,
+        WORK,
+    ),
+    max_size=200,
+)
+DUEL = st.fixed_dictionaries(
+    {"decay": st.sampled_from([0.1, 0.5, 0.6, 0.99]), "favour": st.sampled_from([0.5, 1.0, 2.0])}
 )
 SMALL_KNOBS = st.fixed_dictionaries(
     {
@@ -75,6 +101,9 @@ def drive(name: str, knobs: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
             policy.forget(key)
             model_order.discard(key)
             model.forget(key)
+        elif kind in ("work", "encoded"):  # an output's encoder seconds: cached, or not
+            getattr(policy, "note_" + kind)(key, op[2], op[3])
+            getattr(model, "note_" + kind)(key, op[2], op[3])
         else:
             victims, nbytes = list(model_order)[: op[2]], op[3] << 20
             assert policy.admit(key, nbytes, victims) == model.admit(key, nbytes, victims), op
@@ -85,9 +114,17 @@ def drive(name: str, knobs: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
             assert {k: policy.estimate(k) for k in "abcdefg"} == {
                 k: model.estimate(k) for k in "abcdefg"
             }, op
-        if name == "adaptive":
+        if name in ("adaptive", "adaptive-work"):
             assert policy.use_filter == model.use_filter, op
             assert policy.shadow_keys() == (model.lru_shadow, model.filter_shadow), op
+        if name == "adaptive-work":
+            assert {k: policy.worth(k) for k in "abcdefg"} == {
+                k: model.worth(k) for k in "abcdefg"
+            }, op
+            footprint = policy.footprint()
+            assert (footprint.work, footprint.work_ghosts) == (len(model.work), len(model.ghost)), (
+                op
+            )
 
 
 @given(OPS)
@@ -131,6 +168,107 @@ def test_adaptive_matches_its_model_with_shadows_full(ops: list[tuple[Any, ...]]
     drop their oldest keys, the filter's refuses keys, and both trim when residents leave."""
     knobs = {"min_entries": 1, "shift_drop": 0, "sample_factor": 8, "decay": 0.5}
     drive("adaptive", knobs, ops)
+
+
+@given(SMALL_KNOBS, DUEL, WORK_OPS)
+def test_adaptive_work_matches_its_model(
+    knobs: dict[str, Any], duel: dict[str, Any], ops: list[tuple[Any, ...]]
+) -> None:
+    """Counts, shadows, the experts' duel, each key's worth (remembered work or the running
+    mean) and every admission agree with ``ModelWorkAdaptive``, work notes among the steps."""
+    drive("adaptive-work", {**knobs, **duel}, ops)
+
+
+@example(  # a freed key's work, and an output's not cached: each unlike the mean
+    [
+        ("record", "a"), ("work", "a", 1e-3, 256), ("work", "b", 3.0, 256), ("forget", "a"),
+        ("record", "c"), ("encoded", "c", 3.0, 256), ("work", "d", 1e-3, 256),
+    ]
+)  # fmt: skip
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("record"), st.sampled_from("abcdefghijklmnop")),
+            st.tuples(st.just("add"), KEYS),
+            st.tuples(st.just("forget"), KEYS),
+            WORK,
+        ),
+        max_size=150,
+    )
+)
+def test_adaptive_work_matches_its_model_with_shadows_and_ghosts_full(
+    ops: list[tuple[Any, ...]],
+) -> None:
+    """One to a few resident entries (``min_entries`` 1): the filter's shadow refuses keys by
+    worth, and the ghosts' work is trimmed to 4x the residents as keys come and leave."""
+    knobs = {"min_entries": 1, "shift_drop": 0, "sample_factor": 8, "decay": 0.5}
+    drive("adaptive-work", knobs, ops)
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("record"), st.sampled_from("ab")),
+            st.tuples(st.just("add"), st.sampled_from("ab")),
+            st.tuples(
+                st.just("work"), st.sampled_from("ab"), st.sampled_from([1e-3, 1.0]), st.just(256)
+            ),
+            st.tuples(st.just("admit"), st.sampled_from("ab"), st.just(1), st.just(1)),
+        ),
+        max_size=40,
+    )
+)
+def test_adaptive_work_matches_its_model_on_two_keys(ops: list[tuple[Any, ...]]) -> None:
+    """Two keys, work a thousandfold apart: admissions where counts and worth disagree."""
+    drive("adaptive-work", {"shift_drop": 0, "favour": 2.0}, ops)
+
+
+def test_adaptive_work_adds_nothing_to_a_hit() -> None:
+    """A hit's cost is ``adaptive``'s: ``record`` is the very same function (work is told at
+    the end of an insert, never on a lookup), and ``lru``, ``tinylfu`` and ``adaptive`` keep no
+    work (the core never calls them for it)."""
+    assert WorkAdaptivePolicy.record is AdaptivePolicy.record
+    assert WorkAdaptivePolicy.records_lookups and WorkAdaptivePolicy.records_work
+    assert not any(POLICIES[name]().records_work for name in ("lru", "tinylfu", "adaptive"))
+
+
+def work_policy_after(notes: dict[str, float], lookups: dict[str, int]) -> WorkAdaptivePolicy:
+    """A fresh ``adaptive-work`` (the filter expert: no shadow duel lost yet) with ``notes``
+    (seconds for 256 bytes each) and ``lookups`` (times each key is looked up)."""
+    policy = WorkAdaptivePolicy(shift_drop=0)
+    policy.order()
+    for key, times in lookups.items():
+        for _ in range(times):
+            policy.record(key)
+    for key, seconds in notes.items():
+        policy.note_work(key, seconds, 256)
+    return policy
+
+
+def test_adaptive_work_admits_by_lookups_times_seconds_per_byte() -> None:
+    """A victim looked up 3 times whose encoding took 1 ms is worth less than a candidate
+    looked up twice that took 10 ms (``adaptive`` refuses it: 2 < 3); a ratio the other way
+    refuses; a tie refuses; with no note at all it answers as ``adaptive``."""
+    policy = work_policy_after({"cheap": 0.001, "dear": 0.01}, {"cheap": 3, "dear": 2})
+    assert policy.use_filter
+    assert policy.admit("dear", 256, ["cheap"])
+    assert not AdaptivePolicy.admit(policy, "dear", 256, ["cheap"])
+    assert not policy.admit("cheap", 256, ["dear"])
+    assert not policy.admit("dear", 256, ["dear"])
+    blind = work_policy_after({}, {"cheap": 3, "dear": 2})
+    assert not blind.admit("dear", 256, ["cheap"]) and blind.admit("cheap", 256, ["dear"])
+
+
+def test_adaptive_work_prices_an_unknown_key_at_the_running_mean() -> None:
+    """Keys never encoded here cost the mean seconds per byte of the notes (here 5.5 ms per
+    256 bytes): a never-noted key looked up twice is worth more than a noted one looked up
+    three times at 1 ms, and less than one looked up once at 30 ms."""
+    policy = work_policy_after({"a": 0.001, "b": 0.01}, {"a": 3, "new": 2, "c": 1})
+    assert policy.work_per_byte("new") == pytest.approx(0.0055 / 256)
+    assert policy.admit("new", 256, ["a"])
+    policy.note_work("c", 0.03, 256)  # the mean moves: (1 + 10 + 30) / 3 ms; 2 x 13.7 < 30
+    assert policy.work_per_byte("new") == pytest.approx(0.041 / 3 / 256)
+    assert not policy.admit("new", 256, ["c"])
 
 
 def adaptive_after(lookups: list[str], **knobs: Any) -> AdaptivePolicy:
@@ -398,7 +536,7 @@ def test_sketch_counts_exactly_without_collisions_and_saturates() -> None:
     assert sketch.estimate("a") == 4 and sketch.estimate("b") == 0
 
 
-@pytest.mark.parametrize("name", ["tinylfu", "adaptive"])
+@pytest.mark.parametrize("name", ["tinylfu", "adaptive", "adaptive-work"])
 def test_memory_stays_at_its_bound_however_many_keys_pass(name: str) -> None:
     """A cache of 16 entries (its sketch: 4 rows of 1024 counters; adaptive's shadows: at most
     2 x 16 keys). 32,000 distinct keys are looked up (31 x the width, 1,000 x the shadows), and
@@ -431,7 +569,7 @@ def test_memory_stays_at_its_bound_however_many_keys_pass(name: str) -> None:
             assert now.within(bound), (n, now, bound)
             worst = max(worst, now, key=lambda f: (f.ghosts, f.sketch_bytes))
     assert worst.sketch_bytes == bound.sketch_bytes  # reached, not just respected
-    assert worst.ghosts == (32 if name == "adaptive" else 0)
+    assert worst.ghosts == (0 if name == "tinylfu" else 32)
     tracemalloc.start()
     try:
         for n in range(30_000, 30_200):
@@ -469,6 +607,100 @@ def test_the_core_keeps_a_policy_within_its_bound() -> None:
     assert core.queries.stats(0.0).evictions > 1000
 
 
+def drive_work_through_core(policy: Any) -> int:
+    """20,000 requests through the core (a new key and a hot one each, 8 entries), every
+    insert with its work; after each, ``policy``'s footprint within ``bound(8)`` and its
+    present work at most the entries. The most keys whose work it remembered."""
+    align, units = 256, 8
+    core = CacheCore(units * align, align, 4, True, policy=policy)
+    bound, most = policy.bound(units), 0
+    for n in range(20_000):
+        keys = [f"{n:064x}", f"hot{n % 3}"]
+        items = [_Thing(key, align) for key in keys]
+        looked = core.begin_lookup(f"r{n}", items, False, True, False).result
+        rs, fills = looked.request, looked.fills
+        ok = [TransferOutcome.OK] * len(fills)
+        core.end_inserts(rs, fills, ok, len(items), False, work=checked_work([0.01, 0.5], items))
+        core.end_request(rs)
+        now = policy.footprint()
+        assert now.within(bound), (n, now, bound)
+        assert now.work <= len(core.queries.entries) <= units
+        most = max(most, now.work + now.work_ghosts)
+    core.queries.check_invariants()
+    return most
+
+
+def test_the_core_keeps_remembered_work_within_its_bound() -> None:
+    """``adaptive-work`` through the core, every insert with its work: 20,000 distinct keys
+    (2,500x the 8 entries) and a hot set. The keys whose work is remembered (present, and at
+    most 4 x max(resident, ``min_entries``) ghosts: freed, or encoded and not cached) never
+    exceed ``bound(8)`` (8 present, 32 ghosts) and come within a few of it (a victim leaves the
+    residents before its ``forget``); the core notes present work only for READY entries, so
+    that part is at most the entries."""
+    policy = WorkAdaptivePolicy(min_entries=1)
+    most = drive_work_through_core(policy)
+    bound = policy.bound(8)
+    assert (bound.work, bound.work_ghosts) == (8, 32) and most >= 36
+    assert policy.work_per_byte("hot0") == pytest.approx(0.5 / 256)  # remembered, not the mean
+
+
+def test_the_work_bound_test_catches_ghosts_never_trimmed() -> None:
+    """Planted: ghosts never trimmed: the drive above fails as soon as they pass the bound."""
+    with pytest.raises(AssertionError, match="work_ghosts=33"):
+        drive_work_through_core(_GhostsKeptForever(min_entries=1))
+
+
+class _GhostsKeptForever(WorkAdaptivePolicy):
+    """A planted bug: the ghosts' work is kept, never trimmed."""
+
+    def _haunt(self, key: str, per_byte: float) -> None:
+        self._ghost_work[key] = per_byte
+
+
+def test_the_core_skips_note_work_for_a_policy_that_keeps_no_work() -> None:
+    """``lru``, ``tinylfu`` and ``adaptive`` have no ``note_work``: an insert given work asks
+    nothing of them (a policy whose ``records_work`` is False is never called, even if it has
+    the method)."""
+
+    class Refuses(AdaptivePolicy):
+        def note_work(self, key: str, seconds: float, nbytes: int) -> None:
+            raise AssertionError("called")
+
+    for policy in (make_policy("lru"), make_policy("tinylfu"), Refuses()):
+        core = CacheCore(4 * 256, 256, 4, True, policy=policy)
+        looked = core.begin_lookup("r", [_Thing("k", 256)], False, True, False).result
+        fx = core.end_inserts(looked.request, looked.fills, [TransferOutcome.OK], 1, False,
+                              work=[("k", 1.0, 256)])  # fmt: skip
+        assert fx.result == [True]
+        assert not hasattr(policy, "note_work") or isinstance(policy, Refuses)
+
+
+@pytest.mark.parametrize(
+    ("work", "error", "named"),
+    [
+        ([-1.0], InvalidArgumentError, "finite seconds >= 0, got -1.0"),
+        ([float("nan")], InvalidArgumentError, "got nan"),
+        ([float("inf")], InvalidArgumentError, "got inf"),
+        ([1.0, 2.0], InvalidArgumentError, "2 values for 1 items"),
+        ([], InvalidArgumentError, "0 values for 1 items"),
+        (["1"], InvalidTypeError, "numbers of seconds, got str"),
+        ([True], InvalidTypeError, "got bool"),
+        (1.0, InvalidTypeError, "list of encoder seconds, one per item, got float"),
+        ("1", InvalidTypeError, "got str"),
+    ],
+)
+def test_bad_work_is_named(work: Any, error: type, named: str) -> None:
+    with pytest.raises(error, match=re.escape(named)):
+        checked_work(work, [_Thing("k", 256)])
+
+
+def test_good_work_passes_as_floats() -> None:
+    things = [_Thing(key, 300) for key in "abc"]
+    assert checked_work(None, things) is None
+    assert checked_work([0, 1, 2.5], things) == [("a", 0.0, 300), ("b", 1.0, 300), ("c", 2.5, 300)]
+    assert checked_work((0.25,), things[:1]) == [("a", 0.25, 300)]
+
+
 class _Thing:
     """An item as the core sees it (no torch)."""
 
@@ -496,7 +728,7 @@ def test_adaptive_shadows_hold_at_most_the_resident_entries() -> None:
     assert policy.shadow_keys()[0] == ["new"] and len(policy.shadow_keys()[1]) == 1
 
 
-@pytest.mark.parametrize("name", ["tinylfu", "adaptive"])
+@pytest.mark.parametrize("name", ["tinylfu", "adaptive", "adaptive-work"])
 def test_a_counting_policy_serves_one_cache(name: str) -> None:
     policy = make_policy(name)
     policy.order()
@@ -529,6 +761,11 @@ def test_a_counting_policy_serves_one_cache(name: str) -> None:
         ("adaptive", {"favour": 0.4}, InvalidArgumentError, "favour must be in [0.5, 2], got 0.4"),
         ("adaptive", {"favour": 3}, InvalidArgumentError, "[0, 2], got 3"),
         ("adaptive", {"shift_drop": 1}, InvalidArgumentError, "shift_drop must be in [0, 1)"),
+        ("adaptive-work", {"work": "measured"}, InvalidArgumentError, "has no knobs ['work']"),
+        ("adaptive-work", {"decay": 1.5}, InvalidArgumentError, "decay must be in (0, 1)"),
+        ("adaptive-work", {"favour": "1"}, InvalidTypeError, "favour must be a float"),
+        ("adaptive-work", {"min_entries": 0}, InvalidArgumentError, "min_entries must be >= 1"),
+        ("adaptive-work", {"max_count": 300}, InvalidArgumentError, "max_count must be <= 255"),
         ("w-tinylfu", {}, InvalidArgumentError, "unknown policy 'w-tinylfu': use one of adaptive"),
         ("", {}, InvalidArgumentError, "unknown policy ''"),
     ],
@@ -547,14 +784,15 @@ def real_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
     the quick scan mix; it exits non-zero if the two depart, else gives the real run's counts."""
     out = tmp_path_factory.mktemp("policy") / "real.json"
     command = [sys.executable, "-m", "benchmarks.policy.bench_policy", "--check-real"]
-    command += ["lru", "tinylfu", "adaptive", "--requests", "400", "--json", str(out)]
+    command += ["lru", "tinylfu", "adaptive", "adaptive-work"]
+    command += ["--requests", "400", "--json", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     runs: dict[str, dict[str, Any]] = json.loads(out.read_text())
     return runs
 
 
-@pytest.mark.parametrize("policy", ["lru", "tinylfu", "adaptive"])
+@pytest.mark.parametrize("policy", ["lru", "tinylfu", "adaptive", "adaptive-work"])
 def test_simulation_replays_the_real_cache_exactly(
     real_runs: dict[str, dict[str, Any]], policy: str
 ) -> None:
@@ -583,3 +821,49 @@ def test_the_model_comparison_catches_a_filter_shadow_that_takes_every_key(
     monkeypatch.setitem(POLICIES, "adaptive", _ShadowTakesEveryKey)
     with pytest.raises(AssertionError):
         test_adaptive_matches_its_model_with_shadows_full()
+
+
+class _AdmitsByCounts(WorkAdaptivePolicy):
+    """A planted bug: admission under the filter compares counts, as ``adaptive`` does, and
+    ignores the work remembered."""
+
+    def admit(self, key: str, nbytes: int, victims: Any) -> bool:
+        return AdaptivePolicy.admit(self, key, nbytes, victims)
+
+
+def test_the_model_comparison_catches_an_admission_that_ignores_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(POLICIES, "adaptive-work", _AdmitsByCounts)
+    with pytest.raises(AssertionError):
+        test_adaptive_work_matches_its_model_on_two_keys()
+
+
+def test_adaptive_work_metadata_per_entry_the_pool_can_hold() -> None:
+    """DESIGN.md's "about 1.8 KB of metadata an entry with ``adaptive-work``" (``adaptive``'s
+    1.0 to 1.1 KB, and the work of up to 5 keys an entry: the present one and 4 ghosts, each
+    key, float and dict slot): a 1 MiB pool (4096 one-unit entries) through which 6x that
+    many distinct images pass, each inserted with its work, so the ghosts reach their bound
+    (4 x 4096); keys of 13 characters."""
+    pool, unit = 1 << 20, 256
+    e = pool // unit
+    payload = torch.zeros((unit,), dtype=torch.uint8)
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        policy: Any = make_policy("adaptive-work")
+        with EmbeddingCache(pool, pin_memory=False, policy=policy) as cache:
+            for first in range(0, 6 * e, 8):
+                keys = [f"img-{j:09d}" for j in range(first, first + 8)]
+                with cache.request(f"r{first}") as request:
+                    request.lookup([Item(key, (unit,), torch.uint8) for key in keys])
+                    request.insert(keys, [payload] * 8, work=[0.01] * 8)
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+            assert cache.stats().entries == e
+            now, bound = policy.footprint(), policy.bound(e)
+            assert (now.work, now.work_ghosts) == (bound.work, bound.work_ghosts) == (e, 4 * e)
+    finally:
+        tracemalloc.stop()
+    assert held <= 2000 * e, f"{held / e:.0f} bytes an entry"

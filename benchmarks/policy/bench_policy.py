@@ -10,12 +10,14 @@ images, the last ``inflight`` requests held open):
 (``--quick``: the first three over the quick catalogue of 600 images, 1500 requests.)
 
 ``lru`` and ``tinylfu`` run through the real ``EmbeddingCache(policy=...)`` (real copies of
-real-sized tensors), as ``bench_fragmentation.run_ours`` drives it. Every contender also runs
-in ``simulate``: the real allocator (``RangeAllocator``) and victim rule
-(``eviction.choose_victims``, its candidates the first entries of the policy's eviction order)
-under the cache's actions in the cache's order (Lookup of every item: ``record``, a hit pins; a
-reserving BeginLoad per miss: ``admit`` when it must evict, a refusal evicts nothing; EndLoad
-OK; the request's pins released in lookup order when it closes). For ``lru`` and ``tinylfu``
+real-sized tensors), as the encode pipeline drives it (every miss encoded and inserted with its
+work). Every contender also runs in ``simulate``: the real allocator (``RangeAllocator``) and
+victim rule (``eviction.choose_victims``, its candidates the first entries of the policy's
+eviction order) under the cache's actions in the cache's order (Lookup of every item:
+``record``, a hit pins; a reserving BeginLoad per miss: ``admit`` when it must evict, a refusal
+evicts nothing; the insert: a second BeginLoad for each miss refused at lookup, EndLoad OK, and
+each output's work told to a policy that keeps it; the request's pins released in lookup order
+when it closes). For ``lru`` and ``tinylfu``
 the simulation must make exactly the real cache's hits, refusals and evictions (else the
 benchmark fails), which is what lets the candidates run only simulated. ``--quick`` simulates
 every contender and runs that check on the first 400 requests of the scan mix only (the real
@@ -253,8 +255,10 @@ CONTENDERS: dict[str, Callable[[], Any]] = {
 class Simulated:
     """The cache's entries, pins and eviction order over the real allocator and victim rule;
     ``policy`` decides the order and admission. ``calls`` logs, when not None, the policy's
-    calls: record ``(key,)``, admit ``(key, nbytes, victims)``, and ``(step, key)`` for the
-    order's add and discard and the policy's forget (what makes keys resident)."""
+    calls: record ``(key,)``, admit ``(key, nbytes, victims)``, ``(step, key)`` for the
+    order's add and discard and the policy's forget (what makes keys resident), and
+    ``("work" or "encoded", key, seconds, size)`` for ``note_work`` and ``note_encoded`` (a
+    policy that keeps work)."""
 
     def __init__(self, capacity: int, policy: Policy, calls: list[tuple[Any, ...]] | None) -> None:
         self.inserted_bytes = self.evicted_bytes = 0
@@ -267,6 +271,7 @@ class Simulated:
         self.evictable_bytes = 0
         self.evictions = 0
         self.calls = calls
+        self.works = getattr(policy, "records_work", False)  # whether it is told work
 
     def lookup(self, key: str) -> bool:
         """Lookup: every key is recorded; a hit pins the entry."""
@@ -326,6 +331,21 @@ class Simulated:
         self.pins.pin(key)
         return None
 
+    def note_work(self, specs: Sequence[Any]) -> None:
+        """The end of a request's insert of its encoded misses (``specs``), each with its
+        encoder work (its ``tokens``: token-equivalents, as the real cache is given it):
+        ``note_work`` for those now cached, ``note_encoded`` for the others."""
+        if not self.works:
+            return
+        policy: Any = self.policy
+        for spec in specs:
+            entry = self.entries.get(spec.key)
+            cached = entry is not None
+            size = entry[1] if cached else self.allocator.rounded(spec.nbytes)
+            if self.calls is not None:
+                self.calls.append(("work" if cached else "encoded", spec.key, spec.tokens, size))
+            (policy.note_work if cached else policy.note_encoded)(spec.key, spec.tokens, size)
+
     def evict(self, key: str) -> None:
         offset, size = self.entries.pop(key)
         self.order.discard(key)
@@ -345,9 +365,11 @@ def simulate(
     calls: list[tuple[Any, ...]] | None = None,
     capacity: int = frag.POOL_BYTES,
 ) -> mixes.Result:
-    """Replay ``workload`` as ``bench_fragmentation.run_ours`` drives the cache (a pool of
-    ``capacity`` bytes), with ``policy`` (the pins of a request go when it closes, in the order
-    it looked the keys up, as the cache releases them)."""
+    """Replay ``workload`` as the encode pipeline drives the cache (a pool of ``capacity``
+    bytes), with ``policy``: a request looks its items up reserving its misses, encodes every
+    miss and inserts them all with their work (a miss refused at lookup is offered again: a
+    second BeginLoad, which counts as a second insert, refusal or failure), and its pins go
+    when it closes, in the order it looked the keys up, as the cache releases them."""
     result = mixes.Result()
     cache = Simulated(capacity, policy, calls)
     open_requests: deque[list[str]] = deque()
@@ -364,15 +386,21 @@ def simulate(
                 result.hit_tokens += spec.tokens
             else:
                 misses.append(spec)
-        for spec in misses:
-            result.inserts += 1
-            reason = cache.begin_load(spec.key, spec.nbytes)
-            if reason is None:
-                held.add(spec.key)
-            elif reason == "no_space":
-                result.failed += 1
-            else:
-                result.refused += 1
+        reserved = set()
+        for again in (False, True):  # BeginLoad at lookup, and for the refused at insert
+            for spec in misses:
+                if again and spec.key in reserved:
+                    continue
+                result.inserts += 1
+                reason = cache.begin_load(spec.key, spec.nbytes)
+                if reason is None:
+                    held.add(spec.key)
+                    reserved.add(spec.key)
+                elif reason == "no_space":
+                    result.failed += 1
+                else:
+                    result.refused += 1
+        cache.note_work(misses)
         open_requests.append([spec.key for spec in specs if spec.key in held])
         if len(open_requests) > workload.inflight:
             for key in open_requests.popleft():
@@ -389,9 +417,10 @@ def simulate(
 
 
 def run_real(workload: mixes.Workload, policy: str) -> mixes.Result:
-    """Drive a real ``EmbeddingCache(policy=policy)`` as ``bench_fragmentation.run_ours`` does:
-    each request looks its items up reserving the misses, inserts what it reserved (real
-    copies of real-sized tensors) and stays open while the next ``inflight`` requests run."""
+    """Drive a real ``EmbeddingCache(policy=policy)`` as the encode pipeline does: each request
+    looks its items up reserving the misses, inserts every miss with its work (its tokens;
+    real copies of real-sized tensors) and stays open while the next ``inflight`` requests
+    run."""
     result = mixes.Result()
     sources = {
         dtype: torch.empty(mixes.MAX_TOKENS * mixes.HIDDEN, dtype=dtype)
@@ -412,21 +441,22 @@ def run_real(workload: mixes.Workload, policy: str) -> mixes.Result:
             specs = [workload.specs[i] for i in indices]
             request = cache.request(f"r{n}")
             statuses = request.lookup([s.item for s in specs], prefetch=False, reserve_misses=True)
-            reserved = []
+            missed = []
             for spec, status in zip(specs, statuses, strict=True):
                 result.lookups += 1
                 result.lookup_tokens += spec.tokens
                 if status.status is Status.HIT:
                     result.hits += 1
                     result.hit_tokens += spec.tokens
-                elif status.status is Status.RESERVED:
-                    reserved.append(spec)
-            if reserved:
+                else:
+                    missed.append(spec)
+            if missed:
                 tensors = [
                     sources[s.dtype][: s.tokens * mixes.HIDDEN].view(s.tokens, mixes.HIDDEN)
-                    for s in reserved
+                    for s in missed
                 ]
-                assert all(request.insert([s.key for s in reserved], tensors, publish=False))
+                keys, work = [s.key for s in missed], [float(s.tokens) for s in missed]
+                request.insert(keys, tensors, publish=False, work=work)
             open_requests.append(request)
             if len(open_requests) > workload.inflight:
                 open_requests.popleft().close()
@@ -508,6 +538,8 @@ def replay(policy: Any, calls: list[tuple[Any, ...]]) -> float:
             record(call[0])
         elif len(call) == 3:
             admit(*call)
+        elif len(call) == 4:
+            getattr(policy, "note_" + call[0])(*call[1:])
         else:
             steps[call[0]](call[1])
     return time.thread_time() - started

@@ -162,3 +162,16 @@ def test_the_cost_run_scores_every_contender_and_the_control() -> None:
     out = cost_grid.run(cell, seed=1, requests=60)
     assert set(out) == {*cost_grid.CONTENDERS, grid.OPTIMUM, grid.OPTIMUM_COST}
     assert all(0 <= result.tokens_saved <= 100 for result in out.values())
+
+
+def test_the_cost_page_reports_the_real_policy_beside_the_oracle() -> None:
+    """``adaptive-work`` (the product, told each item's work at the end of its insert) runs
+    beside the oracle; the page gives its lead and its distance to the oracle per cell."""
+    cell = grid.cells(tiny=True)[0]
+    out = cost_grid.run(cell, seed=1, requests=200)
+    assert cost_grid.REAL in out and cost_grid.REAL in cost_grid.CONTENDERS
+    saved = {cell: {name: result.tokens_saved for name, result in out.items()}}
+    page = cost_grid.markdown(saved, five=False, seconds=1.0)
+    assert "| real lead | to oracle |" in page and f"`{cost_grid.REAL}` to the oracle" in page
+    gap = saved[cell][cost_grid.CHOSEN] - saved[cell][cost_grid.REAL]
+    assert f"{gap:+.1f} |" in page.splitlines()[7]

@@ -47,7 +47,7 @@ from embcache.core.outcomes import (
     Reason,
     TransferOutcome,
 )
-from embcache.core.policy import LruPolicy, Policy
+from embcache.core.policy import LruPolicy, Policy, WorkPolicy
 from embcache.core.queries import StateQueries
 from embcache.errors import InvariantError
 
@@ -87,6 +87,9 @@ class Actions(StateQueries):
         # The policy's record of each looked-up key; None when it records nothing (lru).
         records = getattr(self._policy, "records_lookups", True)
         self._record = self._policy.record if records else None
+        # The policy that keeps fresh outputs' encoder work; None when it keeps none.
+        works = getattr(self._policy, "records_work", False)
+        self._work_policy: WorkPolicy | None = self._policy if works else None  # type: ignore[assignment]
         self._evictable_bytes = 0
         self._requests: dict[str, RequestState] = {}
         self._batches = 0  # request-less inserts so far (their internal requests' ids)

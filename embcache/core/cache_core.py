@@ -147,7 +147,7 @@ class CacheCore:
     def end_inserts(
         self, rs: RequestState, fills: Sequence[Fill], outcomes: Sequence[TransferOutcome],
         count: int, publish: bool, close: bool = False, handed_out: bool = False,
-        check: bool = False,
+        check: bool = False, work: Sequence[tuple[str, float, int]] | None = None,
     ) -> Effects[list[bool]]:  # fmt: skip
         """The one path that ends fills: EndLoad each of ``rs``'s fills with its writer's
         outcome (a copy's, whatever became of the cache or the request meanwhile: a load in
@@ -156,11 +156,13 @@ class CacheCore:
         to wake, the writes of the cached ones (``publish``); ``close``: ``end_request``
         after. ``check``
         (an insert into the ranges a lookup reserved, which no step checked before the copy):
-        raise ``ClosedError`` unless the cache and ``rs`` are open, changing nothing."""
+        raise ``ClosedError`` unless the cache and ``rs`` are open, changing nothing.
+        ``work``: ``(key, seconds, nbytes)`` of each output encoded (checked by the caller),
+        for a policy that keeps work (``WorkPolicy``); None: unknown."""
         actions = self._actions
         if handed_out or check:
             self._check(rs)
-        results, wake = actions.end_fills(rs, fills, outcomes, count, handed_out)
+        results, wake = actions.end_fills(rs, fills, outcomes, count, handed_out, work)
         writes = None
         if publish:
             cached = [entry.key for i, entry in fills if results[i]]

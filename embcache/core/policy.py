@@ -6,7 +6,9 @@ first entries of that order. A policy decides where an entry enters the order (`
 when it becomes evictable) and may refuse a ``BeginLoad`` that would have to evict (``admit``):
 the item is then served from its fresh encoder output and not cached (reason
 ``not_admitted``), and nothing is evicted. The core calls ``record`` for every looked-up key
-(hit, join or miss) and ``forget`` when an entry is freed. Safety never depends on the policy:
+(hit, join or miss), ``forget`` when an entry is freed, and, for a policy that keeps encoder
+work (``records_work``), ``note_work`` / ``note_encoded`` at the end of an insert given its
+outputs' measured encoder seconds. Safety never depends on the policy:
 the core enforces every invariant whatever the order says or admission answers. This module is
 pure (no clock, no thread, no I/O, no torch); the caller holds the cache lock around every
 call, and one policy object serves one cache.
@@ -18,6 +20,9 @@ Policies (``make_policy(name, **knobs)``):
 - ``adaptive``: ``tinylfu``'s counts, and admission by whichever expert (admit everything, as
   ``lru``; or ``tinylfu``'s filter) has had more hits lately in a shadow cache of keys that
   follows it alone.
+- ``adaptive-work``: ``adaptive`` whose filter weighs each key's recent lookups by its measured
+  encoder seconds per byte (the driver passes each fresh output's encoder time to ``insert``;
+  without it, ``adaptive`` exactly).
 
 Design notes on ``tinylfu`` (chosen by measurement, ``benchmarks/policy/bench_policy.py`` and
 ``benchmarks/policy/bench_policy_grid.py``). Counts are a count-min sketch (``FrequencySketch``: 4
@@ -95,32 +100,44 @@ mixes: ``benchmarks/policy/results/variants_2026-12-03.md``), none kept:
   from the core (the capacity then the bytes of the resident entries) the oracle measured 15
   cells behind, mean -0.26, worst -1.82 (1GiB scan): the change to ask for first.
 Shadows count entries, not bytes (``record`` gets no size), and share the real counts.
-Cost model: every lookup of a cached key saves one encoder run of that key; admission compares
-lookups per key (the filter) and hits per shadow entry (the duel), not encoder time per byte:
-that needs each item's measured encoder time, which no front end reports to the core yet.
-Measured as an oracle (``benchmarks.policy.cost_grid``: each image's encoder work its tokens x a
-factor log-uniform in [1/4, 4], read by the policy from the workload): a filter that weighs a
-key's recent lookups by its encoder work per byte, f(k) x work(k) / bytes(k), against each
-victim's (with work proportional to bytes, ``tinylfu``'s rule), as ``adaptive``'s filter
-expert, leads the best contender by +0.47 point on average on the grid (a point or more on
-14 of 44 cells, more than 0.3 behind on 13, the fast-drift cells where ``adaptive`` is too;
-worst -1.62) and by +0.64 on the five mixes (3 of 10 a point ahead, worst -1.85); the same
-rule given tokens in place of work saves what ``adaptive`` saves (the gain is the information),
-and on the tokens grid itself it is worse (27 of 44 cells behind: equal counts decided by
-small differences of tokens per aligned byte, where the filter refuses a tie); asking 1.25x
-each victim's worth: 22 behind on the tokens grid (mean -0.41, today -0.37) and most of the
-gain on the cost grid (mean work saved 50.86 against 50.99; ``adaptive`` 50.07).
-Building it needs the driver to time each fresh output's encoding and the core to pass that
-work to the policy on every insert (``benchmarks/policy/results/cost_*``).
+Cost model of ``tinylfu`` and ``adaptive``: every lookup of a cached key saves one encoder run
+of that key; admission compares lookups per key (the filter) and hits per shadow entry (the
+duel), not encoder time per byte.
+
+Design notes on ``adaptive-work`` (issue 41, point 2; ``benchmarks.policy.cost_grid``, where
+each image's encoder work is its tokens x a factor log-uniform in [1/4, 4], its bytes
+unchanged). Cost model: a hit of k saves work(k) encoder seconds, holding k costs its aligned
+bytes b(k), so with f(k) its recent lookups k is worth f(k) x work(k) / b(k) per byte, and the
+filter admits a candidate only if its worth is above each victim's (with work proportional to
+bytes: ``tinylfu``'s rule). As an oracle that reads each image's work from the workload
+(``adaptive-cost``), this led the best contender by +0.47 point on average on the grid (a
+point or more on 14 of 44 cells) and by +0.64 on the five mixes; the same rule given tokens in
+place of work saved what ``adaptive`` saves: the gain is the information. The product cannot
+read the future: work is measured when a key is encoded (the encode pipeline times each
+encoder call and shares it among the call's items by rows), admission comes at ``BeginLoad``,
+before the candidate is encoded (a pipeline reserves its misses at lookup), so the policy
+prices a key by what it remembers of it, else by the running mean seconds per byte. What to
+remember was measured (five mixes, simulated with only reservations inserted, one hash seed,
+mean work saved: ``adaptive`` 52.34, the oracle 53.61): the present keys' work and the freed
+keys' (as many ghosts as entries) 52.70; with 4 ghosts an entry 52.86; with the work of outputs
+encoded but not cached (refused, no space: the pipeline inserts every output it encoded, and
+the core tells the policy) 53.08, and both 53.38: kept (``GHOSTS`` = 4, about 0.65 KB more
+metadata an entry than ``adaptive``). Measured as the pipeline drives it
+(``benchmarks/policy/results/cost_*_2026-12-03-real.md``): the grid's mean work saved 50.69
+(``adaptive`` 50.04, the oracle 51.01), a point or more ahead of the best contender on 9 of 44
+cells, more than 0.3 behind on 15 (fast drift, as ``adaptive``); the five mixes 53.52 (52.19,
+53.70), 4 of 10 a point ahead, 1 behind (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
+from embcache.core.entries import ItemLike
 from embcache.core.recency import RecencyOrder, ResidentOrder
 from embcache.core.sketch import DEPTH, MAX_COUNTER, Footprint, FrequencySketch, next_power_of_two
 from embcache.errors import InvalidArgumentError, InvalidTypeError
@@ -171,11 +188,28 @@ class Policy(Protocol):
         """The entry of ``key`` was freed."""
 
 
+class WorkPolicy(Policy, Protocol):
+    """A policy that uses measured encoder work: at the end of an insert given its outputs'
+    encoder seconds, the core calls ``note_work`` for each output now cached and
+    ``note_encoded`` for each other one (a policy without ``records_work`` True is never
+    called, and every caller may pass no work)."""
+
+    records_work: bool
+
+    def note_work(self, key: str, seconds: float, nbytes: int) -> None:
+        """The entry of ``key`` (``nbytes`` of pool) is READY; its encoder output took
+        ``seconds`` to compute (finite, >= 0)."""
+
+    def note_encoded(self, key: str, seconds: float, nbytes: int) -> None:
+        """``key``'s output (``nbytes`` aligned) took ``seconds`` but is not cached."""
+
+
 class LruPolicy:
     """Least recently used first; admits every insert (the seed's behaviour)."""
 
     name = "lru"
     records_lookups = False
+    records_work = False
 
     def order(self) -> RecencyOrder:
         """A new recency order."""
@@ -241,6 +275,7 @@ class TinyLfuPolicy:
 
     name = "tinylfu"
     records_lookups = True
+    records_work = False  # True: ``note_work`` is kept, and the core calls it (WorkPolicy)
     SMOOTHING = 0.3  # weight of the newest block in the running mean
     COUNTERS_PER_LOOKUP = 4  # sketch width per lookup of a sample (2: -0.35 point on a cell)
 
@@ -494,11 +529,15 @@ class AdaptivePolicy(TinyLfuPolicy):
             shadow[key] = None
             return
         oldest = next(iter(shadow))
-        if self.estimate(key) > self.estimate(oldest):
+        if self.worth(key) > self.worth(oldest):
             del shadow[oldest]
             shadow[key] = None
         while len(shadow) > cap:
             shadow.popitem(last=False)
+
+    def worth(self, key: str) -> float:
+        """What the filter ranks ``key`` by: its recent lookups (``estimate``). O(1)."""
+        return self.estimate(key)
 
     def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
         """True under the LRU expert; the filter's answer under the filter. O(victims)."""
@@ -520,11 +559,173 @@ class AdaptivePolicy(TinyLfuPolicy):
         return Footprint(super().bound(entries).sketch_bytes, entries, entries, shadows)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled: the tests' planted bugs extend it
+class WorkAdaptivePolicy(AdaptivePolicy):
+    """``adaptive`` whose filter (and the filter's shadow) ranks keys by their worth per byte
+    of pool: recent lookups x measured encoder seconds per byte.
+
+    Cost model: a hit of key k saves one encoder run of k, ``work(k)`` seconds as measured the
+    last time k was encoded here (the driver's measure: the encode pipeline times each encoder
+    call and shares a call's seconds among its items by rows, i.e. it assumes one call costs
+    the same per row for every item in it); holding k costs its aligned bytes ``b(k)``. With
+    ``f(k)`` its recent lookups (``estimate``), k is worth f(k) x work(k) / b(k) per byte, and
+    under the filter expert a candidate displaces its victims only if its worth is above each
+    victim's (strictly; with work proportional to bytes this is ``tinylfu``'s rule). A key
+    with no remembered work is taken to cost the running mean seconds per byte of every
+    encoding measured here (a mean of the per-item values: the plain mean of the first
+    ``MEAN_WINDOW``, then a moving mean of weight 1 / ``MEAN_WINDOW``). Before any
+    measurement every key costs the same, and the policy is ``adaptive`` exactly (as it stays
+    when no caller passes work: the SGLang adapter, the vLLM connector, ``insert`` without
+    ``work``). Admission happens at ``BeginLoad``, before the candidate is encoded (a pipeline
+    reserves its misses at lookup), so a candidate's own work is what is remembered of it (an
+    earlier encoding), else the mean.
+
+    What is remembered: ``note_work`` (the core, at the EndLoad of a fresh output that became
+    READY) keeps a present key's seconds per byte until ``forget``, which moves it among the
+    ghosts; ``note_encoded`` (the core, for an output given with its work that was not
+    cached: refused, no space, present already as another load) puts it among the ghosts
+    directly. Ghosts are the ``GHOSTS`` x max(resident, ``min_entries``) most recently
+    noted, oldest dropped first. Memory: at most entries + ``GHOSTS`` x max(entries,
+    ``min_entries``) keys and floats (``footprint().work`` and ``work_ghosts``, ``bound``).
+    ``note_work``,
+    ``note_encoded`` O(1) amortised; ``record`` as ``adaptive``'s; ``admit`` O(victims).
+    """
+
+    name = "adaptive-work"
+    records_work = True
+    MEAN_WINDOW = 1024  # measurements in the running mean's window
+    GHOSTS = 4  # ghosts per entry (1: -0.1 to -0.5 point on steady and scan, cost_grid --five)
+
+    def __init__(  # object: checked here, also when compiled (see make_policy)
+        self,
+        sample_factor: object = 10,
+        min_entries: object = 16,
+        max_count: object = 15,
+        shift_block: object = 50,
+        shift_drop: object = 0.6,
+        decay: object = 0.7,
+        favour: object = 1.02,
+    ) -> None:
+        super().__init__(sample_factor, min_entries, max_count, shift_block, shift_drop, decay,
+                         favour)  # fmt: skip
+        self._work: dict[str, float] = {}  # present keys noted -> seconds per byte
+        self._ghost_work: OrderedDict[str, float] = OrderedDict()  # not present, oldest first
+        self._mean = 1.0  # seconds per byte of a key with no remembered work (1.0: none yet)
+        self._measured = 0
+
+    def note_work(self, key: str, seconds: float, nbytes: int) -> None:
+        """The entry of ``key`` (``nbytes`` of pool, > 0) is READY, its encoding measured at
+        ``seconds`` (finite, >= 0: the driver checks). O(1)."""
+        per_byte = self._measure(seconds, nbytes)
+        self._ghost_work.pop(key, None)
+        self._work[key] = per_byte
+
+    def note_encoded(self, key: str, seconds: float, nbytes: int) -> None:
+        """``key`` (``nbytes`` aligned, > 0) was encoded in ``seconds`` but is not cached: it
+        becomes the newest ghost. O(1) amortised."""
+        self._haunt(key, self._measure(seconds, nbytes))
+
+    def _measure(self, seconds: float, nbytes: int) -> float:
+        """Seconds per byte of one encoding, counted into the running mean."""
+        per_byte = seconds / nbytes
+        self._measured += 1
+        if self._measured == 1:
+            self._mean = per_byte
+        else:
+            self._mean += (per_byte - self._mean) / min(self._measured, self.MEAN_WINDOW)
+        return per_byte
+
+    def _haunt(self, key: str, per_byte: float) -> None:
+        """``key``'s work joins the ghosts as the newest; the oldest beyond ``GHOSTS`` x
+        max(resident, ``min_entries``) leave."""
+        ghosts, cap = self._ghost_work, self.GHOSTS * self._entries()
+        ghosts.pop(key, None)
+        ghosts[key] = per_byte
+        while len(ghosts) > cap:
+            ghosts.popitem(last=False)
+
+    def work_per_byte(self, key: str) -> float:
+        """``key``'s remembered encoder seconds per byte, else the running mean. O(1)."""
+        per_byte = self._work.get(key)
+        if per_byte is None:
+            per_byte = self._ghost_work.get(key)
+            if per_byte is None:
+                return self._mean
+        return per_byte
+
+    def worth(self, key: str) -> float:
+        """Recent lookups x encoder seconds per byte of ``key``. O(1)."""
+        return self.estimate(key) * self.work_per_byte(key)
+
+    def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
+        """True under the LRU expert; else iff ``key``'s worth is above each victim's.
+        O(victims)."""
+        if not self.use_filter:
+            return True
+        worth = self.worth
+        mine = worth(key)
+        return all(mine > worth(victim) for victim in victims)
+
+    def forget(self, key: str) -> None:
+        """``adaptive``'s ``forget``; ``key``'s work, if noted, joins the ghosts."""
+        super().forget(key)
+        per_byte = self._work.pop(key, None)
+        if per_byte is not None:
+            self._haunt(key, per_byte)
+
+    def footprint(self) -> Footprint:
+        """``adaptive``'s, and the keys whose work is remembered: present, and ghosts. O(1)."""
+        mine = super().footprint()
+        return Footprint(
+            mine.sketch_bytes, mine.resident, mine.counts, mine.ghosts, len(self._work),
+            len(self._ghost_work),
+        )  # fmt: skip
+
+    def bound(self, entries: int) -> Footprint:
+        """``adaptive``'s, and the work of at most ``entries`` present keys and ``GHOSTS`` x
+        max(``entries``, ``min_entries``) ghosts. O(1)."""
+        mine = super().bound(entries)
+        ghosts = self.GHOSTS * max(entries, self._min_entries)
+        return Footprint(
+            mine.sketch_bytes, mine.resident, mine.counts, mine.ghosts, entries, ghosts
+        )
+
+
 POLICIES: dict[str, Callable[..., Policy]] = {
     "lru": LruPolicy,
     "tinylfu": TinyLfuPolicy,
     "adaptive": AdaptivePolicy,
+    "adaptive-work": WorkAdaptivePolicy,
 }
+
+
+def checked_work(work: object, items: Sequence[ItemLike]) -> list[tuple[str, float, int]] | None:
+    """``work`` (None: unknown; else one encoder time in seconds per item of ``items``) as
+    ``(key, seconds, nbytes)`` per item, what ``CacheCore.end_inserts`` takes; raises
+    ``InvalidTypeError`` (not a sequence of numbers) or ``InvalidArgumentError`` (another
+    length, a value negative or not finite). O(items)."""
+    if work is None:
+        return None
+    if isinstance(work, str | bytes) or not isinstance(work, Sequence):
+        raise InvalidTypeError(
+            f"work must be a list of encoder seconds, one per item, got {type(work).__name__}"
+        )
+    if len(work) != len(items):
+        raise InvalidArgumentError(
+            f"work has {len(work)} values for {len(items)} items: give one each"
+        )
+    out: list[tuple[str, float, int]] = []
+    for item, seconds in zip(items, work, strict=True):
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise InvalidTypeError(
+                f"work must be numbers of seconds, got {type(seconds).__name__} {seconds!r}"
+            )
+        if not math.isfinite(seconds) or seconds < 0:
+            raise InvalidArgumentError(
+                f"work must be finite seconds >= 0, got {seconds}: pass the encoder's measured time"
+            )
+        out.append((item.key, float(seconds), item.nbytes))
+    return out
 
 
 def make_policy(name: object = "lru", **knobs: Any) -> Policy:

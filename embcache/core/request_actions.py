@@ -31,6 +31,7 @@ from embcache.core.outcomes import (
     Reason,
     TransferOutcome,
 )
+from embcache.core.policy import WorkPolicy
 from embcache.errors import InvalidArgumentError
 
 NOT_FOUND = Reason.NOT_FOUND
@@ -176,12 +177,15 @@ class RequestActions(Actions):
 
     def end_fills(
         self, rs: RequestState, fills: Sequence[Fill], outcomes: Sequence[TransferOutcome],
-        count: int, handed_out: bool,
+        count: int, handed_out: bool, work: Sequence[tuple[str, float, int]] | None = None,
     ) -> tuple[list[bool], list[RequestState]]:  # fmt: skip
         """The one load-ending path of an insert, a request-less batch and an in-place fill:
         EndLoad each of ``rs``'s fills with its writer's outcome (OK: READY, pinned by its
         waiters). With ``handed_out``, a fill that is not (or no longer) handed out to a
-        writer is left alone. Which of ``count`` items are cached now, and the requests to
+        writer is left alone. ``work`` (checked by the caller; None: unknown): ``(key,
+        seconds, nbytes)`` of each output encoded, told to a policy that keeps work
+        (``WorkPolicy``) after the loads end: ``note_work`` where the key's entry is READY,
+        else ``note_encoded``. Which of ``count`` items are cached now, and the requests to
         wake."""
         results = [False] * count
         wake: list[RequestState] = []
@@ -194,7 +198,19 @@ class RequestActions(Actions):
             wake += end_load(entry, outcome, Reason.LOAD_FAILED)
             results[i] = entry.state is READY
         self._counts["inserts"] += sum(results)
+        if work is not None and self._work_policy is not None:
+            self._note_work(self._work_policy, work)
         return results, wake
+
+    def _note_work(self, policy: WorkPolicy, work: Sequence[tuple[str, float, int]]) -> None:
+        """Tell ``policy`` each output's encoder seconds: cached (its entry READY) or not."""
+        entries, align = self._entries, self._align
+        for key, seconds, nbytes in work:
+            entry = entries.get(key)
+            if entry is not None and entry.state is READY:
+                policy.note_work(key, seconds, entry.size)
+            else:
+                policy.note_encoded(key, seconds, max((nbytes + align - 1) & -align, align))
 
     def publish_keys(self, rs: RequestState, keys: Sequence[str]) -> list[Entry | None]:
         """Publish(r, k) of each key: per key the entry whose range to write, or None."""

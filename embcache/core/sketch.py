@@ -27,13 +27,16 @@ MAX_COUNTER = 255  # a counter is one byte
 @dataclass(frozen=True)
 class Footprint:
     """What a policy keeps per key, one field per container: bytes of sketch, resident keys,
-    exact counts (resident keys looked up while resident), ghosts (DESIGN.md, "Memory bounds").
-    ``within(bound)``: no field above ``bound``'s."""
+    exact counts (resident keys looked up while resident), ghosts, present keys whose encoder
+    work is remembered and work ghosts (DESIGN.md, "Memory bounds"). ``within(bound)``: no
+    field above ``bound``'s."""
 
     sketch_bytes: int
     resident: int
     counts: int = 0
     ghosts: int = 0
+    work: int = 0
+    work_ghosts: int = 0
 
     def within(self, bound: Footprint) -> bool:
         """Every field at most ``bound``'s."""
@@ -42,6 +45,8 @@ class Footprint:
             and self.resident <= bound.resident
             and self.counts <= bound.counts
             and self.ghosts <= bound.ghosts
+            and self.work <= bound.work
+            and self.work_ghosts <= bound.work_ghosts
         )
 
 

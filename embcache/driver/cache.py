@@ -49,7 +49,7 @@ from embcache.core.effects import Effects
 from embcache.core.entries import Entry, FenceSnapshot, RequestState
 from embcache.core.lifecycle import EntryState
 from embcache.core.outcomes import ItemStatus, TransferOutcome
-from embcache.core.policy import Policy, as_policy
+from embcache.core.policy import Policy, as_policy, checked_work
 from embcache.core.stats import CacheStats
 from embcache.driver.backlog import PublishBacklog, Republisher, RepublishPolicy
 from embcache.driver.fencing import FencePolicy, Fencer
@@ -183,9 +183,10 @@ class EmbeddingCache:
             enable_eviction,
             trace=trace is not None,
             clock=time.monotonic,
-            policy=as_policy(policy),
+            policy=(chosen := as_policy(policy)),
             record_freed=poison_requested() if poison_freed is None else poison_freed,
         )
+        self._uses_work = bool(getattr(chosen, "records_work", False))
         self._capacity = capacity_bytes
         self._outbox = None if trace is None else TraceOutbox(trace)
         self._wakeups = Wakeups()
@@ -222,6 +223,11 @@ class EmbeddingCache:
         return self._capacity
 
     @property
+    def uses_work(self) -> bool:
+        """Whether the policy admits by encoder work (``insert``'s ``work``; else unused)."""
+        return self._uses_work
+
+    @property
     def pool(self) -> torch.Tensor:
         """The pool tensor (registered with the store)."""
         return self._pool
@@ -256,20 +262,26 @@ class EmbeddingCache:
         return request, request.ready_offsets()
 
     def insert(
-        self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, publish: bool = True
-    ) -> list[bool]:
+        self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, publish: bool = True,
+        work: Sequence[float] | None = None,
+    ) -> list[bool]:  # fmt: skip
         """Insert fresh encoder outputs with no request open (as SGLang's ``store_to_pool_async``
         does): copy each absent key's tensor into the pool, keeping its dtype, and publish it
         when asked; True where cached. The new entries end idle (evictable), as a request's
-        inserts do when it closes; a key present or being loaded is left alone (False)."""
+        inserts do when it closes; a key present or being loaded is left alone (False).
+        ``work``: as ``Request.insert``'s (each output's encoder seconds; None: unknown)."""
         if isinstance(keys, str) or len(keys) != len(tensors):
             raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
         items = [Item.of(k, t) for k, t in zip(keys, tensors, strict=True)]  # (checks the key)
+        seconds = checked_work(work, items)
         core = self._core
         rs, fills = self._run(core.begin_insert, None, items, False)
         outcomes, error = self._views.copy_in([(e, tensors[i]) for i, e in fills])
         publish = publish and self._store is not None
-        results = self._run(core.end_inserts, rs, fills, outcomes, len(items), publish, True)
+        results = self._run(
+            core.end_inserts, rs, fills, outcomes, len(items), publish, True, False, False,
+            seconds,
+        )  # fmt: skip
         if error is not None:
             raise error
         return results

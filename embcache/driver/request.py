@@ -43,6 +43,7 @@ import torch
 from embcache.core.effects import Effects, Fill, Looked, Served
 from embcache.core.entries import Entry, RequestState
 from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
+from embcache.core.policy import checked_work
 from embcache.driver.item import Item, check_key
 from embcache.driver.locks import HierarchyLock, assert_unlocked
 from embcache.errors import InvalidArgumentError, InvalidTypeError
@@ -213,18 +214,22 @@ class Request:
         return None if served is None else [None if r is None else r[0] for r in served.ranges]
 
     def insert(
-        self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, publish: bool = True
-    ) -> list[bool]:
+        self, keys: Sequence[str], tensors: Sequence[torch.Tensor], *, publish: bool = True,
+        work: Sequence[float] | None = None,
+    ) -> list[bool]:  # fmt: skip
         """Copy fresh encoder outputs into the pool, keeping their dtype; True where cached.
 
         Keys this request reserved are filled (the tensor must match the reserved shape and
         dtype); absent keys are added; a key present otherwise is left alone (False). Inserted
         entries are pinned by this request, and published to the global store when asked.
-        One step when every key is one this request's lookups reserved, else two.
+        ``work``: each output's measured encoder seconds (finite, >= 0), for a policy that
+        admits by work (``adaptive-work``); None: unknown. One step when every key is one
+        this request's lookups reserved, else two.
         """
         if isinstance(keys, str) or len(keys) != len(tensors):
             raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
         items = [Item.of(k, t) for k, t in zip(keys, tensors, strict=True)]  # (checks the key)
+        seconds = checked_work(work, items)
         cache = self._cache
         core = cache._core
         fills = None if self._reserved is None else self._reserved_fills(items)
@@ -237,7 +242,7 @@ class Request:
         publish = publish and error is None and cache._store is not None
         step = core.end_inserts
         results = cache._run(
-            step, self._state, fills, outcomes, len(items), publish, False, False, check
+            step, self._state, fills, outcomes, len(items), publish, False, False, check, seconds
         )
         reserved = self._reserved
         if reserved is not None:  # those it filled are no longer reserved

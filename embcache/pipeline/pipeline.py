@@ -103,7 +103,8 @@ class PipelineStats:
     ``fallbacks_by_reason`` (``not_found`` is a plain miss). ``encoded``: inputs given to the
     encoder (a key repeated in one call is encoded once). ``wait_seconds``: rank 0's time
     waiting for the items LOADING at lookup (a store load, or another call's encode of the same
-    key: a wait that replaces an encode of its own).
+    key: a wait that replaces an encode of its own). ``encoder_seconds``: this rank's time in
+    encoder calls (wall clock around each call).
     """
 
     calls: int
@@ -116,6 +117,7 @@ class PipelineStats:
     encoded: int
     encoder_calls: int
     wait_seconds: float
+    encoder_seconds: float
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,7 @@ class EncodePipeline:
                 "items up, pass cache=None on the other ranks"
             )
         self._cache = cache
+        self._uses_work = cache is not None and cache.uses_work  # insert's work: only if used
         self._pool_address = 0 if cache is None else cache.pool.data_ptr()  # host memory
         self._encoder = encoder
         self._device = torch.empty(0, device=encoder.device).device  # "cuda" -> "cuda:0"
@@ -183,6 +186,7 @@ class EncodePipeline:
         self._stats_lock = threading.Lock()  # a leaf lock: guards the counters only
         self._counts: Counter[str] = Counter()
         self._wait_seconds = 0.0
+        self._encoder_seconds = 0.0
 
     @property
     def rank(self) -> int:
@@ -198,6 +202,7 @@ class EncodePipeline:
         """A snapshot of the counters. O(reasons)."""
         with self._stats_lock:
             c, wait_seconds = Counter(self._counts), self._wait_seconds
+            encoder_seconds = self._encoder_seconds
         prefix = "reason:"
         return PipelineStats(
             calls=c["calls"],
@@ -212,6 +217,7 @@ class EncodePipeline:
             encoded=c["encoded"],
             encoder_calls=c["encoder_calls"],
             wait_seconds=wait_seconds,
+            encoder_seconds=encoder_seconds,
         )
 
     def encode(self, request_id: str, items: Sequence[Item], inputs: Sequence[Any]) -> torch.Tensor:
@@ -272,8 +278,8 @@ class EncodePipeline:
                 self._share_failure()
                 raise
             self._send(plan, local)
-            fresh = self._encode_fallbacks(plan, local.mask)
-            self._insert(request, fresh)
+            fresh, seconds = self._encode_fallbacks(plan, local.mask)
+            self._insert(request, fresh, seconds)
         self._count_call(plan, local, len(fresh))
         return self._assemble(plan, local.mask, local.answer, fresh)
 
@@ -298,8 +304,8 @@ class EncodePipeline:
                 raise
             if self._channel is not None:
                 await _in_thread(lambda: self._send(plan, local))
-            fresh = await _in_thread(lambda: self._encode_fallbacks(plan, local.mask))
-            await _in_thread(lambda: self._insert(request, fresh))
+            fresh, seconds = await _in_thread(lambda: self._encode_fallbacks(plan, local.mask))
+            await _in_thread(lambda: self._insert(request, fresh, seconds))
         self._count_call(plan, local, len(fresh))
         return await _in_thread(lambda: self._assemble(plan, local.mask, local.answer, fresh))
 
@@ -323,12 +329,17 @@ class EncodePipeline:
                 copy_rows(answer[at[n] : at[n + 1]], view)
         return _Local(statuses, [view is None for view in views], reasons, answer)
 
-    def _insert(self, request: Request, fresh: dict[str, torch.Tensor]) -> None:
-        """Copy fresh outputs into the pool; their publish runs on the cache's I/O pool."""
+    def _insert(self, request: Request, fresh: dict[str, torch.Tensor], seconds: float) -> None:
+        """Copy fresh outputs into the pool, each with its share of the encoder's ``seconds``
+        when the cache's policy uses work (the cost model's assumption: one call costs the same
+        per row for every item in it, so an item's share is its rows / the call's rows); their
+        publish runs on the cache's I/O pool."""
         if not fresh:
             return
+        tensors = list(fresh.values())
+        work = _shares(seconds, tensors) if self._uses_work else None
         started = time.perf_counter()
-        request.insert(list(fresh), list(fresh.values()), publish=True)
+        request.insert(list(fresh), tensors, publish=True, work=work)
         if self._on_insert is None:
             return
         try:
@@ -346,24 +357,32 @@ class EncodePipeline:
         assert self._channel is not None  # a rank other than 0 has a group
         answer = plan.empty_result(self._device)
         mask = self._channel.receive(plan, answer)
-        fresh = self._encode_fallbacks(plan, mask)
+        fresh, _ = self._encode_fallbacks(plan, mask)
         with self._stats_lock:
             self._counts.update(calls=1, encoded=len(fresh), encoder_calls=int(bool(fresh)))
         return self._assemble(plan, mask, answer, fresh)
 
     # ------------------------------------------------------------------ every rank
-    def _encode_fallbacks(self, plan: Plan, mask: list[bool]) -> dict[str, torch.Tensor]:
-        """Run the encoder on the masked items (each key once); every rank agrees it worked."""
+    def _encode_fallbacks(
+        self, plan: Plan, mask: list[bool]
+    ) -> tuple[dict[str, torch.Tensor], float]:
+        """Run the encoder on the masked items (each key once); every rank agrees it worked.
+        The outputs and the call's seconds (wall clock around the call: on an asynchronous
+        device, what the encoder waits for before it returns)."""
         items, inputs = plan.fallbacks(mask)
         if not items:
-            return {}
+            return {}, 0.0
         try:
+            started = time.perf_counter()
             fresh = self._call_encoder(items, inputs)
+            seconds = time.perf_counter() - started
         except BaseException:
             self._agree_encoded(failed=True)
             raise
+        with self._stats_lock:
+            self._encoder_seconds += seconds
         self._agree_encoded(failed=False)
-        return fresh
+        return fresh, seconds
 
     def _call_encoder(self, items: list[Item], inputs: list[Any]) -> dict[str, torch.Tensor]:
         assert_unlocked("encoder call")
@@ -456,6 +475,15 @@ class EncodePipeline:
             c["encoder_calls"] += encoded > 0
             for reason_key in reasons:
                 c[reason_key] += 1
+
+
+def _shares(seconds: float, tensors: list[torch.Tensor]) -> list[float]:
+    """Each output's share of one encoder call's ``seconds``, by rows (equal shares if none)."""
+    rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+    total = sum(rows)
+    if not total:
+        return [seconds / len(rows)] * len(rows)
+    return [seconds * n / total for n in rows]
 
 
 class _Rows:

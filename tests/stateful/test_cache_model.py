@@ -45,7 +45,9 @@ KNOBS: dict[str, dict[str, Any]] = {
     "lru": {},
     "tinylfu": {"min_entries": 1, "shift_block": 4},
     "adaptive": {"min_entries": 1, "shift_block": 4, "decay": 0.5},
+    "adaptive-work": {"min_entries": 1, "shift_block": 4, "decay": 0.5},
 }
+WORK_S = [0.0, 0.001, 0.5, 2.0]  # encoder seconds an insert may report (ties, zero, spread)
 WAIT_S = 600.0  # bounds the waits on fence threads (they end within steps, when let through)
 FAULTS = {"fail": Fault.FAIL, "unknown": Fault.UNKNOWN, "short": Fault.SHORT, "raise": Fault.RAISE}
 
@@ -236,10 +238,13 @@ class CacheMachine(RuleBasedStateMachine):
                 items.append(Item(key, entry.shape, entry.dtype))  # type: ignore[arg-type]
             else:
                 items.append(self.item(key, 0))
-        real = self.handles[r].insert(
-            [it.key for it in items], [tensor_for(it) for it in items], publish=publish
+        work = data.draw(  # measured encoder seconds, or none (unknown)
+            st.none() | st.lists(st.sampled_from(WORK_S), min_size=len(items), max_size=len(items))
         )
-        model = self.model.insert(r, [self.model_item(it) for it in items], publish)
+        real = self.handles[r].insert(
+            [it.key for it in items], [tensor_for(it) for it in items], publish=publish, work=work
+        )
+        model = self.model.insert(r, [self.model_item(it) for it in items], publish, work)
         assert real == model, (real, model)
 
     @rule(r=st.sampled_from(REQUESTS), key=st.sampled_from(KEYS))

@@ -17,6 +17,7 @@ import pytest
 from tests.tla.tla_modules import load_trace
 
 UNIT = 256
+WORK_S = {"a": 0.5, "b": 0.5, "c": 0.25}  # encoder seconds each insert reports (adaptive-work)
 
 
 trace_mod = load_trace()
@@ -196,7 +197,7 @@ def test_refusals_and_release_orders_are_validated() -> None:
 
 @pytest.mark.tla
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("policy", ["tinylfu", "adaptive"])
+@pytest.mark.parametrize("policy", ["tinylfu", "adaptive", "adaptive-work"])
 def test_a_trace_of_the_cache_with_refusals_and_admissions_is_accepted(policy: str) -> None:
     import torch
 
@@ -209,7 +210,8 @@ def test_a_trace_of_the_cache_with_refusals_and_admissions_is_accepted(policy: s
     def insert(key: str) -> bool:
         with cache.request(f"insert-{key}") as r:
             r.lookup([item(key)])
-            [cached] = r.insert([key], [torch.zeros(item(key).shape)], publish=False)
+            tensor = torch.zeros(item(key).shape)
+            [cached] = r.insert([key], [tensor], publish=False, work=[WORK_S[key]])
             return bool(cached)
 
     log = TraceLog()
