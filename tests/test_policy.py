@@ -218,6 +218,12 @@ def test_adaptive_work_matches_its_model_with_shadows_and_ghosts_full(
         max_size=40,
     )
 )
+@example(  # b looked up less often than a but worth more (Hypothesis's search may miss it)
+    [
+        ("add", "a"), ("record", "a"), ("record", "a"), ("work", "a", 1e-3, 256),
+        ("record", "b"), ("encoded", "b", 1.0, 256), ("admit", "b", 1, 1),
+    ]
+)  # fmt: skip
 def test_adaptive_work_matches_its_model_on_two_keys(ops: list[tuple[Any, ...]]) -> None:
     """Two keys, work a thousandfold apart: admissions where counts and worth disagree."""
     drive("adaptive-work", {"shift_drop": 0, "favour": 2.0}, ops)
