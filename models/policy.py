@@ -238,7 +238,7 @@ class ModelAdaptive(ModelTinyLfu):
         elif len(self.filter_shadow) < cap:
             self.filter_shadow.append(key)
         else:
-            if self.estimate(key) > self.estimate(self.filter_shadow[0]):
+            if self.shadow_rank(key) > self.shadow_rank(self.filter_shadow[0]):
                 self.filter_shadow = [*self.filter_shadow[1:], key]
             self.filter_shadow = self.filter_shadow[max(len(self.filter_shadow) - cap, 0) :]
         self.period -= 1
@@ -247,6 +247,10 @@ class ModelAdaptive(ModelTinyLfu):
             self.filter_hits *= self.decay
             self.period = self.entries()
         self.use_filter = self.filter_hits * self.favour >= self.lru_hits
+
+    def shadow_rank(self, key: str) -> float:
+        """What the filter's shadow keeps the larger of: a key's count."""
+        return self.estimate(key)
 
     def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
         if not self.use_filter:
@@ -306,32 +310,9 @@ class ModelWorkAdaptive(ModelAdaptive):
     def worth(self, key: str) -> float:
         return self.estimate(key) * self.work_per_byte(key)
 
-    def record(self, key: str) -> None:
-        """``adaptive``'s, with the filter's shadow taking a key by worth, not count."""
-        ModelTinyLfu.record(self, key)
-        cap = self.entries()
-        if key in self.lru_shadow:
-            self.lru_hits += 1
-            self.lru_shadow.remove(key)
-            self.lru_shadow.append(key)
-        else:
-            self.lru_shadow = [*self.lru_shadow, key][-cap:]
-        if key in self.filter_shadow:
-            self.filter_hits += 1
-            self.filter_shadow.remove(key)
-            self.filter_shadow.append(key)
-        elif len(self.filter_shadow) < cap:
-            self.filter_shadow.append(key)
-        else:
-            if self.worth(key) > self.worth(self.filter_shadow[0]):
-                self.filter_shadow = [*self.filter_shadow[1:], key]
-            self.filter_shadow = self.filter_shadow[max(len(self.filter_shadow) - cap, 0) :]
-        self.period -= 1
-        if self.period == 0:
-            self.lru_hits *= self.decay
-            self.filter_hits *= self.decay
-            self.period = self.entries()
-        self.use_filter = self.filter_hits * self.favour >= self.lru_hits
+    def shadow_rank(self, key: str) -> float:
+        """``adaptive``'s record, with the filter's shadow taking a key by worth, not count."""
+        return self.worth(key)
 
     def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
         if not self.use_filter:
