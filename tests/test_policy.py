@@ -41,16 +41,14 @@ from models.policy import MODELS
 ROOT = Path(__file__).resolve().parents[1]
 
 KEYS = st.sampled_from("abcdefg")
-OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("record"), KEYS),
-        st.tuples(st.just("add"), KEYS),
-        st.tuples(st.just("discard"), KEYS),
-        st.tuples(st.just("forget"), KEYS),
-        st.tuples(st.just("admit"), KEYS, st.integers(1, 4), st.integers(1, 9)),
-    ),
-    max_size=200,
+STEPS = (  # what every policy takes: lookups, the order's changes, frees, admissions
+    st.tuples(st.just("record"), KEYS),
+    st.tuples(st.just("add"), KEYS),
+    st.tuples(st.just("discard"), KEYS),
+    st.tuples(st.just("forget"), KEYS),
+    st.tuples(st.just("admit"), KEYS, st.integers(1, 4), st.integers(1, 9)),
 )
+OPS = st.lists(st.one_of(*STEPS), max_size=200)
 WORK = st.tuples(
     st.sampled_from(["work", "encoded"]),
     KEYS,
@@ -58,15 +56,7 @@ WORK = st.tuples(
     st.integers(1, 4).map(lambda units: units << 8),  # aligned bytes
 )
 WORK_OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("record"), KEYS),
-        st.tuples(st.just("add"), KEYS),
-        st.tuples(st.just("discard"), KEYS),
-        st.tuples(st.just("forget"), KEYS),
-        st.tuples(st.just("admit"), KEYS, st.integers(1, 4), st.integers(1, 9)),
-        WORK,
-        WORK,
-    ),
+    st.one_of(*STEPS, WORK, WORK),
     max_size=200,
 )
 DUEL = st.fixed_dictionaries(
