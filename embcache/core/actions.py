@@ -401,19 +401,19 @@ class Actions(StateQueries):
         start, stop = allocator.free_around(first.offset, first.offset + first.size)
         victims = [first]  # the search's first step, without the search: it alone fits
         if stop - start < size:
-            examined: dict[int, Entry] = {}  # offset -> entry, of the candidates looked at
+            examined: list[Entry] = []  # the candidates looked at, in eviction order
             search = VictimSearch.over(size, self._max_batch, allocator)
             entries = self._entries
             window: Window | None = None
             for candidate in self._order:
                 entry = entries[candidate]
-                examined[entry.offset] = entry
+                examined.append(entry)
                 window = search.add(entry.offset, entry.size)
                 if window is not None:
                     break
             if window is None:
                 return Reason.NO_SPACE
-            victims = [examined[offset] for offset in window.victims]
+            victims = [_examined_at(examined, offset) for offset in window.victims]
             start = window.offset
         if not self._policy.admit(key, size, [victim.key for victim in victims]):
             return Reason.NOT_ADMITTED
@@ -515,3 +515,15 @@ class Actions(StateQueries):
             )
         event.update(extra)
         events.append(event)
+
+
+def _examined_at(examined: list[Entry], offset: int) -> Entry:
+    """The candidate at ``offset``, searched from the newest: a window holds the newest
+    candidate and at most ``max_batch`` victims, so a scan of plain int comparisons costs less
+    than a dict keyed by offset filled for every candidate (one int object each)."""
+    for index in range(len(examined) - 1, -1, -1):
+        entry = examined[index]
+        if entry.offset == offset:
+            return entry
+    raise InvariantError(f"the victim search chose {offset}, which it was not offered")
+

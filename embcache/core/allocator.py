@@ -239,9 +239,16 @@ class BestFitAllocator:
         """``(start, stop)``: ``[offset, end)`` widened over the free block that ends at
         ``offset`` and the free block that starts at ``end``, where there are such blocks (the
         eviction rule's one query per candidate). O(1)."""
-        before = self._end.get(offset)
-        start = before if before is not None and before in self._free else offset
-        stop = self._free.get(end, end)
+        # Read through ``Any`` (as ``allocate`` does): the compiled build then boxes each
+        # argument once, not again for ``in``, for ``get``'s default or for a conditional.
+        free: dict[int, Any] = self._free
+        before: Any = self._end.get(offset)
+        after: Any = free.get(end)
+        start, stop = offset, end
+        if before is not None and before in free:
+            start = before
+        if after is not None:
+            stop = after
         return start, stop
 
     def check_invariants(self) -> None:

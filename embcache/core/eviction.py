@@ -35,7 +35,7 @@ allocator's blocks around a candidate, through free blocks and candidates only. 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from embcache.core.allocator import BestFitAllocator, Block
 
@@ -198,9 +198,13 @@ class VictimSearch:
     def add(self, offset: int, size: int) -> Window | None:
         """The next candidate, the block ``[offset, offset + size)``; the window once feasible."""
         end = offset + size
-        edges = self._edges
-        left = edges.get(offset)  # the start of a run that ends where the block starts
-        right = edges.get(end)  # the end of a run that starts where the block ends
+        # The dict is read and written through ``Any`` names: the compiled build then makes one
+        # int object per edge and reuses it, instead of boxing an int for every dict operation.
+        edges: dict[int, Any] = self._edges
+        key: Any = offset
+        key_end: Any = end
+        left: Any = edges.get(key)  # the start of a run that ends where the block starts
+        right: Any = edges.get(key_end)  # the end of a run that starts where the block ends
         free_start = free_stop = 0
         if left is None or right is None:
             allocator = self._allocator
@@ -208,18 +212,16 @@ class VictimSearch:
                 free_start, free_stop = allocator.free_around(offset, end)
             else:
                 free_start, free_stop = self._free_around(offset, end)
-        if left is None:
-            start = free_start
-        else:
-            start = left
-            del edges[offset]
-        if right is None:
-            stop = free_stop
-        else:
-            stop = right
-            del edges[end]
-        edges[start] = stop
-        edges[stop] = start
+        start_edge: Any = free_start if left is None else left
+        stop_edge: Any = free_stop if right is None else right
+        if left is not None:
+            del edges[key]
+        if right is not None:
+            del edges[key_end]
+        edges[start_edge] = stop_edge
+        edges[stop_edge] = start_edge
+        start: int = start_edge
+        stop: int = stop_edge
         if stop - start < self._need:
             return None
         if left is None and right is None:  # no other candidate beside it: one window
