@@ -28,12 +28,19 @@ SHARED_FIRST = 32000  # the plant's ports: outside every leased block (20000..31
 
 # The plant: every call of ``server_ports`` returns the next ports of one fixed sequence, the
 # same in every run (no lease): one run never collides with itself, two runs collide.
+# Both runs then wait for each other before pytest starts (the slow imports first), so that
+# their masters overlap in time: with two other runs loading the machine, one plant run once
+# ended its session before the other's began, and both passed.
 PLANT = """
-import itertools, sys
-import pytest
+import itertools, os, sys, time
+import pytest, torch
 import tests.support.ports as ports
 following = itertools.count({first})
 ports.server_ports = lambda count: [next(following) for _ in range(count)]
+open(os.path.join({barrier!r}, str(os.getpid())), "w").close()
+deadline = time.monotonic() + 300
+while len(os.listdir({barrier!r})) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
 sys.exit(pytest.main(sys.argv[1:]))
 """
 
@@ -44,9 +51,12 @@ def side_by_side(
     """Start two pytest processes over ``paths`` at once; (status, output tail, seconds) each."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # each run leases its own block
     started = time.monotonic()
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
     runs = []
     for i in range(2):
-        head = ["-c", PLANT.format(first=SHARED_FIRST)] if plant else ["-m", "pytest"]
+        planted = PLANT.format(first=SHARED_FIRST, barrier=str(barrier))
+        head = ["-c", planted] if plant else ["-m", "pytest"]
         args = ["-q", "-x", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / f"run{i}")]
         log = (tmp_path / f"run{i}.log").open("w")
         command = [sys.executable, *head, *args, *paths]
