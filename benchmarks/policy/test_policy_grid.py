@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.policy import bench_policy_grid as grid
-from benchmarks.policy import cost_grid
+from benchmarks.policy import cost_grid, second_offer
 from benchmarks.policy.bench_policy import simulate
 from benchmarks.policy.oracle_shadows import ByteShadows
 from embcache.core.policy import make_policy
@@ -210,3 +210,18 @@ def test_without_a_second_offer_a_refused_key_is_not_offered_again(name: str) ->
     assert twice > 0 and offered.refused > single.refused, "the default offers again"
     assert never == 0
     assert single.lookups == offered.lookups
+
+
+def test_the_second_offer_page_gives_both_ways_and_their_difference() -> None:
+    cell = grid.cells(tiny=True)[0]
+    out = second_offer.run(cell, seed=1, requests=200)
+    assert set(out) == {
+        (load, name, second)
+        for load in second_offer.LOADS
+        for name in second_offer.POLICIES
+        for second in (True, False)
+    }
+    page = second_offer.markdown({cell: out}, seconds=1.0)
+    row = next(line for line in page.splitlines() if line.startswith(f"| {cell.label} |"))
+    with_, without = out["tokens", "tinylfu", True], out["tokens", "tinylfu", False]
+    assert row.split(" | ")[1:4] == [f"{with_:.2f}", f"{without:.2f}", f"{without - with_:+.2f}"]
