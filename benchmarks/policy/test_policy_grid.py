@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.policy import bench_policy_grid as grid
-from benchmarks.policy import cost_grid, second_offer
+from benchmarks.policy import cost_grid, second_offer, work_noise
 from benchmarks.policy.bench_policy import simulate
 from benchmarks.policy.oracle_shadows import ByteShadows
 from embcache.core.policy import make_policy
@@ -225,3 +225,23 @@ def test_the_second_offer_page_gives_both_ways_and_their_difference() -> None:
     row = next(line for line in page.splitlines() if line.startswith(f"| {cell.label} |"))
     with_, without = out["tokens", "tinylfu", True], out["tokens", "tinylfu", False]
     assert row.split(" | ")[1:4] == [f"{with_:.2f}", f"{without:.2f}", f"{without - with_:+.2f}"]
+
+
+def test_noisy_work_is_exact_at_spread_one_and_scaled_within_the_spread() -> None:
+    cell = grid.cells(tiny=True)[0]
+    load = grid.workload(cell, seed=1, requests=300)
+    capacity = cell.pool.capacity
+    exact = simulate(load, make_policy("adaptive-work"), capacity=capacity)
+    one = simulate(load, work_noise.NoisyWork(1.0, seed=1), capacity=capacity)
+    fields = ("hits", "hit_tokens", "refused", "failed", "evictions")
+    assert [getattr(one, f) for f in fields] == [getattr(exact, f) for f in fields]
+    noisy = work_noise.NoisyWork(4.0, seed=1)
+    told = []
+    for n in range(20):
+        noisy.note_work(f"k{n}", 1.0, 1000)
+        told.append(noisy._work[f"k{n}"] * 1000)  # the seconds it remembers
+    assert all(1 / 4 <= t <= 4 for t in told) and len(set(told)) == len(told)
+    out = work_noise.run(cell, seed=1, requests=200)
+    assert set(out) == {"adaptive", "x1", "x2", "x4"}
+    page = work_noise.markdown({cell: out}, seconds=1.0)
+    assert f"| {cell.label} | {out['adaptive']:.2f} | {out['x1']:.2f} |" in page
