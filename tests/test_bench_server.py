@@ -153,6 +153,31 @@ def test_a_repeat_count_below_one_is_refused() -> None:
     assert done.returncode == 2 and "--repeats must be at least 1, not 0" in done.stderr
 
 
+def test_the_seed_flag_seeds_the_workload(tmp_path: Path, encoder: torch.nn.Module) -> None:
+    """``--seed N`` reaches the config and the workload: the run's hot set is seed N's."""
+    done = bench_server(
+        "--size", "tiny", "--parts", "mixes", "--mixes", "steady", "--seed", "2",
+        "--json", str(tmp_path / "r.json"), timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["config"]["seed"] == 2
+    tiny = result["config"]
+
+    def hot_bytes(seed: int) -> int:
+        work = make_workload(
+            encoder, tiny["hot"], tiny["requests"], tiny["zipf_s"], seed, mixes=("steady",)
+        )
+        return work.hot_bytes()
+
+    assert result["hot_bytes"] == hot_bytes(2) != hot_bytes(0), "seed 2's catalog, not seed 0's"
+
+
+def test_a_negative_seed_is_refused() -> None:
+    done = bench_server("--size", "tiny", "--parts", "mixes", "--seed", "-1", timeout=120)
+    assert done.returncode == 2 and "--seed must be at least 0, not -1" in done.stderr
+
+
 def test_the_breakdown_splits_every_cache_time_and_scales_it(tiny_run: dict[str, Any]) -> None:
     result = tiny_run["result"]
     for mix in MIXES:

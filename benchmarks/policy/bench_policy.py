@@ -364,12 +364,16 @@ def simulate(
     policy: Policy,
     calls: list[tuple[Any, ...]] | None = None,
     capacity: int = frag.POOL_BYTES,
+    second_offer: bool = True,
 ) -> mixes.Result:
     """Replay ``workload`` as the encode pipeline drives the cache (a pool of ``capacity``
     bytes), with ``policy``: a request looks its items up reserving its misses, encodes every
     miss and inserts them all with their work (a miss refused at lookup is offered again: a
     second BeginLoad, which counts as a second insert, refusal or failure), and its pins go
-    when it closes, in the order it looked the keys up, as the cache releases them."""
+    when it closes, in the order it looked the keys up, as the cache releases them.
+    ``second_offer=False``: what the cache would do if an insert skipped the keys the
+    policy refused at its own request's lookup (a miss that found no space is still
+    offered again; the work of every encoded output is still told)."""
     result = mixes.Result()
     cache = Simulated(capacity, policy, calls)
     open_requests: deque[list[str]] = deque()
@@ -386,20 +390,22 @@ def simulate(
                 result.hit_tokens += spec.tokens
             else:
                 misses.append(spec)
-        reserved = set()
-        for again in (False, True):  # BeginLoad at lookup, and for the refused at insert
+        done = set()  # not offered again: reserved, and refused when there is no second offer
+        for again in (False, True):  # BeginLoad at lookup, and at insert for the others
             for spec in misses:
-                if again and spec.key in reserved:
+                if again and spec.key in done:
                     continue
                 result.inserts += 1
                 reason = cache.begin_load(spec.key, spec.nbytes)
                 if reason is None:
                     held.add(spec.key)
-                    reserved.add(spec.key)
+                    done.add(spec.key)
                 elif reason == "no_space":
                     result.failed += 1
                 else:
                     result.refused += 1
+                    if not second_offer:
+                        done.add(spec.key)
         cache.note_work(misses)
         open_requests.append([spec.key for spec in specs if spec.key in held])
         if len(open_requests) > workload.inflight:

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from benchmarks.policy import bench_policy_grid as grid
-from benchmarks.policy import cost_grid
+from benchmarks.policy import cost_grid, second_offer, work_noise
+from benchmarks.policy.bench_policy import simulate
 from benchmarks.policy.oracle_shadows import ByteShadows
+from embcache.core.policy import make_policy
 from embcache.errors import InvalidArgumentError
 from tests.support import mixes
 
@@ -175,3 +177,71 @@ def test_the_cost_page_reports_the_real_policy_beside_the_oracle() -> None:
     assert "| real lead | to oracle |" in page and f"`{cost_grid.REAL}` to the oracle" in page
     gap = saved[cell][cost_grid.CHOSEN] - saved[cell][cost_grid.REAL]
     assert f"{gap:+.1f} |" in page.splitlines()[7]
+
+
+def _offered_twice(calls: list[tuple[object, ...]]) -> int:
+    """Admissions asked about a key twice with no lookup of it between: a request's second
+    offer (each request's keys are distinct, and each lookup records its keys first)."""
+    last: dict[object, str] = {}
+    twice = 0
+    for call in calls:
+        if len(call) == 1:  # record: a lookup
+            last[call[0]] = "record"
+        elif len(call) == 3:  # admit
+            twice += last.get(call[0]) == "admit"
+            last[call[0]] = "admit"
+    return twice
+
+
+@pytest.mark.parametrize("name", ["tinylfu", "adaptive", "adaptive-work"])
+def test_without_a_second_offer_a_refused_key_is_not_offered_again(name: str) -> None:
+    """``simulate(second_offer=False)``: a key the policy refused at its request's lookup is
+    not offered again at that request's insert; by default it is (the pipeline's way)."""
+    cell = grid.Cell(grid.POOLS[0], "steady", grid.STEADY_SKEW, None)
+    load = grid.workload(cell, seed=1, requests=600)
+    runs = {}
+    for second in (True, False):
+        calls: list[tuple[object, ...]] = []
+        result = simulate(
+            load, make_policy(name), calls, capacity=cell.pool.capacity, second_offer=second
+        )
+        runs[second] = (_offered_twice(calls), result)
+    (twice, offered), (never, single) = runs[True], runs[False]
+    assert twice > 0 and offered.refused > single.refused, "the default offers again"
+    assert never == 0
+    assert single.lookups == offered.lookups
+
+
+def test_the_second_offer_page_gives_both_ways_and_their_difference() -> None:
+    cell = grid.cells(tiny=True)[0]
+    out = second_offer.run(cell, seed=1, requests=200)
+    assert set(out) == {
+        (load, name, second)
+        for load in second_offer.LOADS
+        for name in second_offer.POLICIES
+        for second in (True, False)
+    }
+    page = second_offer.markdown({cell: out}, seconds=1.0)
+    row = next(line for line in page.splitlines() if line.startswith(f"| {cell.label} |"))
+    with_, without = out["tokens", "tinylfu", True], out["tokens", "tinylfu", False]
+    assert row.split(" | ")[1:4] == [f"{with_:.2f}", f"{without:.2f}", f"{without - with_:+.2f}"]
+
+
+def test_noisy_work_is_exact_at_spread_one_and_scaled_within_the_spread() -> None:
+    cell = grid.cells(tiny=True)[0]
+    load = grid.workload(cell, seed=1, requests=300)
+    capacity = cell.pool.capacity
+    exact = simulate(load, make_policy("adaptive-work"), capacity=capacity)
+    one = simulate(load, work_noise.NoisyWork(1.0, seed=1), capacity=capacity)
+    fields = ("hits", "hit_tokens", "refused", "failed", "evictions")
+    assert [getattr(one, f) for f in fields] == [getattr(exact, f) for f in fields]
+    noisy = work_noise.NoisyWork(4.0, seed=1)
+    told = []
+    for n in range(20):
+        noisy.note_work(f"k{n}", 1.0, 1000)
+        told.append(noisy._work[f"k{n}"] * 1000)  # the seconds it remembers
+    assert all(1 / 4 <= t <= 4 for t in told) and len(set(told)) == len(told)
+    out = work_noise.run(cell, seed=1, requests=200)
+    assert set(out) == {"adaptive", "x1", "x2", "x4"}
+    page = work_noise.markdown({cell: out}, seconds=1.0)
+    assert f"| {cell.label} | {out['adaptive']:.2f} | {out['x1']:.2f} |" in page

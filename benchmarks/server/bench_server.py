@@ -24,7 +24,7 @@ share of those single-flight waits (``joins %``: they replace encodes; the pipel
 ``stats().wait_seconds``). Written as JSON, with a plot of requests/s and p99 per contender
 and mix next to it.
 
-    python -m benchmarks.server.bench_server [--quick] [--json PATH] [--plot PATH]
+    python -m benchmarks.server.bench_server [--quick] [--json PATH] [--plot PATH] [--seed N]
 """
 
 from __future__ import annotations
@@ -579,6 +579,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=None, help="requests per mix")
     parser.add_argument("--best-policy", default=None, help="embcache's policy besides lru")
     parser.add_argument(
+        "--seed", type=int, default=None,
+        help="the workload's seed (catalog, mixes); at least 0, default the size's",
+    )  # fmt: skip
+    parser.add_argument(
         "--repeats", type=int, default=1,
         help="measure the mixes this many times; rows are medians, with each figure's spread",
     )  # fmt: skip
@@ -604,6 +608,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = replace(config, requests=args.requests)
     if args.best_policy:
         config = replace(config, best_policy=args.best_policy)
+    if args.seed is not None:
+        if args.seed < 0:
+            parser.error(f"--seed must be at least 0, not {args.seed}")
+        config = replace(config, seed=args.seed)
     size = "quick" if args.quick else args.size
     result: dict[str, Any] = {"machine": machine(), "size": size, "config": asdict(config)}
     if "verify" in args.parts:
