@@ -259,6 +259,29 @@ def runs_of(tiny: bool, five: bool) -> tuple[list[Cell], int, tuple[int, ...]]:
     return cells(tiny), *((400, SEEDS[:1]) if tiny else (REQUESTS, SEEDS))
 
 
+def five_mix_page(
+    doc: str,
+    run: Callable[[Cell, int, int], dict[Any, float]],
+    markdown: Callable[[dict[Cell, dict[Any, float]], float], str],
+) -> None:
+    """The ``__main__`` of a study on the five mixes: ``run(cell, seed, requests)`` for each
+    cell and seed, its numbers averaged over the seeds, rendered by ``markdown(means,
+    seconds)``, printed and, with ``--markdown OUT``, written to OUT."""
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--markdown", type=Path, metavar="OUT", help="write the page to OUT")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    five, requests, seeds = runs_of(False, True)
+    means = {}
+    for cell in five:
+        runs = [run(cell, seed, requests) for seed in seeds]
+        means[cell] = {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
+    page = markdown(means, time.perf_counter() - started)
+    if args.markdown is not None:
+        args.markdown.write_text(page, encoding="utf-8")
+    print(page)
+
+
 def measure(tiny: bool, jobs: int = 1, five: bool = False) -> dict[Cell, Summary]:
     """The grid's summaries (``five``: the five mixes'), cell by cell, each seed of each cell
     run by one of ``jobs`` processes (a progress bar on stderr)."""

@@ -16,10 +16,7 @@ python -m benchmarks.policy.second_offer [--markdown OUT]
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
-from pathlib import Path
 
 from benchmarks.policy import bench_policy_grid as grid
 from benchmarks.policy import cost_grid
@@ -42,16 +39,6 @@ def run(cell: grid.Cell, seed: int, requests: int) -> dict[tuple[str, str, bool]
                     workload, make_policy(name), capacity=cell.pool.capacity, second_offer=second
                 )
                 out[load, name, second] = result.tokens_saved
-    return out
-
-
-def measure() -> dict[grid.Cell, dict[tuple[str, str, bool], float]]:
-    """Per five-mix cell, ``run``'s shares, the means over the seeds."""
-    cells, requests, seeds = grid.runs_of(False, True)
-    out = {}
-    for cell in cells:
-        runs = [run(cell, seed, requests) for seed in seeds]
-        out[cell] = {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
     return out
 
 
@@ -97,12 +84,4 @@ def markdown(saved: dict[grid.Cell, dict[tuple[str, str, bool], float]], seconds
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--markdown", type=Path, metavar="OUT", help="write the page to OUT")
-    args = parser.parse_args()
-    started = time.perf_counter()
-    measured = measure()
-    page = markdown(measured, time.perf_counter() - started)
-    if args.markdown is not None:
-        args.markdown.write_text(page, encoding="utf-8")
-    print(page)
+    grid.five_mix_page(__doc__, run, markdown)

@@ -13,11 +13,8 @@ python -m benchmarks.policy.work_noise [--markdown OUT]
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
-import time
-from pathlib import Path
 
 from benchmarks.policy import bench_policy_grid as grid
 from benchmarks.policy.bench_policy import simulate
@@ -81,16 +78,4 @@ def markdown(saved: dict[grid.Cell, dict[str, float]], seconds: float) -> str:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--markdown", type=Path, metavar="OUT", help="write the page to OUT")
-    args = parser.parse_args()
-    started = time.perf_counter()
-    cells, requests, seeds = grid.runs_of(False, True)
-    measured = {}
-    for cell in cells:
-        runs = [run(cell, seed, requests) for seed in seeds]
-        measured[cell] = {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
-    page = markdown(measured, time.perf_counter() - started)
-    if args.markdown is not None:
-        args.markdown.write_text(page, encoding="utf-8")
-    print(page)
+    grid.five_mix_page(__doc__, run, markdown)
