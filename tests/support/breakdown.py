@@ -12,7 +12,9 @@ calls). The profiled time is then split by what ran (``category``):
 - ``driver Python``: every other Python line in the cache call (embcache's driver, adapters,
   pipeline; the serving sequence's own code) and the builtins it calls;
 - ``torch tensors and views``: torch calls that make tensors or views (not copies);
-- ``copies``: ``copy_``, ``memmove``, ``clone`` and ``torch.cat``: moving payload bytes;
+- ``copies``: ``copy_``, ``memmove``, ``clone`` and ``torch.cat``: moving payload bytes, and
+  the own time of ``COPY_FUNCTIONS`` (a ``ctypes`` foreign call is no builtin to cProfile: the
+  ``memmove`` inside embcache's ``copy_bytes`` shows only as that function's own time);
 - ``single-flight waits``: a condition or event wait: waiting for another request's encode or
   load. It replaces an encode, so it is reported apart from the overhead;
 - ``I/O hand-offs``: submitting work to I/O threads (``concurrent.futures``, queues);
@@ -46,6 +48,7 @@ CATEGORIES = (
 WAITS = "single-flight waits"
 CORE_FILES = ("/embcache/core/", "embedding_cache_controller", "tests/support/baselines.py")
 CORE_BUILTINS = ("of 'CacheCore' objects", "of 'Actions' objects")  # the compiled core's steps
+COPY_FUNCTIONS = (("/embcache/driver/pool.py", "copy_bytes"),)  # a ctypes memmove and nothing else
 
 Key = tuple[str, int, str]
 
@@ -115,6 +118,8 @@ def category(key: Key) -> str | None:
             return "torch tensors and views"
         return None
     path = path.replace("\\", "/")
+    if any(path.endswith(file) and name == function for file, function in COPY_FUNCTIONS):
+        return "copies"
     if any(part in path for part in CORE_FILES):
         return "core step"
     if "/concurrent/futures/" in path or path.endswith("/queue.py"):
