@@ -680,3 +680,16 @@ def test_the_policy_grid_tools_pass_their_own_checks() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=840, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_the_server_replay_passes_its_own_checks() -> None:
+    """``benchmarks/server/test_replay.py`` (every token accounted for, each image encoded once
+    with room for all, one mix replaying bench_server's trace, bad flags), run by pytest in a
+    child process: it imports the benchmark."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "benchmarks/server/test_replay.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=280, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -1,5 +1,8 @@
 """``benchmarks.server.replay``: the server benchmark's trace replayed in order through every
-policy and the original PR's controller, each miss charged the encoder's cost for its size."""
+policy and the original PR's controller, each miss charged the encoder's cost for its size.
+
+These import the benchmark, which no test under ``tests/`` may: ``tests/test_benchmarks.py``
+runs this file with pytest in a child process."""
 
 from __future__ import annotations
 
