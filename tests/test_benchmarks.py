@@ -669,27 +669,21 @@ def test_tiny_grid_reports_every_cell(tiny_grid: dict[str, Any]) -> None:
     assert heat[("steady / scan", 0.0)][0] == pytest.approx(steady["margin"])
 
 
-
-@pytest.mark.timeout(900)
-def test_the_policy_grid_tools_pass_their_own_checks() -> None:
-    """``benchmarks/policy/test_policy_grid.py`` (the ``--variant`` runs and the oracles), run
-    by pytest in a child process: they import the benchmarks, which no test here may."""
+@pytest.mark.parametrize(
+    ("checks", "seconds"),
+    [
+        # the policy grid's ``--variant`` runs and oracles
+        pytest.param("benchmarks/policy/test_policy_grid.py", 840, marks=pytest.mark.timeout(900)),
+        # the server replay: every token accounted for, each image encoded once with room for
+        # all, one mix replaying bench_server's trace, bad flags
+        pytest.param("benchmarks/server/test_replay.py", 280, marks=pytest.mark.timeout(300)),
+    ],
+)
+def test_a_benchmarks_own_checks_pass(checks: str, seconds: int) -> None:
+    """The checks that live beside a benchmark (they import it, which no test here may), run
+    by pytest in a child process."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "benchmarks/policy/test_policy_grid.py"],
-        cwd=ROOT, capture_output=True, text=True, timeout=840, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-
-
-@pytest.mark.timeout(300)
-def test_the_server_replay_passes_its_own_checks() -> None:
-    """``benchmarks/server/test_replay.py`` (every token accounted for, each image encoded once
-    with room for all, one mix replaying bench_server's trace, bad flags), run by pytest in a
-    child process: it imports the benchmark."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "benchmarks/server/test_replay.py"],
-        cwd=ROOT, capture_output=True, text=True, timeout=280, check=False,
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", checks],
+        cwd=ROOT, capture_output=True, text=True, timeout=seconds, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
