@@ -584,3 +584,24 @@ def test_every_layout_through_the_vllm_workers_save(
     got = vllm_save(sched, worker, next(_keys), tensor)
     assert got == expected(tensor), f"vLLM save, {kind}: other bytes"
     sched.check_invariants()
+
+
+def test_the_fast_path_check_asks_is_conj_only_of_a_complex_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``is_conj`` lets go of the interpreter lock (a wait to get it back on a busy server),
+    and torch sets the conjugate bit on complex tensors only: a real output is not asked."""
+    asked: list[torch.dtype] = []
+    is_conj = torch.Tensor.is_conj
+
+    def counting(tensor: torch.Tensor) -> bool:
+        asked.append(tensor.dtype)
+        return is_conj(tensor)
+
+    monkeypatch.setattr(torch.Tensor, "is_conj", counting)
+    real = fresh((2, 8), torch.bfloat16, 0)
+    complex_ = fresh((2, 8), torch.complex64, 0)
+    assert pool_module.bytes_only(real, Item.of("real", real))
+    assert pool_module.bytes_only(complex_, Item.of("complex", complex_))
+    assert not pool_module.bytes_only(complex_.conj(), Item.of("conj", complex_))
+    assert asked == [torch.complex64, torch.complex64]

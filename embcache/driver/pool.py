@@ -162,7 +162,9 @@ def copy_bytes(dst: int, src: int, nbytes: int) -> None:
 def bytes_only(tensor: torch.Tensor, entry: ItemLike | Entry) -> bool:
     """Whether ``copy_`` of ``tensor`` into ``entry``'s view would only copy its bytes: a plain
     CPU tensor, contiguous, of the entry's dtype and shape (no broadcast, no conversion), not
-    quantized, with no lazy conjugate or negation bit to apply."""
+    quantized, with no lazy conjugate or negation bit to apply. ``is_conj`` is asked only of a
+    complex dtype (torch sets the bit on no other): each such call lets go of the interpreter
+    lock, and a fresh output of a busy server then waits to get it back."""
     return (
         type(tensor) is torch.Tensor
         and tensor.is_cpu
@@ -171,7 +173,7 @@ def bytes_only(tensor: torch.Tensor, entry: ItemLike | Entry) -> bool:
         and tensor.layout is torch.strided
         and tensor.is_contiguous()
         and not tensor.is_quantized
-        and not tensor.is_conj()
+        and not (tensor.dtype.is_complex and tensor.is_conj())  # (a bit only complex ones carry)
         and not tensor.is_neg()
     )
 
