@@ -176,8 +176,12 @@ class ModelTinyLfu:
             self.sketch.clear()
             self.counts = {}
             self.start_sample()
+            self.shifted()
         else:
             self.block_means.append(mean)
+
+    def shifted(self) -> None:
+        """A shift was detected (the counts were just cleared)."""
 
     def running_mean(self) -> float:
         running = self.block_means[0]
@@ -200,7 +204,10 @@ class ModelAdaptive(ModelTinyLfu):
     shadow takes every key looked up, the filter's takes one only where there is room or its
     count is above the oldest key's; each shadow's hits decay at the end of every period of
     max(resident, min_entries) lookups; after every lookup, admit follows the filter if its
-    hits x favour are at least the LRU shadow's, else admits everything."""
+    hits x favour are at least the LRU shadow's, else admits everything. Under the filter a
+    key must also pass the doorkeeper (looked up at least twice, this lookup counted) to
+    displace anything, in admit and in the filter's shadow alike, except for the
+    max(resident, min_entries) lookups that follow a detected shift (counted from it)."""
 
     name = "adaptive"
 
@@ -221,8 +228,17 @@ class ModelAdaptive(ModelTinyLfu):
         self.lru_hits = self.filter_hits = 0.0  # decayed every period
         self.period = min_entries
         self.use_filter = True
+        self.looked_up = 0  # every lookup recorded
+        self.asleep_until = 0  # the doorkeeper sleeps while looked_up < this
+
+    def shifted(self) -> None:
+        self.asleep_until = self.looked_up + self.entries()
+
+    def past_doorkeeper(self, key: str) -> bool:
+        return self.estimate(key) >= 2 or self.looked_up < self.asleep_until
 
     def record(self, key: str) -> None:
+        self.looked_up += 1
         super().record(key)
         cap = self.entries()
         if key in self.lru_shadow:
@@ -238,7 +254,8 @@ class ModelAdaptive(ModelTinyLfu):
         elif len(self.filter_shadow) < cap:
             self.filter_shadow.append(key)
         else:
-            if self.shadow_rank(key) > self.shadow_rank(self.filter_shadow[0]):
+            oldest = self.filter_shadow[0]
+            if self.past_doorkeeper(key) and self.shadow_rank(key) > self.shadow_rank(oldest):
                 self.filter_shadow = [*self.filter_shadow[1:], key]
             self.filter_shadow = self.filter_shadow[max(len(self.filter_shadow) - cap, 0) :]
         self.period -= 1
@@ -255,7 +272,7 @@ class ModelAdaptive(ModelTinyLfu):
     def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
         if not self.use_filter:
             return True
-        return super().admit(key, nbytes, victims)
+        return self.past_doorkeeper(key) and super().admit(key, nbytes, victims)
 
 
 class ModelWorkAdaptive(ModelAdaptive):
@@ -317,6 +334,8 @@ class ModelWorkAdaptive(ModelAdaptive):
     def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
         if not self.use_filter:
             return True
+        if not self.past_doorkeeper(key):
+            return False
         return all(self.worth(victim) < self.worth(key) for victim in victims)
 
     def forget(self, key: str) -> None:

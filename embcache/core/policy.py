@@ -18,8 +18,8 @@ Policies (``make_policy(name, **knobs)``):
 - ``tinylfu``: recency order and a TinyLFU admission filter: a candidate is admitted only if it
   was looked up more often, recently, than every one of its victims.
 - ``adaptive``: ``tinylfu``'s counts, and admission by whichever expert (admit everything, as
-  ``lru``; or ``tinylfu``'s filter) has had more hits lately in a shadow cache of keys that
-  follows it alone.
+  ``lru``; or ``tinylfu``'s filter behind a doorkeeper: a key seen once displaces nothing)
+  has had more hits lately in a shadow cache of keys that follows it alone.
 - ``adaptive-work``: ``adaptive`` whose filter weighs each key's recent lookups by its measured
   encoder seconds per byte (the driver passes each fresh output's encoder time to ``insert``;
   without it, ``adaptive`` exactly).
@@ -99,6 +99,33 @@ mixes: ``benchmarks/policy/results/variants_2026-12-03.md``), none kept:
   the capacity estimated 1.8x too big and scan 10 points behind. With ``record(key, nbytes)``
   from the core (the capacity then the bytes of the resident entries) the oracle measured 15
   cells behind, mean -0.26, worst -1.82 (1GiB scan): the change to ask for first.
+The doorkeeper (session 16, kept). On the server benchmark's scan mix the original PR's
+first-fit controller, which refuses large inserts by accident, re-encoded fewer images than
+``adaptive`` (replayed without threads, ``benchmarks.server.replay``: ``adaptive`` 1.050x and
+1.009x its encoder time on seeds 0 and 1), and the extra encodes were of small and middle
+images (64 to 576 tokens: 3,030 encodes against 2,614 on seed 0) while large ones came out
+even: the pool held one-off images that the filter let in because their victims' counts had
+aged to 0 (the filter is asked only when an insert must evict, and "a count above each
+victim's" is 1 > 0 for a key seen once). Tried in the replay first, none of help: GreedyDual-
+Size-Frequency as the eviction order (worse on every mix: steady 1.02-1.09x, scan
+1.05-1.09x), shadows in bytes with hits weighed by bytes or by encoder cost (no better than
+today's), a size cap on admission (hurts steady and drift, scan unchanged). What helped is
+TinyLFU's own doorkeeper: a key must have been looked up twice to displace anything. It is
+played in the filter's shadow as well (else the duel misjudges the filter on fast drift), and
+sleeps for max(resident, ``min_entries``) lookups after a detected shift: always awake, fast
+drift gained (the duel turns to LRU sooner) but slow drift lost 1 to 2.4 points (each new
+favourite one more miss after every reshuffle); asleep until the next halving, the scans,
+which the detector also takes for shifts, went through with the doorkeeper asleep (the
+server's scan gain gone). Sleeps of 0.5x, 0.75x, 1x and 3x the entries were measured (on the
+variant below), 1x chosen: the grid's and the five mixes' best. Against the stored runs (grid
+and five mixes, 2 seeds each; lead over the best other contender): grid mean lead -0.27
+(was -0.37), worst -1.52 (-2.61), 21 cells more than 0.3 behind (20); five mixes mean -0.22
+(-0.61), worst -1.05 (-2.39), 5 behind (5). Server replay, encoder time against the original
+PR, seeds 0 / 1: steady 0.902 / 0.927 (0.908 / 0.948), drifting 0.664 / 0.668 (0.659 /
+0.666), scan 1.029 / 0.987 (1.050 / 1.009); ``adaptive-work`` scan 1.029 / 0.991 (1.077 /
+1.052). A variant that skips the shadow's trim when the doorkeeper refuses (so the filter's
+shadow may stay longer than the residents after they shrink) measured better still (grid 18
+behind, mean -0.20; five 3, -0.11), but breaks the shadows' stated bound: not kept.
 Shadows count entries, not bytes (``record`` gets no size), and share the real counts.
 Cost model of ``tinylfu`` and ``adaptive``: every lookup of a cached key saves one encoder run
 of that key; admission compares lookups per key (the filter) and hits per shadow entry (the
@@ -304,6 +331,7 @@ class TinyLfuPolicy:
         self._block_sum = 0
         self._running_mean: float | None = None
         self._span = self._left = self._samples = self._sample = 0
+        self._ticked = 0  # lookups up to the last tick (``lookups``: the ones since too)
         self._start_sample()
         self._schedule()
         self.halvings = 0
@@ -353,8 +381,13 @@ class TinyLfuPolicy:
         self._counts[key] = before + 1 if before < self._max_count else before
         return before
 
+    def lookups(self) -> int:
+        """Lookups recorded so far (counted per tick, so a lookup costs nothing more). O(1)."""
+        return self._ticked + self._span - self._left
+
     def _tick(self) -> None:
         """The lookup that ends a sample (halve) or else a block (look for a shift)."""
+        self._ticked += self._span
         self._samples += self._span
         self._block_lookups += self._span
         if self._samples == self._sample:
@@ -448,12 +481,20 @@ class AdaptivePolicy(TinyLfuPolicy):
     max(resident, ``min_entries``) lookups; after every lookup, the filter answers if its
     shadow's hits x ``favour`` >= the LRU shadow's, else every insert is admitted. Shadows
     count entries, not bytes: the policy sees an entry's bytes only when asked to admit it.
+
+    The filter has a doorkeeper: a key looked up fewer than ``DOORKEEPER`` (2) times recently,
+    this lookup counted, displaces nothing, in ``admit`` and in the filter's shadow alike
+    (a one-off image never evicts a victim, however stale), except while the doorkeeper
+    sleeps: for the max(resident, ``min_entries``) lookups counted from a detected shift,
+    when every count was just cleared and the new favourites have been seen once (module
+    notes: a scan also looks like a shift to the detector, so the sleep is short).
     Cost model: a hit saves one encoder run of its key, whatever its bytes (module notes).
     ``record`` O(1) amortised, ``admit`` O(victims); memory: 2 x max(resident,
     ``min_entries``) shadow keys (``footprint().ghosts``).
     """
 
     name = "adaptive"
+    DOORKEEPER = 2  # lookups a key needs before it may displace anything under the filter
 
     def __init__(  # object: checked here, also when compiled (see make_policy)
         self,
@@ -476,6 +517,7 @@ class AdaptivePolicy(TinyLfuPolicy):
         self._period_left = self._min_entries  # lookups until the period ends
         self.use_filter = True  # the expert admit follows now
         self.switches = 0
+        self._quiet_until = 0  # the doorkeeper sleeps until this many lookups (a shift's)
 
     def shadow_hits(self) -> tuple[float, float]:
         """The LRU shadow's and the filter shadow's hits, as decayed so far. O(1)."""
@@ -529,19 +571,35 @@ class AdaptivePolicy(TinyLfuPolicy):
             shadow[key] = None
             return
         oldest = next(iter(shadow))
-        if self.worth(key) > self.worth(oldest):
+        if self._past_doorkeeper(key) and self.worth(key) > self.worth(oldest):
             del shadow[oldest]
             shadow[key] = None
         while len(shadow) > cap:
             shadow.popitem(last=False)
+
+    def _past_doorkeeper(self, key: str) -> bool:
+        """Whether ``key`` may displace anything under the filter: looked up at least
+        ``DOORKEEPER`` times recently (this lookup counted), or the doorkeeper sleeps: for
+        max(resident, ``min_entries``) lookups after a detected shift. O(1)."""
+        return self.estimate(key) >= self.DOORKEEPER or self.lookups() < self._quiet_until
+
+    def _end_block(self) -> None:
+        """``tinylfu``'s; a shift it detects puts the doorkeeper to sleep."""
+        shifts = self.shifts
+        super()._end_block()
+        if self.shifts != shifts:
+            self._quiet_until = self._ticked + self._entries()  # (this lookup is ticked)
 
     def worth(self, key: str) -> float:
         """What the filter ranks ``key`` by: its recent lookups (``estimate``). O(1)."""
         return self.estimate(key)
 
     def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
-        """True under the LRU expert; the filter's answer under the filter. O(victims)."""
-        return not self.use_filter or super().admit(key, nbytes, victims)
+        """True under the LRU expert; under the filter, past the doorkeeper and the filter's
+        answer. O(victims)."""
+        if not self.use_filter:
+            return True
+        return self._past_doorkeeper(key) and super().admit(key, nbytes, victims)
 
     def footprint(self) -> Footprint:
         """What this policy keeps now, each container counted (ghosts: both shadows' keys).
@@ -562,7 +620,8 @@ class AdaptivePolicy(TinyLfuPolicy):
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled: the tests' planted bugs extend it
 class WorkAdaptivePolicy(AdaptivePolicy):
     """``adaptive`` whose filter (and the filter's shadow) ranks keys by their worth per byte
-    of pool: recent lookups x measured encoder seconds per byte.
+    of pool: recent lookups x measured encoder seconds per byte (behind ``adaptive``'s
+    doorkeeper, which counts lookups alone).
 
     Cost model: a hit of key k saves one encoder run of k, ``work(k)`` seconds as measured the
     last time k was encoded here (the driver's measure: the encode pipeline times each encoder
@@ -662,6 +721,8 @@ class WorkAdaptivePolicy(AdaptivePolicy):
         O(victims)."""
         if not self.use_filter:
             return True
+        if not self._past_doorkeeper(key):
+            return False
         worth = self.worth
         mine = worth(key)
         return all(mine > worth(victim) for victim in victims)
