@@ -460,12 +460,16 @@ class TinyLfuPolicy:
             self._start_sample()
             self.shifts += 1
             self._restart_blocks()
+            self._shifted()
         else:
             self._running_mean += self.SMOOTHING * (mean - self._running_mean)
 
     def _restart_blocks(self) -> None:
         self._block_sum = self._block_lookups = 0
         self._running_mean = None
+
+    def _shifted(self) -> None:
+        """A shift was detected at this lookup (every count just cleared): nothing more here."""
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled: the tests' planted bugs extend it
@@ -585,12 +589,10 @@ class AdaptivePolicy(TinyLfuPolicy):
         max(resident, ``min_entries``) lookups after a detected shift. O(1)."""
         return self.estimate(key) >= self.DOORKEEPER or self.lookups() < self._quiet_until
 
-    def _end_block(self) -> None:
-        """``tinylfu``'s; a shift it detects puts the doorkeeper to sleep."""
-        shifts = self.shifts
-        super()._end_block()
-        if self.shifts != shifts:
-            self._quiet_until = self._ticked + self._entries()  # (this lookup is ticked)
+    def _shifted(self) -> None:
+        """A detected shift puts the doorkeeper to sleep for max(resident, ``min_entries``)
+        lookups, counted from this one (already ticked)."""
+        self._quiet_until = self._ticked + self._entries()
 
     def worth(self, key: str) -> float:
         """What the filter ranks ``key`` by: its recent lookups (``estimate``). O(1)."""
