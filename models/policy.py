@@ -170,8 +170,11 @@ class ModelTinyLfu:
         self.block.append(before)
         if len(self.block) < self.shift_block:
             return
-        mean = sum(self.block) / len(self.block)
+        seen = [count for count in self.block if count > 0]  # first-seen keys left out
         self.block = []
+        if not seen:
+            return  # first-seen keys only: no evidence
+        mean = sum(seen) / len(seen)
         if self.block_means and mean < self.shift_drop * self.running_mean():
             self.sketch.clear()
             self.counts = {}

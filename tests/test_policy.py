@@ -335,20 +335,20 @@ def test_adaptive_filter_shadow_keeps_the_doorkeeper_too() -> None:
 
 
 def test_adaptive_doorkeeper_sleeps_for_entries_lookups_after_a_shift() -> None:
-    """A hot pair, then new keys: the block of new keys is a shift (every count cleared, at
-    lookup 14). For max(resident, ``min_entries``) = 4 lookups counted from it (to 17) a key
-    looked up once may displace a victim with a lower count, as the filter alone answers;
-    from lookup 18 the doorkeeper is awake again."""
+    """A hot pair, then new keys that come back: the block of their second lookups is a shift
+    (every count cleared, at lookup 16). For max(resident, ``min_entries``) = 4 lookups
+    counted from it (to 19) a key looked up once may displace a victim with a lower count, as
+    the filter alone answers; from lookup 20 the doorkeeper is awake again."""
     policy = AdaptivePolicy(min_entries=4, shift_block=2, shift_drop=0.6, sample_factor=100)
     policy.order()
-    for key in ["a", "b"] * 6 + ["n0", "n1"]:
+    for key in ["a", "b"] * 6 + ["n0", "n1"] * 2:
         policy.record(key)
-    assert policy.shifts == 1 and policy.use_filter and policy.lookups() == 14
+    assert policy.shifts == 1 and policy.use_filter and policy.lookups() == 16
     for key in ("n2", "n3", "n4"):
         policy.record(key)
         assert policy.admit(key, 100, ["n0"]), key
     policy.record("n5")
-    assert policy.lookups() == 18 and not policy.admit("n5", 100, ["n0"])
+    assert policy.lookups() == 20 and not policy.admit("n5", 100, ["n0"])
     policy.record("n5")
     assert policy.admit("n5", 100, ["n0"])
 
@@ -464,14 +464,32 @@ def test_tinylfu_sample_grows_with_the_resident_entries() -> None:
 def test_tinylfu_shift_compares_with_the_running_mean_of_earlier_blocks() -> None:
     """Blocks of 2 lookups with means 0.5, 2.5, ..., 14.5 (rising counts), then a block of
     mean 8.5: below 0.6 x the last block (14.5) but not below 0.6 x the running mean, which
-    lags behind the rise. No shift; a block of unknown keys then is one."""
+    lags behind the rise. No shift; a block of unknown keys then is no evidence (a scan's
+    one-offs look the same), and the block of their second lookups (mean 1) is a shift."""
     policy = TinyLfuPolicy(min_entries=10**6, max_count=100, shift_block=2, shift_drop=0.6)
     for key in ["a", "b"] * 8 + ["a"] * 8 + ["b", "b"]:
         policy.record(key)
     assert policy.shifts == 0
     policy.record("new1")
     policy.record("new2")
+    assert policy.shifts == 0 and policy.estimate("a") > 0
+    policy.record("new1")
+    policy.record("new2")
     assert policy.shifts == 1 and policy.estimate("a") == 0
+
+
+def test_tinylfu_a_scan_is_no_shift() -> None:
+    """A favourite looked up once a block among one-offs never seen again (a scan): its count
+    is the block's mean (the one-offs are left out), so nothing is cleared. The mean over
+    every lookup (10 against a running mean of about 27) took the first such block for a
+    shift and cleared the favourite's count."""
+    policy = TinyLfuPolicy(min_entries=10**6, max_count=100, shift_block=4, shift_drop=0.6)
+    for key in ["a"] * 40:
+        policy.record(key)
+    for block in range(6):
+        for key in ["a", f"once{3 * block}", f"once{3 * block + 1}", f"once{3 * block + 2}"]:
+            policy.record(key)
+    assert policy.shifts == 0 and policy.estimate("a") == 46
 
 
 def run_drift(policy: Policy, switch_at: int, lookups: int, hot: int = 40) -> dict[str, int]:
