@@ -305,10 +305,11 @@ class TinyLfuPolicy:
     ``min_entries``) lookups), ``max_count`` (counts saturate there, at most 255),
     ``shift_block`` and ``shift_drop`` (every count is cleared when the mean count of the keys
     seen before among a block of ``shift_block`` lookups falls below ``shift_drop`` x the
-    running mean of the blocks before; first-seen keys are left out; 0 turns this off). Counts are a ``FrequencySketch`` whose width is, from
-    the start of each sample, at least the next power of two >= ``COUNTERS_PER_LOOKUP`` x the
-    sample's lookups (it grows, never shrinks), and for resident keys exact counts (a dict of
-    at most the resident keys; see the module's design notes). ``record`` O(1) amortised (a
+    running mean of the blocks before; first-seen keys are left out; 0 turns this off).
+    Counts are a ``FrequencySketch`` whose width is, from the start of each sample, at least
+    the next power of two >= ``COUNTERS_PER_LOOKUP`` x the sample's lookups (it grows, never
+    shrinks), and for resident keys exact counts (a dict of at most the resident keys; see the
+    module's design notes). ``record`` O(1) amortised (a
     halving is O(width + resident), once per sample); ``admit`` O(victims).
     """
 
