@@ -309,8 +309,8 @@ class TinyLfuPolicy:
     Counts are a ``FrequencySketch`` whose width is, from the start of each sample, at least
     the next power of two >= ``COUNTERS_PER_LOOKUP`` x the sample's lookups (it grows, never
     shrinks), and for resident keys exact counts (a dict of at most the resident keys; see the
-    module's design notes). ``record`` O(1) amortised (a
-    halving is O(width + resident), once per sample); ``admit`` O(victims).
+    module's design notes). ``record`` O(1) amortised (a halving is O(width + resident), once
+    per sample); ``admit`` O(victims).
     """
 
     name = "tinylfu"
@@ -467,11 +467,11 @@ class TinyLfuPolicy:
         """The mean count of the block's keys seen before (a first-seen key, count 0, is
         left out: a scan's one-offs are no shift until they come back); a block of first-seen
         keys only is no evidence either way."""
-        seen = self._block_seen
-        mean = self._block_sum / seen if seen else 0.0
+        total, seen = self._block_sum, self._block_seen
         self._block_sum = self._block_lookups = self._block_seen = 0
         if not seen:
             return
+        mean = total / seen
         if self._running_mean is None:
             self._running_mean = mean
         elif mean < self._shift_drop * self._running_mean:
