@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -102,13 +102,6 @@ def test_the_pipeline_serves_gpu_outputs_from_the_pool_under_eviction(device: st
         assert_idle(cache)
 
 
-@pytest.fixture
-def store() -> Iterator[FaultInjectingStore]:
-    s = FaultInjectingStore(delay_seconds=0.0)
-    yield s
-    s.release_holds()
-
-
 def controller(store: FaultInjectingStore, items: int) -> EmbeddingCacheController:
     """A controller whose pool holds exactly ``items`` items of 32 rows."""
     return EmbeddingCacheController(
@@ -145,7 +138,7 @@ def store_rows(ctl: EmbeddingCacheController, keys: list[int], where: torch.devi
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_adapter_copies_both_ways_on_side_streams_under_eviction(
     device: str, store: FaultInjectingStore
-) -> None:
+) -> None:  # ``store``: tests/conftest.py's
     """Rows staged from the device, read back into device targets at an offset; after each
     wait the pins go and the next batch evicts and overwrites those slots: a copy that had not
     ended by its wait would show other bytes (``busy`` makes every copy late)."""
