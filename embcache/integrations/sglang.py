@@ -25,8 +25,8 @@ with the same signature on one ``EmbeddingCache`` (public API only):
   here ``insert_batch`` finds that publish already started and has nothing left to send. Keys
   that were READY already when staged are published again at once (``Request.publish``), as
   SGLang's ``insert_batch`` pushes every READY entry it is given (the store keeps one copy).
-- The CUDA paths (side-stream copies, events) are written for GPUs but have run only where a
-  GPU was available; see the README.
+- The CUDA paths (side-stream copies, events) are tested by ``tests/test_cuda.py``, which runs
+  them only where torch sees a GPU (``bash .ci/cuda``; CI has none): docs/sglang.md.
 
 Holds that SGLang abandons (an exception between ``prefetch`` and the read, a prefetch wait
 that timed out, a ``store_to_pool_async`` never waited) end ``hold_timeout_s`` after they began,

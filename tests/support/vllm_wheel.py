@@ -186,8 +186,11 @@ def install_or_skip() -> ModuleType:
         pytest.skip(f"vLLM {VERSION}'s wheel cannot be had here: {exc}")
 
 
-def vllm_config(role: str, extra: dict[str, Any], world_size: int, rank: int = 0) -> Any:
-    """A ``VllmConfig`` stand-in holding vLLM's real ``ECTransferConfig``."""
+def vllm_config(
+    role: str, extra: dict[str, Any], world_size: int, rank: int = 0, device: str = "cpu"
+) -> Any:
+    """A ``VllmConfig`` stand-in holding vLLM's real ``ECTransferConfig``; the ranks' tensors
+    live on ``device``."""
     install()
     from vllm.config.ec_transfer import ECTransferConfig
 
@@ -201,7 +204,7 @@ def vllm_config(role: str, extra: dict[str, Any], world_size: int, rank: int = 0
         ec_transfer_config=ec,
         model_config=SimpleNamespace(dtype=torch.float16, get_hidden_size=lambda: WIDTH),
         parallel_config=SimpleNamespace(world_size=world_size, rank=rank),
-        device_config=SimpleNamespace(device="cpu"),
+        device_config=SimpleNamespace(device=device),
     )
 
 

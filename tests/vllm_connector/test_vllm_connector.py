@@ -31,6 +31,7 @@ from tests.vllm_connector.vllm_replay import (
 
 pytestmark = pytest.mark.timeout(300)
 SMALL = {"pool_bytes": 48 * 1024}
+CUDA = torch.cuda.is_available()
 
 
 def shape(fn: Any) -> list[tuple[str, inspect._ParameterKind, str]]:
@@ -96,11 +97,18 @@ def test_the_metadata_and_the_acks_survive_pickling(make_scheduler: Callable[...
     assert merged.loaded == {0: [(0, "a")], 1: [(0, "a")]} and acks.loaded == {0: [(0, "a")]}
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA"))],
+)
 def test_both_roles_in_one_process_hundreds_of_requests_under_eviction(
-    make_scheduler: Callable[..., Any],
+    make_scheduler: Callable[..., Any], device: str
 ) -> None:
+    """On ``cuda`` (``bash .ci/cuda``) the ranks load into and save from GPU tensors
+    (``start_load_caches``' copy to the device, ``save_caches``' copy back), each output made
+    late on the current stream: every byte checked."""
     sched = make_scheduler(SMALL)
-    ranks = [LocalRank("ec_both", SMALL, 2, r) for r in range(2)]
+    ranks = [LocalRank("ec_both", SMALL, 2, r, device) for r in range(2)]
     replay = Replay(sched, ranks)
     for request in requests(300, 40, seed=1):
         replay.add(request)

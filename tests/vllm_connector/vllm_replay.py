@@ -133,16 +133,28 @@ class ProcessRank:
 
 class LocalRank:
     """A rank in this process: its connector is made directly and stepped in the mixin's
-    order (vLLM's ec_transfer_state holds one connector a process, so the mixin is not used)."""
+    order (vLLM's ec_transfer_state holds one connector a process, so the mixin is not used).
+    Its encoder outputs and loads live on ``device``; on CUDA each output is made behind about
+    10 ms of work queued on the current stream, so a save that did not wait for it would copy
+    bytes not yet written."""
 
-    def __init__(self, role: str, extra: dict[str, Any], world: int, rank: int) -> None:
+    def __init__(
+        self, role: str, extra: dict[str, Any], world: int, rank: int, device: str = "cpu"
+    ) -> None:
         from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
         from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
-        config = vllm_config(role, extra, world, rank)
+        config = vllm_config(role, extra, world, rank, device)
         self.connector = ECConnectorFactory.create_connector(config, ECConnectorRole.WORKER)
+        self.device = torch.device(device)
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.alive = True
+
+    def _encode(self, key: str, rows: int) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return embedding(key, rows)
+        torch.cuda._sleep(20_000_000)  # GPU clock cycles: the output is written late
+        return embedding(key, rows).to(self.device, non_blocking=True)
 
     def step(self, work: StepWork) -> tuple[Any, list[str]]:
         c, cache = self.connector, self.encoder_cache
@@ -154,12 +166,14 @@ class LocalRank:
             c.start_load_caches(cache)
         errors: list[str] = []
         for key, rows in work.encode:
-            cache[key] = embedding(key, rows)
+            cache[key] = self._encode(key, rows)
             c.save_caches(encoder_cache=cache, mm_hash=key)
         for key, rows in work.needed:
             got = cache.get(key)
-            if got is None or not torch.equal(got, embedding(key, rows)):
-                errors.append(f"{key}: missing or wrong in rank's encoder_cache")
+            if got is None or got.device.type != self.device.type:
+                errors.append(f"{key}: missing from rank's encoder_cache or on another device")
+            elif not torch.equal(got.cpu(), embedding(key, rows)):
+                errors.append(f"{key}: wrong bytes in rank's encoder_cache")
         acks = c.build_connector_worker_meta()
         c.clear_connector_metadata()
         for key in work.free:
