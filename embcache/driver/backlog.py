@@ -6,7 +6,8 @@ so its entry may be written again later. The cache's I/O threads hand every ende
 ``PublishBacklog.note``: a FAILED one joins the backlog (its key and the very ``Entry`` object),
 an OK one says the store answers. A background thread (``Republisher``) tries the backlog again:
 
-- all of it, at once after any publish ended OK (the store is back), and
+- all of it, at once after any publish ended OK (the store is back) while it is not empty
+  (an OK publish with nothing waiting wakes nobody), and
 - its oldest entry alone, every ``retry_interval_s`` while the backlog is not empty: that retry
   is the probe (while the store is still down it fails at once and the entry goes back to the
   oldest end; when it ends OK, the rest follows at once).
@@ -87,7 +88,10 @@ class PublishBacklog:
 
     def note(self, entries: Sequence[Entry], outcomes: Sequence[TransferOutcome]) -> bool:
         """Ended publishes: each FAILED one waits (a retry's goes back to the oldest end);
-        returns whether one ended OK (the store answers)."""
+        returns whether one ended OK (the store answers) while publishes wait for it. With
+        none waiting there is nothing to retry, so the republisher is not woken: an OK
+        publish, the common case, costs no thread wake-up. (A failure noted by another
+        I/O thread just after is retried by the next OK publish, or by the probe.)"""
         ok = False
         with self._lock:
             waiting, retrying = self._waiting, self._retrying
@@ -119,7 +123,7 @@ class PublishBacklog:
                 else:
                     waiting.popitem(last=False)
                 self.dropped += 1
-        return ok
+            return ok and bool(waiting)
 
     def take(self, limit: int | None = None) -> list[Entry]:
         """The ``limit`` oldest waiting entries (None: all), oldest first, now being retried
