@@ -96,35 +96,25 @@ def test_an_ok_publish_retries_the_whole_backlog_at_once() -> None:
         cache.check_invariants()
 
 
-def test_an_ok_publish_wakes_the_republisher_only_while_publishes_wait() -> None:
-    """An OK publish with nothing waiting has nothing to retry: it wakes no thread (before,
-    every OK publish woke the republisher, a context switch a publish for nothing). One with
-    failed publishes waiting wakes it, and they are written."""
-    store = FaultInjectingStore()
-    with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=SLOW) as cache:
-        republisher = cache._republisher  # private: the wake-up itself is what is checked
-        assert republisher is not None
-        wakes: list[int] = []
-        answered = republisher.store_answered
+def test_an_ok_publish_says_the_store_answered_only_while_publishes_wait() -> None:
+    """``note``'s answer is what wakes the republisher (``EmbeddingCache._run_publishes``): an
+    OK publish with nothing waiting has nothing to retry and must wake no thread (before, every
+    OK publish woke it, a context switch a publish for nothing); one with failed publishes
+    waiting wakes it, the same note's failures included."""
+    from embcache.core.entries import Entry
+    from embcache.core.outcomes import TransferOutcome
+    from embcache.driver.backlog import PublishBacklog
 
-        def counting() -> None:
-            wakes.append(1)
-            answered()
-
-        republisher.store_answered = counting  # type: ignore[method-assign]
-        insert(cache, ["a", "b"])
-        insert(cache, ["c"], seed=2)
-        wait_until(settled(cache, 3), "the publishes to end")
-        assert cache.stats().publishes_ok == 3 and wakes == []
-        outage(store, ["d"], down=True)
-        insert(cache, ["d"], seed=3)
-        wait_until(lambda: cache.stats().publish_backlog == 1, "the failed publish to wait")
-        outage(store, ["d"], down=False)
-        insert(cache, ["e"], seed=4)  # the store answers while "d" waits: one wake-up
-        wait_until(lambda: cache.stats().publish_backlog == 0, "the backlog to drain")
-        wait_until(settled(cache, 6), "the publishes to end")
-        assert wakes == [1] and store.object("d") is not None
-        cache.check_invariants()
+    ok, failed = TransferOutcome.OK, TransferOutcome.FAILED
+    e = {k: Entry(k, (1,), "u8", 0, 1) for k in "abcde"}
+    backlog = PublishBacklog(8)
+    assert not backlog.note([e["a"], e["b"]], [ok, ok])  # nothing waits: nobody to wake
+    assert not backlog.note([e["c"]], [failed])  # no OK: the store has not answered
+    assert backlog.note([e["d"]], [ok])  # c waits: retry it now
+    assert backlog.take() == [e["c"]]
+    assert not backlog.note([e["c"]], [ok])  # the retry ended OK and nothing else waits
+    assert backlog.note([e["d"], e["e"]], [ok, failed])  # e waits, and the store answered
+    assert len(backlog) == 1
 
 
 def test_entries_evicted_removed_or_quarantined_since_are_never_published(
