@@ -21,13 +21,11 @@ import torch
 from embcache import EmbeddingCache, EncodePipeline, Item
 from embcache.integrations.sglang import EmbeddingCacheController
 from embcache.testing import FaultInjectingStore
-from tests.support.helpers import assert_idle, publishes_ended, wait_until
+from tests.support.helpers import CUDA, DEVICES, assert_idle, publishes_ended, wait_until
 from tests.support.sglang_mmencoder import Modality
 
 pytestmark = pytest.mark.timeout(120)
 
-CUDA = torch.cuda.is_available()
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA"))]
 HIDDEN = 1024
 DTYPE = torch.bfloat16
 IMAGE = Modality.IMAGE

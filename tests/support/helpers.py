@@ -12,11 +12,17 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from typing import Any
 
+import pytest
 import torch
 
 from embcache import EmbeddingCache, Item, ItemStatus, Request
 from embcache.store.mooncake import MooncakeStore
 from embcache.store.mooncake_master import MooncakeMaster
+
+CUDA = torch.cuda.is_available()
+# A test's ``device`` parameter: "cpu" everywhere, "cuda" where torch sees a device (CI has none;
+# ``bash .ci/cuda`` runs them on a machine that has one).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA"))]
 
 
 def payload(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 
 from embcache import InvalidArgumentError, InvalidTypeError
 from tests.support.funnel import replace_funnel
+from tests.support.helpers import DEVICES
 from tests.vllm_connector.vllm_replay import (
     DTYPE,
     WIDTH,
@@ -31,7 +32,6 @@ from tests.vllm_connector.vllm_replay import (
 
 pytestmark = pytest.mark.timeout(300)
 SMALL = {"pool_bytes": 48 * 1024}
-CUDA = torch.cuda.is_available()
 
 
 def shape(fn: Any) -> list[tuple[str, inspect._ParameterKind, str]]:
@@ -97,10 +97,7 @@ def test_the_metadata_and_the_acks_survive_pickling(make_scheduler: Callable[...
     assert merged.loaded == {0: [(0, "a")], 1: [(0, "a")]} and acks.loaded == {0: [(0, "a")]}
 
 
-@pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA"))],
-)
+@pytest.mark.parametrize("device", DEVICES)
 def test_both_roles_in_one_process_hundreds_of_requests_under_eviction(
     make_scheduler: Callable[..., Any], device: str
 ) -> None:
