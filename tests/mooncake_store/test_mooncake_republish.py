@@ -11,16 +11,19 @@ meanwhile is not written; a backlog bounded to fewer entries than failed drops t
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import ExitStack
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
-from embcache.core.outcomes import Reason, Status
+from embcache import EmbeddingCache
+from embcache.core.outcomes import Reason, Status, TransferOutcome
 from embcache.driver.backlog import RepublishPolicy
 from embcache.driver.item import Item
-from tests.support.helpers import mooncake_worker, payload, unique, wait_until
+from embcache.driver.trace import TraceLog
+from tests.support.helpers import mooncake_worker, payload, publishes_ended, unique, wait_until
 
 if TYPE_CHECKING:
     from embcache.store.mooncake_master import MooncakeMaster
@@ -37,13 +40,38 @@ def items(keys: list[str]) -> list[Item]:
     return [Item(k, SHAPE, torch.bfloat16) for k in keys]
 
 
+def record_put_codes(cache: EmbeddingCache) -> list[int]:
+    """Every code ``cache``'s store answers a put with, in order (the store's own method wrapped
+    on this instance: what a failure's message needs)."""
+    store, codes = cache.store, []
+    assert store is not None
+    put_from = store.put_from
+
+    def recording(*args: Any, **kwargs: Any) -> list[int]:
+        answer = put_from(*args, **kwargs)
+        codes.extend(answer)
+        return answer
+
+    store.put_from = recording  # type: ignore[method-assign]
+    return codes
+
+
+def ended_unknown(events: list[dict[str, Any]]) -> list[str]:
+    """The keys whose publish ended UNKNOWN among trace ``events``."""
+    return [e["key"] for e in events if e["action"] == "EndPublish" and e["outcome"] == "UNKNOWN"]
+
+
 def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
     private_mooncake_master: MooncakeMaster,
 ) -> None:
     master = private_mooncake_master
     probe = RepublishPolicy(retry_interval_s=0.2)
+    trace = TraceLog()
     with ExitStack() as stack:
-        a = mooncake_worker(stack, master, 8 * ITEM_BYTES, SEGMENT_BYTES, republish=probe)
+        a = mooncake_worker(
+            stack, master, 8 * ITEM_BYTES, SEGMENT_BYTES, republish=probe, trace=trace
+        )
+        puts = record_put_codes(a)
         two = RepublishPolicy(2, 0.2)  # a backlog of 2
         bounded = mooncake_worker(stack, master, 16 * ITEM_BYTES, SEGMENT_BYTES, republish=two)
         b = mooncake_worker(stack, master, 32 * ITEM_BYTES, SEGMENT_BYTES, republish=probe)
@@ -71,6 +99,7 @@ def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
         # A worker whose backlog holds 2: 5 fail, the 3 oldest are dropped.
         dropped_keys = [unique("bounded") for _ in range(5)]
         bounded_tensors = [payload(SHAPE, torch.bfloat16, 50 + i) for i in range(5)]
+
         def noted(n: int) -> bool:  # n failed publishes waiting, being retried or dropped
             stats = bounded.stats()  # (a probe's own failure adds to neither)
             return stats.publish_backlog + stats.publish_backlog_dropped >= n
@@ -86,11 +115,27 @@ def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
         assert all(s.publishes_ok == 0 for s in (a.stats(), bounded.stats()))
 
         master.start()  # nothing is asked of A or of the bounded worker: their probes find it
+        restarted = len(trace.events)
         for worker in (a, bounded):
             drained = lambda w=worker: w.stats().publish_backlog == 0  # noqa: E731
             wait_until(drained, "the backlog to drain", WAIT_S)
+        wait_until(lambda: publishes_ended(a), "A's retries to end", WAIT_S)
         stats = a.stats()
-        assert stats.publishes_ok == len(held), stats
+        # A retry may end UNKNOWN while the restarted master mounts the workers' segments again
+        # (a transfer that failed part-way): by design that entry is quarantined, never retried
+        # (DESIGN.md, "Global store"). Only the store's own answer may make it so.
+        unknown = ended_unknown(trace.events[restarted:])
+        assert set(unknown) <= set(held), unknown
+        unknown_codes = [c for c in puts if a.store.classify(c) is TransferOutcome.UNKNOWN]
+        assert len(unknown_codes) >= len(unknown), (unknown, puts)
+        if unknown:
+            warnings.warn(
+                f"{len(unknown)} of A's retries ended UNKNOWN after the master's restart; "
+                f"the store's codes: {unknown_codes}",
+                stacklevel=1,
+            )
+        assert stats.publishes_ok == len(held) - len(unknown), stats
+        held = [k for k in held if k not in unknown]
         assert stats.publish_backlog_stale == 2  # the removed and the evicted one
         assert stats.publish_backlog_dropped == 0
         assert bounded.stats().publishes_ok == 2
