@@ -39,6 +39,15 @@ settings.register_profile("nightly", max_examples=100_000, stateful_step_count=6
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
+def pytest_report_header() -> str:
+    """The hash seed, in the header: the frequency sketch's collisions (hence a few admission
+    answers at the margin) depend on it, so a failure is rerun alike with the same seed."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is None:
+        return "PYTHONHASHSEED unset: a random hash seed nobody can name (.ci/test sets one)"
+    return f"PYTHONHASHSEED={seed}: rerun a failure alike with this seed in the environment"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Lease this session's block of ports (``tests/support/ports.py``) and keep Mooncake's
     clients, here and in every process the tests start, inside it."""
