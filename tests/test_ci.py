@@ -161,3 +161,32 @@ def test_the_quick_tier_is_every_test_but_tlc_mooncake_stress_crosshair_and_engi
     assert quick and max(quick.values()) == 1
     slow = collect("-m", "tla or mooncake or stress or crosshair or engine")
     assert set(quick) == collect() - slow
+
+
+@pytest.mark.parametrize("seed", [None, "1234"])
+def test_a_run_names_its_hash_seed_so_a_failure_reruns_alike(seed: str | None) -> None:
+    """``.ci/test`` prints the run's PYTHONHASHSEED first: drawn when unset, kept when set."""
+    env = {k: v for k, v in os.environ.items() if k not in ("EMBCACHE_PURE", "PYTHONHASHSEED")}
+    if seed is not None:
+        env["PYTHONHASHSEED"] = seed
+    env |= {"EMBCACHE_CI_DRY_RUN": "1", "EMBCACHE_CI_PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", ".ci/test", "tests/test_docs.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=150, check=False,
+    )  # fmt: skip
+    named = re.findall(r"^test: PYTHONHASHSEED=(\d+) ", done.stdout, re.MULTILINE)
+    assert len(named) == 1 and done.returncode == 0, done.stdout[-2000:]
+    assert seed is None or named == [seed]
+
+
+def test_pytests_header_names_the_hash_seed() -> None:
+    """pytest's header names PYTHONHASHSEED (``tests/conftest.py``), or says it is unset."""
+    for seed, said in (("77", "PYTHONHASHSEED=77: rerun"), (None, "PYTHONHASHSEED unset")):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        if seed is not None:
+            env["PYTHONHASHSEED"] = seed
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "tests/test_docs.py"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert said in done.stdout, done.stdout[:1000]
