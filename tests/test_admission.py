@@ -63,10 +63,10 @@ def apart_from(key: str, width: int) -> str:
     """A victim's name whose sketch counters, at ``width`` and every wider sketch, are not all
     ``key``'s: under some hash seeds (PYTHONHASHSEED) two names share all four, and the sketch
     then rightly estimates them alike (a count-min sketch errs only upward)."""
+    probe = FrequencySketch(width, 15)
+    probe.add(key)
     for n in range(64):
         name = f"victim-{n}"
-        probe = FrequencySketch(width, 15)
-        probe.add(key)
         if probe.estimate(name) == 0:
             return name
     raise AssertionError(f"no name apart from {key!r} in 64 tries")

@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache
+from embcache.core.entries import Entry
 from embcache.core.lifecycle import QUARANTINED
-from embcache.driver.backlog import RepublishPolicy
+from embcache.core.outcomes import TransferOutcome
+from embcache.driver.backlog import PublishBacklog, RepublishPolicy
 from embcache.driver.item import Item
 from embcache.driver.trace import TraceLog
 from embcache.errors import InvalidArgumentError, InvalidTypeError
@@ -101,9 +103,6 @@ def test_an_ok_publish_says_the_store_answered_only_while_publishes_wait() -> No
     OK publish with nothing waiting has nothing to retry and must wake no thread (before, every
     OK publish woke it, a context switch a publish for nothing); one with failed publishes
     waiting wakes it, the same note's failures included."""
-    from embcache.core.entries import Entry
-    from embcache.core.outcomes import TransferOutcome
-    from embcache.driver.backlog import PublishBacklog
 
     ok, failed = TransferOutcome.OK, TransferOutcome.FAILED
     e = {k: Entry(k, (1,), "u8", 0, 1) for k in "abcde"}
@@ -312,10 +311,6 @@ def test_the_sglang_adapters_failed_publishes_come_back() -> None:
 
 
 def test_a_full_backlog_drops_the_oldest_even_while_it_is_being_retried() -> None:
-    from embcache.core.entries import Entry
-    from embcache.core.outcomes import TransferOutcome
-    from embcache.driver.backlog import PublishBacklog
-
     failed = TransferOutcome.FAILED
     e = {k: Entry(k, (1,), "u8", 0, 1) for k in "abcd"}
     backlog = PublishBacklog(2)
