@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from embcache.core.allocator import check_blocks, size_key
 from embcache.driver.allocator import Block, RangeAllocator
 from embcache.errors import (
     EmbCacheError,
@@ -224,18 +226,35 @@ def test_neighbour_queries_match_the_block_list(sizes: list[int], freed: list[bo
     assert a.largest_free_block == max((b.size for b in blocks if b.free), default=0)
 
 
+def indexes_of(a: RangeAllocator) -> dict[str, Any]:
+    """The allocator's indexes, rebuilt from its public block lists in the shape
+    ``check_blocks`` takes (what ``check_invariants`` hands it)."""
+    free = {o: o + n for o, n in a.free_blocks()}
+    allocated = {o: o + n for o, n in a.allocations()}
+    return {
+        "free": free,
+        "allocated": allocated,
+        "end": {e: s for s, e in {**free, **allocated}.items()},
+        "free_by_size": sorted(size_key(s, e, a.capacity, a.alignment) for s, e in free.items()),
+        "allocated_bytes": a.allocated_bytes,
+        "capacity": a.capacity,
+        "alignment": a.alignment,
+    }
+
+
 def corrupted(corrupt: str) -> str:
-    """The message of check_invariants after one corruption of the allocator's indexes (the
-    first invariant it breaks: a block removed also leaves ``allocated_bytes`` stale, checked
-    last)."""
+    """The message of the allocator's invariant check after one corruption of its indexes
+    (the first invariant it breaks: a block removed also leaves ``allocated_bytes`` stale,
+    checked last)."""
     a = RangeAllocator(8 * 256, alignment=256)
     a.allocate(256)
     a.allocate(256)
     a.check_invariants()  # blocks: [0, 256) and [256, 512) allocated, [512, 2048) free
-    # private: check_invariants is tested on the allocator's own indexes, corrupted in place
-    free, allocated, end, by_size = a._free, a._allocated, a._end, a._free_by_size
+    index = indexes_of(a)
+    check_blocks(**index)  # as built, the indexes pass
+    free, allocated, end, by_size = (index[k] for k in ("free", "allocated", "end", "free_by_size"))
     if corrupt == "size_index":
-        by_size.add(1)
+        by_size.insert(0, 1)
     elif corrupt == "end_index":
         end[1024] = 512
     elif corrupt == "free_and_allocated":
@@ -246,7 +265,7 @@ def corrupted(corrupt: str) -> str:
         free.update({512: 1024, 1024: 2048})
         end.clear()
         end.update({256: 0, 512: 256, 1024: 512, 2048: 1024})
-        by_size.update([2 * 8 + 2, 4 * 8 + 4])
+        by_size.extend([2 * 8 + 2, 4 * 8 + 4])
     elif corrupt == "gap":
         del allocated[0], end[256]
     elif corrupt == "unaligned":
@@ -257,9 +276,9 @@ def corrupted(corrupt: str) -> str:
         del free[512], end[2048]
         by_size.clear()
     elif corrupt == "allocated_bytes":
-        a._allocated_bytes += 256  # private: the byte count itself, its own check
+        index["allocated_bytes"] += 256
     with pytest.raises(InvariantError) as info:
-        a.check_invariants()
+        check_blocks(**index)
     return str(info.value)
 
 

@@ -231,8 +231,8 @@ def test_the_breakdown_counts_embcaches_memmove_as_copies() -> None:
 
 
 def test_the_breakdown_counts_a_builtin_by_its_caller() -> None:
-    core = ("/x/embcache/core/actions.py", 1, "lookup_all")
-    driver = ("/x/embcache/driver/cache.py", 1, "_run")
+    core = ("/x/embcache/core/request_bodies.py", 1, "lookup_all")
+    driver = ("/x/embcache/driver/runner.py", 1, "run")
     get = ("~", 0, "<method 'get' of 'dict' objects>")
     acquire = ("~", 0, "<method 'acquire' of '_thread.lock' objects>")
     wait = ("/usr/lib/python3.11/threading.py", 300, "wait")
@@ -278,7 +278,7 @@ def test_the_compiled_cores_steps_count_as_core_time() -> None:
     """Compiled, the core's steps are builtins to cProfile: they are core time, not their
     caller's (the driver's)."""
     step = ("~", 0, "<method 'begin_lookup' of 'CacheCore' objects>")
-    query = ("~", 0, "<method 'stats' of 'Actions' objects>")
+    query = ("~", 0, "<method 'stats' of 'StateQueries' objects>")
     driver = ("/x/embcache/driver/request.py", 1, "lookup")
     stats = {
         driver: (1, 1, 1.0, 4.0, {}),

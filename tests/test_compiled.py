@@ -31,7 +31,7 @@ EXPECTED = os.environ.get("EMBCACHE_EXPECT_BUILD")
 # What the subprocesses below print: the build, where a compiled module and a loader loaded
 # from, and the build a cache's stats() report (torch and the driver included).
 PROBE = """
-import embcache.core.actions as actions, embcache.core.build as build
+import embcache.core.entry_actions as actions, embcache.core.build as build
 from embcache import EmbeddingCache
 print(build.loaded_build(), actions.__file__, build.__file__, EmbeddingCache(4096).stats().build)
 """
@@ -82,7 +82,7 @@ def test_setup_compiles_every_module_of_the_core_but_the_loaders_and_recency() -
     assert setup.NOT_COMPILED == NOT_COMPILED
     names = {p.stem for p in setup.compiled_sources()}
     assert names == {p.stem for p in CORE.glob("*.py")} - NOT_COMPILED
-    assert {"actions", "cache_core", "eviction"} <= names
+    assert {"entry_actions", "request_bodies", "state", "cache_core", "eviction"} <= names
 
 
 def test_no_compiled_module_subclasses_a_builtin_container() -> None:
@@ -127,7 +127,9 @@ def test_a_pure_editable_build_removes_the_compiled_modules_from_the_tree(
     core = tmp_path / "embcache" / "core"
     core.mkdir(parents=True)
     shutil.copy2(ROOT / "setup.py", tmp_path / "setup.py")
-    compiled = [core / f"actions{SUFFIXES[0]}", tmp_path / "embcache" / f"core__mypyc{SUFFIXES[0]}"]
+    compiled = [
+        core / f"entry_actions{SUFFIXES[0]}", tmp_path / "embcache" / f"core__mypyc{SUFFIXES[0]}"
+    ]
     for path in [*compiled, core / MANIFEST]:
         path.write_text("")
     setup = load_setup(tmp_path)
@@ -167,7 +169,7 @@ def test_a_pure_build_makes_a_pure_wheel_that_runs_pure(
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         archive.extractall(tmp_path / "site")
-    assert "embcache/core/actions.py" in names and "embcache/core/build.py" in names
+    assert "embcache/core/entry_actions.py" in names and "embcache/core/build.py" in names
     assert not [n for n in names if n.endswith((".so", ".pyd", MANIFEST))], names
     (build, actions, _, stats), stderr = probe(tmp_path / "site", clean_env())
     assert (build, stats) == ("pure", "pure")
@@ -193,13 +195,13 @@ def test_the_compiled_core_runs_unless_switched_off_or_older_than_a_source(
     assert "Warning" not in stderr, stderr
 
     (build, actions, _, stats), stderr = probe(tmp_path, {**clean_env(), PURE_ENV: "1"})
-    assert (build, stats, actions) == ("pure", "pure", str(copy / "actions.py"))
+    assert (build, stats, actions) == ("pure", "pure", str(copy / "entry_actions.py"))
     assert "Warning" not in stderr, stderr
 
     with (copy / "eviction.py").open("a") as source:
         source.write("# an edit after the build\n")
     (build, actions, _, stats), stderr = probe(tmp_path, clean_env())
-    assert (build, stats, actions) == ("pure", "pure", str(copy / "actions.py"))
+    assert (build, stats, actions) == ("pure", "pure", str(copy / "entry_actions.py"))
     warned = [line for line in stderr.splitlines() if "Warning" in line]
     assert len(warned) == 1 and warned[0].endswith(
         "RuntimeWarning: embcache: the compiled core is older than embcache/core/eviction.py; "
@@ -229,10 +231,10 @@ def test_the_build_under_test_is_the_one_loaded() -> None:
 
 def test_the_compiled_core_is_not_tracked_by_git() -> None:
     outputs = [
-        "embcache/core/actions.cpython-311-x86_64-linux-gnu.so",
+        "embcache/core/entry_actions.cpython-311-x86_64-linux-gnu.so",
         "embcache/core/compiled__mypyc.cpython-311-x86_64-linux-gnu.so",
         f"embcache/core/{MANIFEST}",
-        "build/temp.linux-x86_64-cpython-311/build/embcache/core/actions.o",
+        "build/temp.linux-x86_64-cpython-311/build/embcache/core/entry_actions.o",
     ]
     done = subprocess.run(
         ["git", "check-ignore", *outputs], cwd=ROOT, capture_output=True, text=True, timeout=30

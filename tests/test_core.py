@@ -14,11 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from embcache.core.actions import Actions
+from embcache.core import entry_actions as ea
+from embcache.core import publishing as pub
+from embcache.core import request_bodies as bodies
 from embcache.core.cache_core import CacheCore
 from embcache.core.entries import RequestState
 from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
-from embcache.core.outcomes import Reason, Status, TransferOutcome
+from embcache.core.outcomes import ItemStatus, Reason, Status, TransferOutcome
+from embcache.core.queries import StateQueries
+from embcache.core.state import CoreState
 from embcache.driver.trace import TraceLog
 from embcache.errors import InvalidArgumentError, InvariantError, TransitionError
 from tests.support.compiled import core_is_compiled
@@ -140,7 +144,7 @@ def test_no_import_cycle_in_the_package() -> None:
 class Taken:
     """The trace the actions buffered, taken as the core would (``take_events``) when read."""
 
-    def __init__(self, core: Actions) -> None:
+    def __init__(self, core: CoreState) -> None:
         self._core = core
         self._log = TraceLog()
 
@@ -153,15 +157,21 @@ class Taken:
 
 def make_core(
     units: int = 4, *, max_batch: int = 4, record_freed: bool = False
-) -> tuple[Actions, Taken]:
-    """The DESIGN actions alone (``CacheCore`` holds them privately), traced."""
-    core = Actions(
+) -> tuple[CoreState, Taken]:
+    """The core's state alone (``CacheCore`` holds it privately), traced, for the DESIGN
+    actions (functions of ``embcache.core.entry_actions``, ``request_bodies``, ``publishing``)."""
+    core = CoreState(
         units * ALIGN, ALIGN, max_batch, True, trace=True, record_freed=record_freed
     )
     return core, Taken(core)
 
 
-def state_of(core: Actions) -> dict[str, tuple[str, int, list[str], list[str], bool]]:
+def lookup(core: CoreState, rs: RequestState, item: Thing) -> ItemStatus:
+    """Lookup(r, k) of one item."""
+    return bodies.lookup_all(core, rs, [item])[0][0]
+
+
+def state_of(core: CoreState) -> dict[str, tuple[str, int, list[str], list[str], bool]]:
     return {
         k: (e.state.name, e.offset, sorted(map(str, e.holders)), sorted(e.waiters), e.doomed)
         for k, e in core.entries.items()
@@ -170,20 +180,20 @@ def state_of(core: Actions) -> dict[str, tuple[str, int, list[str], list[str], b
 
 def test_a_store_load_walks_loading_ready_and_hands_off_its_waiters() -> None:
     core, trace = make_core()
-    r1, r2 = core.open_request("r1"), core.open_request("r2")
-    entry, reason = core.begin_load(r1, Thing("a", ALIGN), from_store=True)
+    r1, r2 = bodies.open_request(core, "r1"), bodies.open_request(core, "r2")
+    entry, reason = ea.begin_load(core, r1, Thing("a", ALIGN), from_store=True)
     assert entry is not None and reason is None
     assert state_of(core) == {"a": ("LOADING", 0, [], ["r1"], False)}
-    assert core.lookup(r2, Thing("a", ALIGN)).status is Status.LOADING
+    assert lookup(core, r2, Thing("a", ALIGN)).status is Status.LOADING
     assert state_of(core) == {"a": ("LOADING", 0, [], ["r1", "r2"], False)}
-    woken = core.end_load(entry, OK, None)
+    woken = ea.end_load(core, entry, OK, None)
     assert [rs.request_id for rs in woken] == ["r1", "r2"]
     assert state_of(core) == {"a": ("READY", 0, ["r1", "r2"], [], False)}
-    assert core.eviction_order() == []  # pinned entries are not evictable
-    core.release(r1, "a")
-    core.release(r2, "a")
-    assert core.eviction_order() == ["a"] and core.evictable_bytes == ALIGN
-    core.check_invariants()
+    assert list(core.order) == []  # pinned entries are not evictable
+    bodies.release_all(core, r1, ["a"])
+    bodies.release_all(core, r2, ["a"])
+    assert list(core.order) == ["a"] and core.evictable_bytes == ALIGN
+    StateQueries(core).check_invariants()
     actions = [e["action"] for e in trace.events]
     assert actions == ["Init", "OpenRequest", "OpenRequest", "BeginLoad", "Lookup", "EndLoad",
                        "Release", "Release"]  # fmt: skip
@@ -191,93 +201,95 @@ def test_a_store_load_walks_loading_ready_and_hands_off_its_waiters() -> None:
 
 def test_an_illegal_action_raises_and_changes_nothing() -> None:
     core, trace = make_core()
-    r1 = core.open_request("r1")
-    entry, _ = core.begin_load(r1, Thing("a", ALIGN), from_store=True)
+    r1 = bodies.open_request(core, "r1")
+    entry, _ = ea.begin_load(core, r1, Thing("a", ALIGN), from_store=True)
     assert entry is not None
     before, events = state_of(core), len(trace.events)
     with pytest.raises(TransitionError, match=r"BeginLoad .* not allowed in state LOADING"):
-        core.begin_load(r1, Thing("a", ALIGN), from_store=True)
+        ea.begin_load(core, r1, Thing("a", ALIGN), from_store=True)
     assert state_of(core) == before and len(trace.events) == events
-    core.end_load(entry, UNKNOWN, None)
+    ea.end_load(core, entry, UNKNOWN, None)
     assert core.entries["a"].state is QUARANTINED
     with pytest.raises(TransitionError, match=r"EndLoad .* not allowed in state QUARANTINED"):
-        core.end_load(entry, OK, None)  # a second EndLoad of the same load
+        ea.end_load(core, entry, OK, None)  # a second EndLoad of the same load
     assert core.entries["a"].state is QUARANTINED
-    core.fence(core.begin_fence())
+    pub.fence(core, pub.begin_fence(core))
     with pytest.raises(InvariantError, match="whose entry is gone"):
-        core.end_load(entry, OK, None)  # a load that ended long ago
+        ea.end_load(core, entry, OK, None)  # a load that ended long ago
     assert core.entries == {} and core.allocator.allocated_bytes == 0
-    core.check_invariants()
+    StateQueries(core).check_invariants()
 
 
 def test_begin_load_evicts_by_the_rule_or_fails_and_evicts_nothing() -> None:
     core, _ = make_core(units=2, max_batch=1)
-    r1 = core.open_request("r1")
+    r1 = bodies.open_request(core, "r1")
     for key in ("a", "b"):
-        entry, _ = core.begin_load(r1, Thing(key, ALIGN), from_store=False)
+        entry, _ = ea.begin_load(core, r1, Thing(key, ALIGN), from_store=False)
         assert entry is not None
-        core.end_load(entry, OK, None)
-    core.release(r1, "a")  # b stays pinned by r1
-    assert core.eviction_order() == ["a"]
-    entry, reason = core.begin_load(r1, Thing("big", 2 * ALIGN), from_store=False)
+        ea.end_load(core, entry, OK, None)
+    bodies.release_all(core, r1, ["a"])  # b stays pinned by r1
+    assert list(core.order) == ["a"]
+    entry, reason = ea.begin_load(core, r1, Thing("big", 2 * ALIGN), from_store=False)
     assert entry is None and reason is Reason.NO_SPACE
     assert set(core.entries) == {"a", "b"} and core.counts["evictions"] == 0
-    entry, reason = core.begin_load(r1, Thing("c", ALIGN), from_store=False)
+    entry, reason = ea.begin_load(core, r1, Thing("c", ALIGN), from_store=False)
     assert entry is not None and entry.offset == 0  # a's range, a evicted
     assert set(core.entries) == {"b", "c"} and core.counts["evictions"] == 1
-    core.check_invariants()
+    StateQueries(core).check_invariants()
 
 
 def test_freed_ranges_are_queued_when_the_driver_asks() -> None:
     core, _ = make_core(record_freed=True)
-    r1 = core.open_request("r1")
-    entry, _ = core.begin_load(r1, Thing("a", 100), from_store=True)
+    r1 = bodies.open_request(core, "r1")
+    entry, _ = ea.begin_load(core, r1, Thing("a", 100), from_store=True)
     assert entry is not None
-    core.end_load(entry, FAILED, None)
+    ea.end_load(core, entry, FAILED, None)
     assert core.take_freed() == [(0, ALIGN)] and "a" not in core.entries
     assert core.take_freed() == []  # taken once
     unrecorded, _ = make_core()
-    r2 = unrecorded.open_request("r2")
-    entry, _ = unrecorded.begin_load(r2, Thing("a", 100), from_store=True)
+    r2 = bodies.open_request(unrecorded, "r2")
+    entry, _ = ea.begin_load(unrecorded, r2, Thing("a", 100), from_store=True)
     assert entry is not None
-    unrecorded.end_load(entry, FAILED, None)
+    ea.end_load(unrecorded, entry, FAILED, None)
     assert unrecorded.take_freed() == []
 
 
 def test_remove_dooms_a_busy_entry_and_the_last_release_frees_it() -> None:
     core, _ = make_core()
-    r1 = core.open_request("r1")
-    entry, _ = core.begin_load(r1, Thing("a", ALIGN), from_store=False)
+    r1 = bodies.open_request(core, "r1")
+    entry, _ = ea.begin_load(core, r1, Thing("a", ALIGN), from_store=False)
     assert entry is not None
-    core.end_load(entry, OK, None)
-    assert core.remove("a") is True
+    ea.end_load(core, entry, OK, None)
+    assert ea.remove(core, "a") is True
     assert core.entries["a"].doomed and core.entries["a"].state is READY
-    assert core.lookup(core.open_request("r2"), Thing("a", ALIGN)).reason is Reason.BUSY
-    core.release(r1, "a")
+    assert lookup(core, bodies.open_request(core, "r2"), Thing("a", ALIGN)).reason is Reason.BUSY
+    bodies.release_all(core, r1, ["a"])
     assert "a" not in core.entries and core.allocator.allocated_bytes == 0
-    core.check_invariants()
+    StateQueries(core).check_invariants()
 
 
 def test_a_publish_pin_and_an_unknown_publish_quarantine_then_fence_frees() -> None:
     core, _ = make_core()
-    r1 = core.open_request("r1")
-    entry, _ = core.begin_load(r1, Thing("a", ALIGN), from_store=False)
+    r1 = bodies.open_request(core, "r1")
+    entry, _ = ea.begin_load(core, r1, Thing("a", ALIGN), from_store=False)
     assert entry is not None
-    core.end_load(entry, OK, None)
-    assert core.publish(r1, "a") is entry and entry.pins == 2
-    assert core.publish(r1, "a") is None  # one publish at a time
-    core.end_publish("r1", entry, UNKNOWN)
-    core.release(r1, "a")
+    ea.end_load(core, entry, OK, None)
+    assert pub.publish(core, r1, "a") is entry and entry.pins == 2
+    assert pub.publish(core, r1, "a") is None  # one publish at a time
+    pub.end_publish(core, "r1", entry, UNKNOWN)
+    bodies.release_all(core, r1, ["a"])
     assert entry.state is QUARANTINED and core.quarantine == {entry.key: core.quarantine[entry.key]}
-    assert core.fence(core.begin_fence()) == 1
+    assert pub.fence(core, pub.begin_fence(core)) == 1
     assert entry.state is ABSENT and core.allocator.allocated_bytes == 0
-    core.check_invariants()
+    StateQueries(core).check_invariants()
 
 
 def test_request_steps_plan_an_insert_and_reject_a_mismatched_reservation() -> None:
-    core = CacheCore(4 * ALIGN, ALIGN, 4, True, trace=True)
+    core = CacheCore(4 * ALIGN, ALIGN, 4, trace=True)
     state = core.queries
-    looked = core.begin_lookup("r1", [Thing("a", ALIGN)], False, True, True).result
+    looked = core.begin_lookup(
+        "r1", [Thing("a", ALIGN)], ask_store=False, reserve=True, serve=True
+    ).result
     r1 = looked.request  # opened by the lookup's own step
     assert looked.ask == [] and looked.statuses[0].status is Status.RESERVED
     assert [(i, e.key) for i, e in looked.fills] == [(0, "a")]  # the reservation to fill
@@ -285,13 +297,14 @@ def test_request_steps_plan_an_insert_and_reject_a_mismatched_reservation() -> N
     assert looked.served.reasons == [Reason.NOT_FOUND] and looked.served.final
     assert state.entries["a"].state is LOADING
     with pytest.raises(InvalidArgumentError, match="reserved as"):
-        core.begin_insert(r1, [Thing("a", ALIGN, shape=(2,))], False)
+        core.begin_insert([Thing("a", ALIGN, shape=(2,))], request=r1, hand_out=False)
     assert state.entries["a"].state is LOADING and r1.reserved == {"a"}
-    _, fills = core.begin_insert(r1, [Thing("a", ALIGN), Thing("a", ALIGN)], False).result
+    twice = [Thing("a", ALIGN), Thing("a", ALIGN)]
+    _, fills = core.begin_insert(twice, request=r1, hand_out=False).result
     assert [(i, e.key) for i, e in fills] == [(0, "a")]  # a duplicate key is filled once
-    results = core.end_inserts(r1, fills, [OK], 2, publish=False).result
+    results = core.end_inserts(r1, fills, [OK], count=2, publish=False).result
     assert results == [True, False] and state.entries["a"].state is READY
-    served = core.finish_lookup(r1, None, True).result.served  # what it reads now
+    served = core.finish_lookup(r1, found=None, serve=True).result.served  # what it reads now
     offset = state.entries["a"].offset
     assert served is not None and served.ranges == [(offset, looked.request.items[0])]
     assert core.end_request(r1).wake == []
@@ -310,16 +323,106 @@ def test_request_state_pending_counts_only_loads_filled_by_others() -> None:
 
 def test_fence_is_due_past_the_byte_bound_or_at_the_age_bound() -> None:
     now = [10.0]
-    core = Actions(4 * ALIGN, ALIGN, 4, True, clock=lambda: now[0])
-    r1 = core.open_request("r1")
-    assert core.fence_due(10.0, 0, 0.0) is False  # nothing quarantined
-    entry, _ = core.begin_load(r1, Thing("q", ALIGN), from_store=True)
+    core = CoreState(4 * ALIGN, ALIGN, 4, True, clock=lambda: now[0])
+    r1 = bodies.open_request(core, "r1")
+    assert StateQueries(core).fence_due(10.0, 0, 0.0) is False  # nothing quarantined
+    entry, _ = ea.begin_load(core, r1, Thing("q", ALIGN), from_store=True)
     assert entry is not None
-    core.end_load(entry, UNKNOWN, None)  # quarantined at 10.0
+    ea.end_load(core, entry, UNKNOWN, None)  # quarantined at 10.0
     assert core.quarantine == {"q": 10.0}
-    assert core.fence_due(14.9, ALIGN, 5.0) is False
-    assert core.fence_due(15.0, ALIGN, 5.0) is True  # exactly max_age old
-    assert core.fence_due(10.0, ALIGN - 1, 1e9) is True  # more bytes than the bound
-    assert core.fence_due(10.0, ALIGN, 1e9) is False  # exactly the bound is not more
-    core.fence(core.begin_fence())
-    assert core.quarantine == {} and core.fence_due(1e9, 0, 0.0) is False
+    assert StateQueries(core).fence_due(14.9, ALIGN, 5.0) is False
+    assert StateQueries(core).fence_due(15.0, ALIGN, 5.0) is True  # exactly max_age old
+    assert StateQueries(core).fence_due(10.0, ALIGN - 1, 1e9) is True  # more bytes than the bound
+    assert StateQueries(core).fence_due(10.0, ALIGN, 1e9) is False  # exactly the bound is not more
+    pub.fence(core, pub.begin_fence(core))
+    assert core.quarantine == {} and StateQueries(core).fence_due(1e9, 0, 0.0) is False
+
+
+# ------------------------------------------------------------------ the read-only queries
+def core_state_fingerprint(st: CoreState) -> object:
+    """Everything a query could change, by value: the entries' fields, the requests' holds,
+    waits and reservations, the allocator's blocks, the order, the counters, the pin times,
+    the quarantine, the fences in flight, the interned shapes and the trace buffer."""
+    return (
+        {k: repr(e) for k, e in st.entries.items()},
+        {
+            r: (list(rs.items), dict(rs.holds), set(rs.waits), set(rs.reserved),
+                dict(rs.fallbacks))
+            for r, rs in st.requests.items()
+        },
+        st.allocator.allocations(), st.allocator.free_blocks(), st.allocator.allocated_bytes,
+        list(st.order), st.evictable_bytes, dict(st.counts), dict(st.pinned_since),
+        dict(st.quarantine), dict(st.fencing), dict(st.shapes), st.seq, list(st.events or ()),
+        st.batches, st.fences_begun,
+    )
+
+
+def call_every_query(queries: object) -> list[str]:
+    """Read every public property and call every public method of ``queries`` (with the
+    arguments each takes); the names called."""
+    args: dict[str, tuple[object, ...]] = {
+        "stats": (5.0,), "fence_due": (5.0, 0, 0.0), "entry_state": ("a",),
+    }  # fmt: skip
+    called = []
+    for name in sorted(n for n in dir(type(queries)) if not n.startswith("_")):
+        value = getattr(queries, name)
+        if callable(value):
+            value = value(*args.get(name, ()))
+        if isinstance(value, dict | list | set):
+            value.clear()  # a copy it handed out: emptying it must change nothing
+        called.append(name)
+    return called
+
+
+def busy_core() -> CoreState:
+    """A state with an entry in each state: READY idle and pinned, LOADING with a waiter,
+    QUARANTINED, a fence in flight, open requests holding and waiting (built by the actions
+    themselves, as ``CacheCore``'s steps would)."""
+    now = [1.0]
+    st = CoreState(8 * ALIGN, ALIGN, 4, True, trace=True, clock=lambda: now[0])
+    r1 = bodies.open_request(st, "r1")
+    looked = bodies.lookup_request(
+        st, r1, [Thing(k, ALIGN) for k in "abcq"], ask_store=False, reserve=True, serve=True
+    )
+    outcomes = [OK, OK, OK, UNKNOWN]
+    bodies.end_fills(st, r1, looked.fills, outcomes, count=4, handed_out=False, work=None)
+    bodies.end_request(st, r1)
+    r2 = bodies.open_request(st, "r2")
+    assert lookup(st, r2, Thing("b", ALIGN)).status is Status.HIT
+    r3, r4 = bodies.open_request(st, "r3"), bodies.open_request(st, "r4")
+    bodies.lookup_request(st, r3, [Thing("d", ALIGN)], ask_store=False, reserve=True, serve=True)
+    assert lookup(st, r4, Thing("d", ALIGN)).status is Status.LOADING
+    pub.begin_fence(st)
+    return st
+
+
+def test_every_query_leaves_the_state_unchanged() -> None:
+    st = busy_core()
+    queries = StateQueries(st)  # what ``CacheCore.queries`` is, over its own state
+    assert {e.state for e in st.entries.values()} == {READY, LOADING, QUARANTINED}
+    before = core_state_fingerprint(st)
+    called = call_every_query(queries)
+    assert core_state_fingerprint(st) == before
+    assert {"entries", "stats", "check_invariants", "allocator_copy", "fence_due"} <= set(called)
+    assert "allocator" not in called and "take_events" not in called  # nothing that hands out
+    copy = queries.allocator_copy()
+    assert copy is not st.allocator and copy.allocate(ALIGN) is not None  # a copy to spend
+    assert core_state_fingerprint(st) == before
+    with pytest.raises(TypeError):
+        queries.entries["z"] = st.entries["a"]  # type: ignore[index]  # a read-only view
+    assert isinstance(CacheCore(ALIGN, ALIGN, 1).queries, StateQueries)
+
+
+def test_a_planted_query_that_takes_the_trace_is_found() -> None:
+    """The check sees a query that changes state: ``take_events`` (which the old queries type
+    carried) empties the trace buffer."""
+
+    class Leaky(StateQueries):
+        def take_events(self) -> list[dict[str, object]]:
+            return st.take_events()
+
+    st = busy_core()
+    st.emit("Lookup", "r2", "b")  # an event buffered and not yet taken by a step
+    before = core_state_fingerprint(st)
+    call_every_query(Leaky(st))
+    assert core_state_fingerprint(st) != before

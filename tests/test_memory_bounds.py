@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache, InvalidArgumentError, Item, Status
-from embcache.core import actions
-from embcache.core.actions import MAX_SHAPES
+from embcache.core import entry_actions
 from embcache.core.policy import TinyLfuPolicy, make_policy
+from embcache.core.state import MAX_SHAPES
 from embcache.driver.trace import TraceLog
 from embcache.testing import Fault, FaultInjectingStore
 from tests.support.helpers import rss
@@ -163,7 +163,7 @@ def test_interned_shapes_stay_at_their_bound(monkeypatch: pytest.MonkeyPatch) ->
     """10x the bound of distinct shapes pass: the interning table never holds more (the bound
     shrunk to 64 for the test, as sortedcontainers' tests shrink their load factor)."""
     assert MAX_SHAPES == 4096
-    monkeypatch.setattr(actions, "MAX_SHAPES", 64)
+    monkeypatch.setattr(entry_actions, "MAX_SHAPES", 64)  # (where BeginLoad reads it)
     with EmbeddingCache(1 << 16, pin_memory=False) as cache:
         most = 0
         for i in range(10 * 64):

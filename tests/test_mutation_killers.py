@@ -726,7 +726,7 @@ def test_lock_names_in_a_hierarchy_violation() -> None:
     allocator = RangeAllocator(4 * ALIGN)  # the public allocator's lock: level 2
     try:
         with (
-            allocator._lock,  # private: the allocator's own lock, whose name is what this kills
+            allocator.lock,  # the allocator's own lock, whose name is what this kills
             pytest.raises(
                 LockOrderError,
                 match=r"^taking cache lock \(level 1\) while holding allocator lock \(level 2\)",

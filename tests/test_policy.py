@@ -654,16 +654,18 @@ def test_the_core_keeps_a_policy_within_its_bound() -> None:
     within the bound for the pool's capacity in entries (capacity // alignment)."""
     align, units = 256, 8
     policy: Any = make_policy("adaptive", min_entries=1)
-    core = CacheCore(units * align, align, 4, True, policy=policy)
+    core = CacheCore(units * align, align, 4, policy=policy)
     bound = policy.bound(units)
     for n in range(20_000):
         keys = [f"{n // 2:064x}", f"hot{n % 3}"]
         items = [_Thing(key, align) for key in keys]
-        looked = core.begin_lookup(f"r{n}", items, False, True, False).result
+        looked = core.begin_lookup(
+            f"r{n}", items, ask_store=False, reserve=True, serve=False
+        ).result
         rs, fills = looked.request, looked.fills  # the reservations, filled in one step
         assert len(fills) == sum(s.status is Status.RESERVED for s in looked.statuses)
         ok = [TransferOutcome.OK] * len(fills)
-        core.end_inserts(rs, fills, ok, len(items), publish=False)
+        core.end_inserts(rs, fills, ok, count=len(items), publish=False)
         core.end_request(rs)
         assert policy.footprint().resident <= len(core.queries.entries) <= units
         assert policy.footprint().within(bound), n
@@ -676,15 +678,19 @@ def drive_work_through_core(policy: Any) -> int:
     insert with its work; after each, ``policy``'s footprint within ``bound(8)`` and its
     present work at most the entries. The most keys whose work it remembered."""
     align, units = 256, 8
-    core = CacheCore(units * align, align, 4, True, policy=policy)
+    core = CacheCore(units * align, align, 4, policy=policy)
     bound, most = policy.bound(units), 0
     for n in range(20_000):
         keys = [f"{n:064x}", f"hot{n % 3}"]
         items = [_Thing(key, align) for key in keys]
-        looked = core.begin_lookup(f"r{n}", items, False, True, False).result
+        looked = core.begin_lookup(
+            f"r{n}", items, ask_store=False, reserve=True, serve=False
+        ).result
         rs, fills = looked.request, looked.fills
         ok = [TransferOutcome.OK] * len(fills)
-        core.end_inserts(rs, fills, ok, len(items), False, work=checked_work([0.01, 0.5], items))
+        core.end_inserts(
+            rs, fills, ok, count=len(items), publish=False, work=checked_work([0.01, 0.5], items)
+        )
         core.end_request(rs)
         now = policy.footprint()
         assert now.within(bound), (n, now, bound)
@@ -731,10 +737,14 @@ def test_the_core_skips_note_work_for_a_policy_that_keeps_no_work() -> None:
             raise AssertionError("called")
 
     for policy in (make_policy("lru"), make_policy("tinylfu"), Refuses()):
-        core = CacheCore(4 * 256, 256, 4, True, policy=policy)
-        looked = core.begin_lookup("r", [_Thing("k", 256)], False, True, False).result
-        fx = core.end_inserts(looked.request, looked.fills, [TransferOutcome.OK], 1, False,
-                              work=[("k", 1.0, 256)])  # fmt: skip
+        core = CacheCore(4 * 256, 256, 4, policy=policy)
+        looked = core.begin_lookup(
+            "r", [_Thing("k", 256)], ask_store=False, reserve=True, serve=False
+        ).result
+        fx = core.end_inserts(
+            looked.request, looked.fills, [TransferOutcome.OK], count=1, publish=False,
+            work=[("k", 1.0, 256)],
+        )  # fmt: skip
         assert fx.result == [True]
         assert not hasattr(policy, "note_work") or isinstance(policy, Refuses)
 

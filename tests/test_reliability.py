@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import embcache.driver.cache as cache_module
+import embcache.driver.runner as runner_module
 from embcache import EmbeddingCache, EncodePipeline, Item
 from embcache.core.lifecycle import ABSENT, QUARANTINED
 from embcache.driver.fencing import FencePolicy
@@ -138,18 +138,18 @@ def test_an_error_on_an_io_thread_ends_the_load_and_wakes_its_waiters(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    real = cache_module.assert_unlocked
+    real = runner_module.assert_unlocked
 
     def broken(what: str) -> None:
         if what == "store get_into":
             raise LockOrderError("store get_into while holding cache lock (injected)")
         real(what)
 
-    monkeypatch.setattr(cache_module, "assert_unlocked", broken)
+    monkeypatch.setattr(runner_module, "assert_unlocked", broken)
     cache = make_cache(auto_fence=None)
     tensor = payload((64,), torch.float32, 3)
     store.put_object("k", raw(tensor))
-    with caplog.at_level(logging.ERROR, "embcache.driver.cache"), cache.request("r") as request:
+    with caplog.at_level(logging.ERROR, "embcache.driver.runner"), cache.request("r") as request:
         request.lookup([item_of("k", tensor)])
         assert request.wait(WAIT_S), "the waiter of a load whose worker raised was never woken"
         assert request.fallback_reasons()[0] is not None
@@ -161,14 +161,14 @@ def test_an_error_on_an_io_thread_ends_the_load_and_wakes_its_waiters(
 def test_an_error_on_an_io_thread_ends_the_publish(
     make_cache: Callable[..., EmbeddingCache], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = cache_module.assert_unlocked
+    real = runner_module.assert_unlocked
 
     def broken(what: str) -> None:
         if what == "store put_from":
             raise LockOrderError("store put_from while holding cache lock (injected)")
         real(what)
 
-    monkeypatch.setattr(cache_module, "assert_unlocked", broken)
+    monkeypatch.setattr(runner_module, "assert_unlocked", broken)
     cache = make_cache(auto_fence=None)
     with cache.request("r") as request:
         request.insert(["k"], [payload((64,), torch.float32, 4)])

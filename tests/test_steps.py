@@ -1,5 +1,5 @@
 """Few steps per request (embcache/DESIGN.md, "Steps"; docs/architecture.md): the funnel calls
-(``EmbeddingCache._run``, each a lock, a core step and its ``Effects``) one request costs end to
+(``StepRunner.run``, each a lock, a core step and its ``Effects``) one request costs end to
 end, through ``Request``, the pipeline and the SGLang adapter's MMEncoder sequence. An all-hit
 request takes at most two (the lookup that serves the views, the close), one with misses at
 most three (the lookup that reserves, the insert, the close). The ends of store transfers

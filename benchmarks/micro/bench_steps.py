@@ -1,6 +1,6 @@
 """Steps and Python work per request, by sequence: bytecodes, Python calls and C calls (as
 ``bench_instructions --bytecodes`` counts them: exact, no valgrind) and funnel calls
-(``EmbeddingCache._run``: one lock, one core step and its effects each; the request's own, not
+(``StepRunner.run``: one lock, one core step and its effects each; the request's own, not
 the ends of store transfers on the I/O threads).
 
 Sequences (8 items of 256 B, bf16, CPU, no store unless named):
@@ -42,18 +42,19 @@ def counted(cache: EmbeddingCache, op: Op, n: int) -> int:
     """Funnel calls of ``cache`` during ``op(n)``, the request's own: the ends of store
     transfers (``end_loads``, ``end_publishes``, on the I/O threads) are not counted."""
     calls = [0]
-    run = cache._run  # the funnel itself is what is counted
+    runner = cache.runner
+    run = runner.run  # the funnel itself is what is counted
 
     def counting(step: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         if step.__name__ not in ("end_loads", "end_publishes"):
             calls[0] += 1
         return run(step, *args, **kwargs)
 
-    cache._run = counting  # type: ignore[method-assign]
+    runner.run = counting  # type: ignore[method-assign]
     try:
         op(n)
     finally:
-        del cache._run  # the class's own again
+        del runner.run  # the class's own again
     return calls[0]
 
 

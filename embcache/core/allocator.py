@@ -253,39 +253,10 @@ class BestFitAllocator:
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` naming the first broken invariant. O(n log n)."""
-        def fail(what: str) -> None:
-            raise InvariantError(
-                f"allocator invariant broken: {what}; free={dict(sorted(self._free.items()))} "
-                f"allocated={dict(sorted(self._allocated.items()))} "
-                f"end={dict(sorted(self._end.items()))} free_by_size={list(self._free_by_size)} "
-                f"allocated_bytes={self._allocated_bytes} capacity={self._capacity}"
-            )
-
-        if set(self._free) & set(self._allocated):
-            fail("a block is both free and allocated")
-        units, shift = self._units, self._shift
-        keys = sorted(((e - s) >> shift) * units + (s >> shift) for s, e in self._free.items())
-        if keys != list(self._free_by_size):
-            fail("the size index and the offset index of free blocks disagree")
-        starts = {**self._free, **self._allocated}
-        if self._end != {end: start for start, end in starts.items()}:
-            fail("the end index disagrees with the blocks")
-        blocks = sorted([(s, e - s, True) for s, e in self._free.items()])
-        blocks += [(s, e - s, False) for s, e in self._allocated.items()]
-        blocks.sort()
-        cursor, previous_free = 0, False
-        for offset, size, free in blocks:
-            if offset != cursor:
-                fail(f"block at {offset} does not start where the previous ends ({cursor})")
-            if size <= 0 or size % self._alignment or offset % self._alignment:
-                fail(f"block ({offset}, {size}) is empty or not aligned")
-            if free and previous_free:
-                fail(f"free block at {offset} touches the previous free block (not coalesced)")
-            cursor, previous_free = offset + size, free
-        if cursor != self._capacity:
-            fail(f"blocks end at {cursor}, not at the capacity")
-        if self._allocated_bytes != sum(e - s for s, e in self._allocated.items()):
-            fail("allocated_bytes differs from the sum of allocated blocks")
+        check_blocks(
+            self._free, self._allocated, self._end, list(self._free_by_size),
+            self._allocated_bytes, self._capacity, self._alignment,
+        )  # fmt: skip
 
     def _check_size(self, nbytes: int) -> None:
         check_int("nbytes", nbytes)
@@ -307,3 +278,52 @@ class BestFitAllocator:
             f"{type(self).__name__}(capacity={self._capacity}, alignment={self._alignment}, "
             f"allocated_bytes={self._allocated_bytes}, free_blocks={len(self._free)})"
         )
+
+
+def size_key(start: int, end: int, capacity: int, alignment: int) -> int:
+    """A free block's key in the size index: by size, then by offset (in alignment units)."""
+    shift = alignment.bit_length() - 1
+    return ((end - start) >> shift) * (capacity >> shift) + (start >> shift)
+
+
+def check_blocks(
+    free: dict[int, int], allocated: dict[int, int], end: dict[int, int],
+    free_by_size: list[int], allocated_bytes: int, capacity: int, alignment: int,
+) -> None:  # fmt: skip
+    """Raise ``InvariantError`` naming the first broken invariant of an allocator's indexes
+    (``free`` and ``allocated``: start -> end; ``end``: end -> start of every block;
+    ``free_by_size``: the free blocks' ``size_key``s in order), given explicitly so that a
+    test can check corrupted copies. O(n log n)."""
+
+    def fail(what: str) -> None:
+        raise InvariantError(
+            f"allocator invariant broken: {what}; free={dict(sorted(free.items()))} "
+            f"allocated={dict(sorted(allocated.items()))} "
+            f"end={dict(sorted(end.items()))} free_by_size={free_by_size} "
+            f"allocated_bytes={allocated_bytes} capacity={capacity}"
+        )
+
+    if set(free) & set(allocated):
+        fail("a block is both free and allocated")
+    keys = sorted(size_key(s, e, capacity, alignment) for s, e in free.items())
+    if keys != free_by_size:
+        fail("the size index and the offset index of free blocks disagree")
+    starts = {**free, **allocated}
+    if end != {stop: start for start, stop in starts.items()}:
+        fail("the end index disagrees with the blocks")
+    blocks = sorted([(s, e - s, True) for s, e in free.items()])
+    blocks += [(s, e - s, False) for s, e in allocated.items()]
+    blocks.sort()
+    cursor, previous_free = 0, False
+    for offset, size, is_free in blocks:
+        if offset != cursor:
+            fail(f"block at {offset} does not start where the previous ends ({cursor})")
+        if size <= 0 or size % alignment or offset % alignment:
+            fail(f"block ({offset}, {size}) is empty or not aligned")
+        if is_free and previous_free:
+            fail(f"free block at {offset} touches the previous free block (not coalesced)")
+        cursor, previous_free = offset + size, is_free
+    if cursor != capacity:
+        fail(f"blocks end at {cursor}, not at the capacity")
+    if allocated_bytes != sum(e - s for s, e in allocated.items()):
+        fail("allocated_bytes differs from the sum of allocated blocks")

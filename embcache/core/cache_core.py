@@ -1,27 +1,28 @@
-"""``CacheCore``: the request protocol over the core's one state (``RequestActions``).
+"""``CacheCore``: the request protocol over the core's one state.
 
-Theory of operation (after h11's ``Connection``, which holds its state machine and exposes only
-what a caller may do). ``CacheCore`` holds one ``RequestActions`` (``embcache.core.
-request_actions``: the state, its DESIGN actions and a request's bodies over them) privately,
-reads none of its fields, and offers a driver *request steps* and one read-only ``queries``
-object. A step checks first, runs DESIGN actions underneath (so the trace and the spec
-correspondence are the actions') and returns ONE ``Effects`` record (``embcache.core.effects``):
-its result, the loads and writes to start, the requests to wake, the ranges freed, the trace
-events. The driver takes its lock, calls one step, carries out the record, and does no I/O
-until the lock is released (``EmbeddingCache._run``). A step raises changing nothing:
-``ClosedError`` for a closed request, or a closed cache (steps that start something; the ends
-of transfers in flight always run).
+Theory of operation (after h11's ``Connection``, which owns its state machine and exposes only
+what a caller may do). ``CacheCore`` builds one ``embcache.core.state.CoreState`` and keeps it
+private; its steps hand it to the action functions, grouped by responsibility
+(``embcache.core.request_bodies``, ``embcache.core.entry_actions``,
+``embcache.core.publishing``); a driver reads it through ``queries``
+(``embcache.core.queries.StateQueries``), which changes nothing. A step checks first, runs
+DESIGN actions underneath (so the trace and the spec correspondence are the actions') and
+returns ONE ``Effects`` record (``embcache.core.effects``): its result, the loads and writes to
+start, the requests to wake, the ranges freed, the trace events. The driver's step runner
+(``embcache.driver.runner.StepRunner``) takes its lock, calls one step, carries out the record,
+and does no I/O until the lock is released. A step raises changing nothing: ``ClosedError`` for
+a closed request or cache (steps that start something; the ends of transfers in flight always
+run). Every flag of a step is keyword-only.
 
-The steps (embcache/DESIGN.md, "Steps"), few per request: ``begin_lookup`` (opens the request
-when given an id, reserves misses, and hands back what the request may read) and, only when it
-names keys to ask the store about, ``finish_lookup``; ``begin_insert`` (only for keys the
-lookup did not reserve) and ``end_inserts`` (the one path that ends an insert's, a batch's
-and an in-place fill's loads, publishes, and closes a batch's internal request);
-``end_loads``; ``publish`` / ``end_publishes``; ``end_request``; ``remove``;
-``begin_fence`` / ``end_fence``; ``start``, ``open_request`` and ``close``. After a wait,
-``finish_lookup`` with no second pass pending serves the request. An all-hit request is
-two steps (``begin_lookup``, ``end_request``), one with misses three (``begin_lookup`` with
-reserve, ``end_inserts``, ``end_request``).
+The steps, few per request (embcache/DESIGN.md, "One owner, few steps"): ``begin_lookup``
+(opens the request when given an id, reserves misses, hands back what the request may read)
+and, only when it names keys to ask the store about, ``finish_lookup``; ``begin_insert`` (only
+for keys the lookup did not reserve) and ``end_inserts`` (the one path that ends an insert's, a
+batch's and an in-place fill's loads, publishes, and closes a batch's internal request);
+``end_loads``; ``publish`` / ``end_publishes``; ``end_request``; ``remove``; ``begin_fence`` /
+``end_fence``; ``start``, ``open_request`` and ``close``. An all-hit request is two steps
+(``begin_lookup``, ``end_request``), one with misses three (``begin_lookup`` with reserve,
+``end_inserts``, ``end_request``).
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
+from embcache.core import entry_actions, publishing, request_bodies
 from embcache.core.effects import Effects, Fill, Looked, writes_of
 from embcache.core.entries import Entry, FenceSnapshot, ItemLike, RequestState
 from embcache.core.outcomes import TransferOutcome
 from embcache.core.policy import Policy
 from embcache.core.queries import StateQueries
-from embcache.core.request_actions import RequestActions
+from embcache.core.state import CoreState
 from embcache.errors import ClosedError, RequestError
 
 T = TypeVar("T")
@@ -44,22 +46,23 @@ class CacheCore:
     """The cache's state machine: request steps and read-only ``queries``. Not thread-safe."""
 
     def __init__(
-        self, capacity: int, alignment: int, max_eviction_batch: int, enable_eviction: bool, *,
-        trace: bool = False, clock: Callable[[], float] = float, policy: Policy | None = None,
-        record_freed: bool = False,
+        self, capacity: int, alignment: int, max_eviction_batch: int, *,
+        enable_eviction: bool = True, trace: bool = False, clock: Callable[[], float] = float,
+        policy: Policy | None = None, record_freed: bool = False,
     ) -> None:  # fmt: skip
-        self._actions = RequestActions(
+        self._state = CoreState(
             capacity, alignment, max_eviction_batch, enable_eviction,
             trace=trace, clock=clock, policy=policy, record_freed=record_freed,
         )  # fmt: skip
-        self._open = self._actions.requests  # the open requests (a read-only view)
+        self._queries = StateQueries(self._state)
+        self._open = self._state.requests  # the open requests (read here, changed by actions)
         self._buffered = trace or record_freed  # whether a step has events or ranges to hand
         self._closed = False
 
     @property
     def queries(self) -> StateQueries:
-        """The state's read-only queries (``entries``, ``stats``, ``check_invariants``...)."""
-        return self._actions
+        """The state's read-only view (``entries``, ``stats``, ``check_invariants``...)."""
+        return self._queries
 
     # ------------------------------------------------------------------ request steps
     def start(self) -> Effects[None]:
@@ -71,41 +74,44 @@ class CacheCore:
         taken), changing nothing."""
         if self._closed or request_id in self._open:
             self._check_new(request_id)
-        fx = Effects(self._actions.open_request(request_id))
-        return self._taken(fx) if self._buffered else fx
+        return self._done(Effects(request_bodies.open_request(self._state, request_id)))
 
     def begin_lookup(
-        self, request: RequestState | str, items: Sequence[ItemLike], ask_store: bool,
+        self, request: RequestState | str, items: Sequence[ItemLike], *, ask_store: bool,
         reserve: bool, serve: bool,
     ) -> Effects[Looked]:  # fmt: skip
         """Lookup every item of ``request`` (an id: OpenRequest first, raising
         ``RequestError`` if it is open, as ``open_request``). A miss larger than the pool is
-        TOO_LARGE. When misses remain and the store is to be asked, the result names their
-        keys: call ``finish_lookup`` next. Else the lookup is over: misses reserved when
-        ``reserve`` (the result's fills), and, when ``serve`` and nothing is pending, what
-        the request may read. O(len(items))."""
-        actions = self._actions
+        TOO_LARGE. When misses remain and the store is to be asked (``ask_store``), the result
+        names their keys: call ``finish_lookup`` next. Else the lookup is over: misses reserved
+        when ``reserve`` (the result's fills), and, when ``serve`` and nothing is pending,
+        what the request may read. O(len(items))."""
+        st = self._state
         if isinstance(request, RequestState):
             rs = request
             if self._closed or self._open.get(rs.request_id) is not rs:
                 self._check(rs)
-            looked = actions.lookup_request(rs, items, ask_store, reserve, serve)
+            looked = request_bodies.lookup_request(
+                st, rs, items, ask_store=ask_store, reserve=reserve, serve=serve
+            )
         else:
             if self._closed or request in self._open:
                 self._check_new(request)
-            rs = actions.open_request(request)
+            rs = request_bodies.open_request(st, request)
             try:
-                looked = actions.lookup_request(rs, items, ask_store, reserve, serve)
+                looked = request_bodies.lookup_request(
+                    st, rs, items, ask_store=ask_store, reserve=reserve, serve=serve
+                )
             except BaseException:
-                actions.end_request(rs)  # opened here: nobody else could close it
+                request_bodies.end_request(st, rs)  # opened here: nobody else could close it
                 raise
         fx = Effects(looked)
         if not looked.ask:
             fx.waiting = rs
-        return self._taken(fx) if self._buffered else fx
+        return self._done(fx)
 
     def finish_lookup(
-        self, rs: RequestState, found: Mapping[str, bool] | None, serve: bool
+        self, rs: RequestState, *, found: Mapping[str, bool] | None, serve: bool
     ) -> Effects[Looked]:
         """End ``rs``'s lookup: its second pass, when ``begin_lookup`` named keys to ask the
         store about and the store said which it holds (``found``; None: the store failed):
@@ -114,93 +120,96 @@ class CacheCore:
         (``final`` once nothing is pending): also the step that serves a request after a
         wait, with no second pass pending (``found`` unused, no statuses)."""
         self._check(rs)
-        actions = self._actions
+        st = self._state
         loads: list[Entry] = []
         fills: list[Fill] = []
-        statuses = actions.finish_lookup(rs, found, loads, fills)
-        served = actions.served(rs) if serve else None
+        statuses = request_bodies.finish_lookup(st, rs, found, loads, fills)
+        served = request_bodies.served(st, rs) if serve else None
         fx = Effects(Looked(rs, statuses, [], served, fills))
         fx.loads, fx.waiting = loads, rs
         return self._done(fx)
 
     def begin_insert(
-        self, request: RequestState | None, items: Sequence[ItemLike], hand_out: bool
+        self, items: Sequence[ItemLike], *, request: RequestState | None, hand_out: bool
     ) -> Effects[tuple[RequestState, list[Fill]]]:
-        """The LOADING entries ``request`` must now fill, each with its item's index: its
-        reservations, and a BeginLoad for each absent key (a duplicate key once). None: a
+        """The LOADING entries ``request`` must now fill for ``items``, each with its item's
+        index: its reservations, and a BeginLoad for each absent key (a duplicate key once). None: a
         request-less insert, for an internal request opened here (``insert#N``), which
         ``end_inserts(..., close=True)`` ends. ``hand_out``: the ranges go to a writer
         outside the driver, until ``end_inserts(..., handed_out=True)`` or ``end_request``.
         Raises (changing nothing) when a reserved key's shape or dtype differs from the
         reservation."""
-        actions = self._actions
+        st = self._state
         if request is None:
             self._check_open()
-            rs = actions.open_request(actions.next_batch_id())
+            rs = request_bodies.open_request(st, request_bodies.next_batch_id(st, "insert"))
         else:
             rs = request
             if self._closed or self._open.get(rs.request_id) is not rs:
                 self._check(rs)
-        fx = Effects((rs, actions.plan_fills(rs, items, hand_out)))
-        return self._taken(fx) if self._buffered else fx
+        fills = request_bodies.plan_fills(st, rs, items, hand_out=hand_out)
+        return self._done(Effects((rs, fills)))
 
     def end_inserts(
-        self, rs: RequestState, fills: Sequence[Fill], outcomes: Sequence[TransferOutcome],
+        self, rs: RequestState, fills: Sequence[Fill], outcomes: Sequence[TransferOutcome], *,
         count: int, publish: bool, close: bool = False, handed_out: bool = False,
         check: bool = False, work: Sequence[tuple[str, float, int]] | None = None,
     ) -> Effects[list[bool]]:  # fmt: skip
         """The one path that ends fills: EndLoad each of ``rs``'s fills with its writer's
         outcome (a copy's, whatever became of the cache or the request meanwhile: a load in
-        flight must end; ``handed_out``: an outside writer's, only for ranges handed out,
-        and only while ``rs`` is open). Which of ``count`` items are cached now, the requests
-        to wake, the writes of the cached ones (``publish``); ``close``: ``end_request``
-        after. ``check``
-        (an insert into the ranges a lookup reserved, which no step checked before the copy):
-        raise ``ClosedError`` unless the cache and ``rs`` are open, changing nothing.
-        ``work``: ``(key, seconds, nbytes)`` of each output encoded (checked by the caller),
-        for a policy that keeps work (``WorkPolicy``); None: unknown."""
-        actions = self._actions
+        flight must end; ``handed_out``: an outside writer's, only for ranges handed out, and
+        only while ``rs`` is open). Which of ``count`` items are cached now, the requests to
+        wake, the writes of the cached ones (``publish``); ``close``: ``end_request`` after.
+        ``check`` (an insert into the ranges a lookup reserved, which no step checked before
+        the copy): raise ``ClosedError`` unless the cache and ``rs`` are open, changing
+        nothing. ``work``: ``(key, seconds, nbytes)`` of each output encoded (checked by the
+        caller), for a policy that keeps work (``WorkPolicy``); None: unknown."""
+        st = self._state
         if handed_out or check:
             self._check(rs)
-        results, wake = actions.end_fills(rs, fills, outcomes, count, handed_out, work)
+        results, wake = request_bodies.end_fills(
+            st, rs, fills, outcomes, count=count, handed_out=handed_out, work=work
+        )
         writes = None
         if publish:
             cached = [entry.key for i, entry in fills if results[i]]
-            writes = writes_of(rs, actions.publish_keys(rs, cached))
+            writes = writes_of(rs, publishing.publish_keys(st, rs, cached))
         if close:
-            wake += actions.end_request(rs)
+            wake += request_bodies.end_request(st, rs)
         fx = Effects(results)
         fx.writes, fx.wake = writes, wake
-        return self._taken(fx) if self._buffered else fx
+        return self._done(fx)
 
     def end_loads(
         self, entries: Sequence[Entry], outcomes: Sequence[TransferOutcome]
     ) -> Effects[None]:
         """EndLoad each store read with its outcome; the requests to wake."""
+        st = self._state
         wake: list[RequestState] = []
-        end_load = self._actions.end_load
         for entry, outcome in zip(entries, outcomes, strict=True):
-            wake += end_load(entry, outcome, None)
+            wake += entry_actions.end_load(st, entry, outcome, None)
         fx = Effects(None)
         fx.wake = wake
         return self._done(fx)
 
     def publish(
-        self, rs: RequestState | None, keys: Sequence[str], store: bool
+        self, keys: Sequence[str], *, request: RequestState | None, store: bool
     ) -> Effects[list[bool]]:
-        """Publish each key ``rs`` holds READY (with a ``store`` only); per key whether a write
-        started; the writes to start. ``rs`` None: publish again (failed publishes retried,
-        ``embcache.driver.backlog``) under an internal request ``republish#N`` that pins each
-        key still READY, not doomed, tainted or being published (Lookup, not counted as a
-        hit), publishes it and closes in this step; a key evicted, removed or quarantined
-        since is not written."""
-        if rs is None:
+        """Publish each key ``request`` holds READY (with a ``store`` only); per key whether a
+        write started; the writes to start. ``request`` None: publish again (failed publishes
+        retried, ``embcache.driver.backlog``) under an internal request ``republish#N`` that
+        pins each key still READY, not doomed, tainted or being published (Lookup, not
+        counted as a hit), publishes it and closes in this step; a key evicted, removed or
+        quarantined since is not written."""
+        st = self._state
+        wake: list[RequestState] = []
+        if request is None:
             self._check_open()
-            rs, started, wake = self._actions.republish(keys)
+            rs, started, wake = publishing.republish(st, keys)
         else:
+            rs = request
             self._check(rs)
-            started = self._actions.publish_keys(rs, keys) if store else [None] * len(keys)
-            wake = []
+            started = publishing.publish_keys(st, rs, keys) if store else [None] * len(keys)
         fx = Effects([e is not None for e in started])
         fx.writes, fx.wake = writes_of(rs, started), wake
         return self._done(fx)
@@ -209,9 +218,9 @@ class CacheCore:
         self, request_id: str, entries: Sequence[Entry], outcomes: Sequence[TransferOutcome]
     ) -> Effects[None]:
         """EndPublish each write with its outcome."""
-        end_publish = self._actions.end_publish
+        st = self._state
         for entry, outcome in zip(entries, outcomes, strict=True):
-            end_publish(request_id, entry, outcome)
+            publishing.end_publish(st, request_id, entry, outcome)
         return self._done(Effects(None))
 
     def end_request(self, rs: RequestState) -> Effects[None]:
@@ -221,32 +230,32 @@ class CacheCore:
         if self._open.get(rs.request_id) is not rs:
             return self._done(Effects(None))
         fx = Effects(None)
-        fx.wake, fx.closed = self._actions.end_request(rs), rs
-        return self._taken(fx) if self._buffered else fx
+        fx.wake, fx.closed = request_bodies.end_request(self._state, rs), rs
+        return self._done(fx)
 
-    def remove(self, key: str | None) -> Effects[int]:
+    def remove(self, *, key: str | None) -> Effects[int]:
         """Remove(k): freed now if idle, doomed if busy; 0 when absent (or already so), else
         1. None: Remove every entry; how many were removed or doomed."""
         self._check_open()
-        remove = self._actions.remove
+        st = self._state
         if key is not None:
-            return self._done(Effects(int(remove(key))))
-        return self._done(Effects(sum(remove(k) for k in list(self._actions.entries))))
+            return self._done(Effects(int(entry_actions.remove(st, key))))
+        return self._done(Effects(sum(entry_actions.remove(st, k) for k in list(st.entries))))
 
     def begin_fence(self, begun: list[FenceSnapshot]) -> Effects[FenceSnapshot]:
         """BeginFence(f): the snapshot to end with ``end_fence``, also appended to ``begun``
         (the driver keeps it even if carrying out the step raises)."""
         self._check_open()
-        begun.append(self._actions.begin_fence())
+        begun.append(publishing.begin_fence(self._state))
         return self._done(Effects(begun[-1]))
 
-    def end_fence(self, snap: FenceSnapshot, ok: bool) -> Effects[int]:
+    def end_fence(self, snap: FenceSnapshot, *, ok: bool) -> Effects[int]:
         """Fence(f) after the store's fence returned (``ok``); how many entries it freed. Not
         ``ok`` (the store's fence failed): the fence ends, freeing nothing."""
         if not ok:
-            self._actions.abandon_fence(snap)
+            publishing.abandon_fence(self._state, snap)
             return self._done(Effects(0))
-        return self._done(Effects(self._actions.fence(snap)))
+        return self._done(Effects(publishing.fence(self._state, snap)))
 
     def close(self) -> Effects[bool]:
         """Take no new requests or inserts any more (transfers in flight still end); whether
@@ -257,10 +266,8 @@ class CacheCore:
     # ------------------------------------------------------------------ helpers
     def _done(self, fx: Effects[T]) -> Effects[T]:
         """The step's record, with the events and freed ranges its actions buffered."""
-        return self._taken(fx) if self._buffered else fx
-
-    def _taken(self, fx: Effects[T]) -> Effects[T]:
-        fx.events, fx.freed = self._actions.take_events(), self._actions.take_freed()
+        if self._buffered:
+            fx.events, fx.freed = self._state.take_events(), self._state.take_freed()
         return fx
 
     def _check_open(self) -> None:

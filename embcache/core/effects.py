@@ -1,11 +1,12 @@
 """What a request step of ``CacheCore`` tells its driver to do next: one record per step.
 
 Every step returns one ``Effects``: its ``result`` (what the caller asked for) and everything
-the driver must now carry out, in one place (``EmbeddingCache._run``): poison the ``freed``
-ranges (debug mode, before the lock goes), arm or drop wake-ups (``waiting``, ``closed``) and
-wake the ``wake`` requests (under the lock), then, with no lock held, deliver the trace
-``events``, start the store reads (``loads``) and writes (``writes``) on the I/O pool. Each
-transfer reports its outcome back through a later step (``end_loads``, ``end_publishes``).
+the driver must now carry out, in one place (``embcache.driver.runner.StepRunner.run``): poison
+the ``freed`` ranges (debug mode, before the lock goes), arm or drop wake-ups (``waiting``,
+``closed``) and wake the ``wake`` requests (under the lock), then, with no lock held, deliver
+the trace ``events``, start the store reads (``loads``) and writes (``writes``) on the I/O
+pool. Each transfer reports its outcome back through a later step (``end_loads``,
+``end_publishes``).
 Fields with nothing to do are shared empty tuples: a step that only answers allocates no list.
 A slotted class, not a named tuple: the driver reads every field of every step, and a slot is
 read in one specialized instruction where a named tuple's field goes through its descriptor.

@@ -23,12 +23,12 @@ class RangeAllocator(BestFitAllocator):
 
     def __init__(self, capacity: int, alignment: int = 256) -> None:
         super().__init__(check_int("capacity", capacity), check_int("alignment", alignment))
-        self._lock = new_lock(ALLOCATOR_LEVEL, "allocator lock")
+        self.lock = new_lock(ALLOCATOR_LEVEL, "allocator lock")  # level 2; only its methods take it
 
     @property
     def largest_free_block(self) -> int:
         """Size of the largest free block, 0 when full. O(1)."""
-        with self._lock:
+        with self.lock:
             return super().largest_free_block
 
     def rounded(self, nbytes: int) -> int:
@@ -39,55 +39,55 @@ class RangeAllocator(BestFitAllocator):
         """Offset of a new range of ``nbytes`` (rounded up); None if no block fits. O(log n)."""
         if type(nbytes) is not int:
             check_int("nbytes", nbytes)
-        with self._lock:
+        with self.lock:
             return super().allocate(nbytes)
 
     def free(self, offset: int) -> int:
         """Free the range starting at ``offset``; returns its size. O(log n)."""
         if type(offset) is not int:
             check_int("offset", offset)
-        with self._lock:
+        with self.lock:
             return super().free(offset)
 
     def size_of(self, offset: int) -> int:
         """Size of the live allocation starting at ``offset``. O(1)."""
         if type(offset) is not int:
             check_int("offset", offset)
-        with self._lock:
+        with self.lock:
             return super().size_of(offset)
 
     def free_blocks(self) -> list[tuple[int, int]]:
         """Every free block as ``(offset, size)`` in address order. O(n log n)."""
-        with self._lock:
+        with self.lock:
             return super().free_blocks()
 
     def allocations(self) -> list[tuple[int, int]]:
         """Every allocated block as ``(offset, size)`` in address order. O(n log n)."""
-        with self._lock:
+        with self.lock:
             return super().allocations()
 
     def block_before(self, offset: int) -> Block | None:
         """The block that ends at ``offset`` (a block boundary), or None at 0. O(1)."""
         if type(offset) is not int:
             check_int("offset", offset)
-        with self._lock:
+        with self.lock:
             return super().block_before(offset)
 
     def block_at(self, offset: int) -> Block | None:
         """The block that starts at ``offset``, or None. O(1)."""
         if type(offset) is not int:
             check_int("offset", offset)
-        with self._lock:
+        with self.lock:
             return super().block_at(offset)
 
     def free_around(self, offset: int, end: int) -> tuple[int, int]:
         """``BestFitAllocator.free_around`` under the lock. O(1)."""
         check_int("offset", offset)
         check_int("end", end)
-        with self._lock:
+        with self.lock:
             return super().free_around(offset, end)
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` naming the first broken invariant. O(n log n)."""
-        with self._lock:
+        with self.lock:
             super().check_invariants()

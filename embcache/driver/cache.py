@@ -1,51 +1,36 @@
-"""``EmbeddingCache``: the driver around the pure core (``embcache.core.cache_core.CacheCore``).
+"""``EmbeddingCache``: configuration and lifecycle around the pure core.
 
-Theory of operation. The core holds every entry, pin, wait and range, takes the DESIGN.md
-actions and composes them into a request's steps; this driver owns the rest: the lock around
-the core, the pool and its views, the payload copies of inserts, the I/O threads that run store
-reads and publishes, wake-ups, trace delivery and the poison debug mode.
-
-One funnel per step: every core step goes through ``_run``, the one place that takes the lock
-around the core. Under the lock it calls the step (which checks that the cache and the request
-are open, raising ``ClosedError``), poisons the ranges it freed (debug mode, before the lock
-goes, so no allocation can take them first) and arms, drops or fires wake-ups
-(``embcache.driver.wakeups``, which lives under the lock); then, with no lock held, it hands the
-trace events to the sink (``embcache.driver.trace.TraceOutbox``), resolves asyncio waiters, and
-starts the step's store reads and writes on the I/O pool. Everything slow happens between steps:
-store calls report back through the ``end_loads``/``end_publishes`` steps; payload copies run in the
-caller's thread while the entry is LOADING (an insert) or pinned (a read or publish), so the
-range cannot be freed or reused under them. Read-only queries (``stats``, ``entry_state``,
-``snapshot``, ``sizes``) take the lock around a core query, and ``_wait_async`` around the
-wake-ups alone.
+Theory of operation. The core (``embcache.core.cache_core.CacheCore``) holds every entry, pin,
+wait and range and composes the DESIGN.md actions into a request's steps; the step runner
+(``embcache.driver.runner.StepRunner``) holds the lock around it, runs one step at a time and
+carries out each step's ``Effects`` (wake-ups, poisoning, trace delivery, store reads and writes
+on the I/O pool). ``EmbeddingCache`` builds both from its arguments, holds the runner as the
+public ``runner`` and keeps what outlives a step: the fencer, the publish backlog and its
+republisher, and ``close``. Its methods check their arguments and run steps through
+``runner.run``; every ``Request`` holds the same runner. Read-only queries (``stats``,
+``entry_state``, ``snapshot``, ``sizes``) take the runner's lock around ``core.queries``.
 
 Where a test needs to control the asynchronous parts, it passes them in: ``io_executor`` (what
 runs the store reads and writes: a queue a test drains one task at a time) and ``new_event``
 (how a waiting request's Event is made: one a deterministic scheduler controls).
 
-Lock hierarchy: the cache lock is level 1; requests take no lock of their own. ``Request``
-holds its own bodies and reaches this driver through a small typed port
-(``embcache.driver.request.CachePort``: the funnel, the core, the store, the pool's views, the
-wake-ups and their lock). The driver reads the core's state only inside the funnel, or under
-the lock through the core's read-only ``queries``.
+Lock hierarchy: the cache lock is level 1; requests take no lock of their own.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import dataclasses
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, TypeVarTuple
+from typing import TypeVar
 
 import torch
 
 from embcache.core.allocator import BestFitAllocator, check_int
 from embcache.core.cache_core import CacheCore
-from embcache.core.effects import Effects
 from embcache.core.entries import Entry, FenceSnapshot, RequestState
 from embcache.core.lifecycle import EntryState
 from embcache.core.outcomes import ItemStatus, TransferOutcome
@@ -53,15 +38,15 @@ from embcache.core.policy import Policy, as_policy, checked_work
 from embcache.core.stats import CacheStats
 from embcache.driver.backlog import PublishBacklog, Republisher, RepublishPolicy
 from embcache.driver.fencing import FencePolicy, Fencer
-from embcache.driver.global_store import GlobalStore, get_outcome, put_outcome
+from embcache.driver.global_store import GlobalStore
 from embcache.driver.item import Item, check_key
 from embcache.driver.locks import CACHE_LEVEL, assert_unlocked, new_lock
-from embcache.driver.poison import poison, poison_requested
-from embcache.driver.pool import PoolViews, make_pool, payload_nbytes
-from embcache.driver.request import Request, open_request
+from embcache.driver.poison import poison_requested
+from embcache.driver.pool import make_pool
+from embcache.driver.request import Request
+from embcache.driver.runner import IOExecutor, StepRunner
 from embcache.driver.trace import TraceOutbox, TraceSink
-from embcache.driver.wakeups import Future, Wakeups, resolve
-from embcache.errors import InvalidArgumentError, InvalidTypeError, LockOrderError
+from embcache.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = [
     "CacheSnapshot",
@@ -72,18 +57,7 @@ __all__ = [
     "RepublishPolicy",
     "TraceSink",
 ]
-log = logging.getLogger(__name__)
 T = TypeVar("T")
-Ts = TypeVarTuple("Ts")  # a step's arguments: mypy checks each against the step
-
-
-class IOExecutor(Protocol):
-    """What runs the cache's store reads and writes (``concurrent.futures.Executor`` is one):
-    ``submit(fn, *args)`` runs ``fn(*args)`` later, on any thread but the caller's lock-free;
-    ``shutdown(wait=True)`` returns once every task submitted has run."""
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any) -> object: ...
-    def shutdown(self, wait: bool = True) -> object: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,11 +150,11 @@ class EmbeddingCache:
             raise InvalidTypeError(f"fence_gate must be callable, got {fence_gate!r}")
         if not callable(new_event):
             raise InvalidTypeError(f"new_event must make an Event, got {new_event!r}")
-        self._core = CacheCore(
+        core = CacheCore(
             capacity_bytes,
             alignment,
             max_eviction_batch,
-            enable_eviction,
+            enable_eviction=enable_eviction,
             trace=trace is not None,
             clock=time.monotonic,
             policy=(chosen := as_policy(policy)),
@@ -188,33 +162,35 @@ class EmbeddingCache:
         )
         self._uses_work = bool(getattr(chosen, "records_work", False))
         self._capacity = capacity_bytes
-        self._outbox = None if trace is None else TraceOutbox(trace)
-        self._wakeups = Wakeups()
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._pool = make_pool(capacity_bytes, pin, pool)
-        self._store = store
-        self._views = PoolViews(self._pool)
-        self._view = self._views.view
-        self._lock = new_lock(CACHE_LEVEL, "cache lock")
+        pool_tensor = make_pool(capacity_bytes, pin, pool)
         if store is not None:
-            store.register_buffer(self._pool)
-        self._io: IOExecutor = (
-            concurrent.futures.ThreadPoolExecutor(io_workers, "embcache-io")
-            if io_executor is None
-            else io_executor
-        )
-        self._new_event = new_event
-        self._fence_gate = fence_gate
-        self._fence_policy = auto_fence
-        self._fencer = (
-            None if auto_fence is None else Fencer(auto_fence, self._fence_due, self.fence)
-        )
+            store.register_buffer(pool_tensor)
         self._backlog: PublishBacklog | None = None
         self._republisher: Republisher | None = None
         if store is not None and republish is not None:
             self._backlog = PublishBacklog(republish.max_entries)
             self._republisher = Republisher(republish, self._backlog, self._republish)
-        self._run(self._core.start)  # Init
+        self.runner = StepRunner(
+            core,
+            pool_tensor,
+            store=store,
+            lock=new_lock(CACHE_LEVEL, "cache lock"),
+            io=(
+                concurrent.futures.ThreadPoolExecutor(io_workers, "embcache-io")
+                if io_executor is None
+                else io_executor
+            ),
+            new_event=new_event,
+            outbox=None if trace is None else TraceOutbox(trace),
+            published=None if self._backlog is None else self._published,
+        )
+        self._fence_gate = fence_gate
+        self._fence_policy = auto_fence
+        self._fencer = (
+            None if auto_fence is None else Fencer(auto_fence, self._fence_due, self.fence)
+        )
+        self.runner.run(core.start)  # Init
 
     # ------------------------------------------------------------------ public API
     @property
@@ -230,18 +206,19 @@ class EmbeddingCache:
     @property
     def pool(self) -> torch.Tensor:
         """The pool tensor (registered with the store)."""
-        return self._pool
+        return self.runner.pool
 
     @property
     def store(self) -> GlobalStore | None:
         """The global store this cache reads from and publishes to; None: no global tier."""
-        return self._store
+        return self.runner.store
 
     def request(self, request_id: str) -> Request:
         """Open a request; use it as a context manager so leaving it releases everything."""
         if type(request_id) is not str or not request_id:
             _request_id(request_id)  # raises
-        return Request(self, self._run(self._core.open_request, request_id))
+        runner = self.runner
+        return Request(runner, runner.run(runner.core.open_request, request_id))
 
     def lookup(
         self, request_id: str, items: Sequence[Item], *, prefetch: bool = True,
@@ -250,7 +227,9 @@ class EmbeddingCache:
         """``request(request_id)`` then its ``lookup(items, prefetch=prefetch,
         reserve_misses=reserve_misses)``, in one step when no store is asked: the request
         (use it as a context manager) and the statuses. O(items)."""
-        return open_request(self, _request_id(request_id), items, prefetch, reserve_misses)
+        return Request.open(
+            self.runner, _request_id(request_id), items, prefetch=prefetch, reserve=reserve_misses
+        )
 
     def open_lookup(
         self, request_id: str, items: Sequence[Item], *, prefetch: bool = True
@@ -273,14 +252,14 @@ class EmbeddingCache:
         if isinstance(keys, str) or len(keys) != len(tensors):
             raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
         items = [Item.of(k, t) for k, t in zip(keys, tensors, strict=True)]  # (checks the key)
-        seconds = checked_work(work, items)
-        core = self._core
-        rs, fills = self._run(core.begin_insert, None, items, False)
-        outcomes, error = self._views.copy_in([(e, tensors[i]) for i, e in fills])
-        publish = publish and self._store is not None
-        results = self._run(
-            core.end_inserts, rs, fills, outcomes, len(items), publish, True, False, False,
-            seconds,
+        seconds = None if work is None else checked_work(work, items)
+        runner = self.runner
+        core = runner.core
+        rs, fills = runner.run(core.begin_insert, items, request=None, hand_out=False)
+        outcomes, error = runner.views.copy_in([(e, tensors[i]) for i, e in fills])
+        results = runner.run(
+            core.end_inserts, rs, fills, outcomes, count=len(items),
+            publish=publish and runner.store is not None, close=True, work=seconds,
         )  # fmt: skip
         if error is not None:
             raise error
@@ -288,41 +267,45 @@ class EmbeddingCache:
 
     def remove(self, key: str) -> bool:
         """Remove ``key``: freed now if idle, else doomed and freed once idle. False if absent."""
-        return bool(self._run(self._core.remove, check_key(key)))
+        runner = self.runner
+        return bool(runner.run(runner.core.remove, key=check_key(key)))
 
     def clear(self) -> int:
         """Remove every entry (busy ones are doomed); returns how many were removed or doomed."""
-        return self._run(self._core.remove, None)
+        runner = self.runner
+        return runner.run(runner.core.remove, key=None)
 
     def fence(self) -> int:
         """Fence the store, then free the very entries quarantined before it; returns how many.
         Refused by the lock-order check: begins nothing; raising later: abandoned, re-raised;
         closed by ``fence_gate``: abandoned, 0."""
         assert_unlocked("store fence")
-        core = self._core
+        runner = self.runner
+        core, store = runner.core, runner.store
         begun: list[FenceSnapshot] = []  # the snapshot, even if delivering its event raises
         try:
-            self._run(core.begin_fence, begun)
-            if self._store is not None:
-                self._store.fence()
+            runner.run(core.begin_fence, begun)
+            if store is not None:
+                store.fence()
             gate = self._fence_gate
             clear = gate is None or gate()  # False: an outside writer may still write
         except BaseException:
             if begun:
-                self._run(core.end_fence, begun[0], False)
+                runner.run(core.end_fence, begun[0], ok=False)
             raise
-        return self._run(core.end_fence, begun[0], clear)
+        return runner.run(core.end_fence, begun[0], ok=clear)
 
     def close(self) -> None:
         """Stop taking requests, finish transfers in flight; the store is left to its owner."""
-        if not self._run(self._core.close):
+        runner = self.runner
+        if not runner.run(runner.core.close):
             return
         assert_unlocked("waiting for I/O workers")
         if self._fencer is not None:
             self._fencer.stop()
         if self._republisher is not None:
             self._republisher.stop()
-        self._io.shutdown(wait=True)
+        runner.io.shutdown(wait=True)
 
     def __enter__(self) -> EmbeddingCache:
         return self
@@ -333,13 +316,15 @@ class EmbeddingCache:
     def entry_state(self, key: str) -> EntryState:
         """The state of ``key``'s entry (ABSENT when there is none)."""
         check_key(key)
-        with self._lock:
-            return self._core.queries.entry_state(key)
+        runner = self.runner
+        with runner.lock:
+            return runner.core.queries.entry_state(key)
 
     def stats(self) -> CacheStats:
         """A consistent snapshot. O(entries)."""
-        with self._lock:
-            stats = self._core.queries.stats(time.monotonic())
+        runner = self.runner
+        with runner.lock:
+            stats = runner.core.queries.stats(time.monotonic())
         backlog = self._backlog
         if backlog is None:
             return stats
@@ -352,22 +337,24 @@ class EmbeddingCache:
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` naming the first broken DESIGN.md invariant. O(n log n)."""
-        with self._lock:
-            self._core.queries.check_invariants()
+        runner = self.runner
+        with runner.lock:
+            runner.core.queries.check_invariants()
 
     def snapshot(self) -> CacheSnapshot:
         """A consistent copy of the core's state (entries, open requests, eviction order,
         allocator, pin times, quarantine), taken in one locked step, for debugging and for
         checking the state from outside (against a reference model, or ``check_core`` over a
         copy). Nothing in it is shared with the cache. O(entries + requests)."""
-        with self._lock:
-            core = self._core.queries
+        runner = self.runner
+        with runner.lock:
+            core = runner.core.queries
             return CacheSnapshot(
                 entries={key: entry.copy() for key, entry in core.entries.items()},
                 requests={r: rs.copy() for r, rs in core.requests.items()},
                 eviction_order=core.eviction_order(),
                 evictable_bytes=core.evictable_bytes,
-                allocator=copy.deepcopy(core.allocator),
+                allocator=core.allocator_copy(),
                 pinned_since=dict(core.pinned_since),
                 quarantine=dict(core.quarantine),
             )
@@ -379,63 +366,25 @@ class EmbeddingCache:
         ``fences_in_flight``, ``shapes`` (interned shapes), ``trace_batches`` (trace events
         handed in and not yet delivered), ``typed_views`` and ``view_bases`` (the pool's
         views) and ``strides`` (the process-wide strides cache). O(open requests)."""
-        with self._lock:
+        runner = self.runner
+        with runner.lock:
             sizes = {
-                "wakeups": len(self._wakeups),
-                "async_waiters": self._wakeups.futures_count(),
-                "fences_in_flight": self._core.queries.fences_in_flight,
-                "shapes": self._core.queries.shapes,
+                "wakeups": len(runner.wakeups),
+                "async_waiters": runner.wakeups.futures_count(),
+                "fences_in_flight": runner.core.queries.fences_in_flight,
+                "shapes": runner.core.queries.shapes,
             }
-        outbox = self._outbox
-        sizes["trace_batches"] = 0 if outbox is None else outbox.waiting_batches()
-        return sizes | self._views.sizes()
+        sizes["trace_batches"] = runner.trace_batches()
+        return sizes | runner.views.sizes()
 
-    # ------------------------------------------------------------------ I/O (no lock held)
-    def _run_loads(self, entries: list[Entry]) -> None:
-        """Worker: read every entry from the store, then end each load and wake its waiters,
-        whatever is raised on the way (an error leaves each outcome UNKNOWN, then re-raises
-        unless it is the store's own)."""
-        store = self._store
-        assert store is not None  # a load starts only from a store's answer
-        sizes = [payload_nbytes(e) for e in entries]
-        outcomes = [TransferOutcome.UNKNOWN] * len(entries)  # until the store says otherwise
-        try:
-            assert_unlocked("store get_into")
-            codes = store.get_into([e.key for e in entries], [e.offset for e in entries], sizes)
-            outcomes = [get_outcome(store, c, n) for c, n in zip(codes, sizes, strict=True)]
-        except LockOrderError:
-            log.error("store read on an I/O thread broke the lock order", exc_info=True)
-            raise
-        except Exception:
-            pass  # the store failed: the reads may still land, so UNKNOWN
-        finally:
-            self._run(self._core.end_loads, entries, outcomes)
-
-    def _run_publishes(self, request_id: str, entries: list[Entry]) -> None:
-        """Worker: write every entry to the store, then end each publish, come what may."""
-        store = self._store
-        assert store is not None  # a publish starts only where there is a store
-        outcomes = [TransferOutcome.UNKNOWN] * len(entries)
-        try:
-            assert_unlocked("store put_from")
-            codes = store.put_from(
-                [e.key for e in entries],
-                [e.offset for e in entries],
-                [payload_nbytes(e) for e in entries],
-            )
-            if len(codes) == len(entries):
-                outcomes = [put_outcome(store, c) for c in codes]
-        except LockOrderError:
-            log.error("store write on an I/O thread broke the lock order", exc_info=True)
-            raise
-        except Exception:
-            pass  # the store failed: the writes may still read the ranges, so UNKNOWN
-        finally:
-            self._run(self._core.end_publishes, request_id, entries, outcomes)
-            backlog = self._backlog
-            if backlog is not None and backlog.note(entries, outcomes):
-                assert self._republisher is not None
-                self._republisher.store_answered()
+    # ------------------------------------------------------------------ what outlives a step
+    def _published(self, entries: list[Entry], outcomes: list[TransferOutcome]) -> None:
+        """The runner's report of publishes that ended (no lock held): failed ones wait in
+        the backlog, and the republisher wakes when the backlog says a retry is due."""
+        backlog = self._backlog
+        if backlog is not None and backlog.note(entries, outcomes):
+            assert self._republisher is not None
+            self._republisher.store_answered()
 
     def _republish(self, limit: int | None) -> None:
         """The republisher's retry: publish again the ``limit`` oldest failed publishes (None:
@@ -446,7 +395,9 @@ class EmbeddingCache:
         if not entries:
             return
         try:
-            started = self._run(self._core.publish, None, [e.key for e in entries], True)
+            runner = self.runner
+            keys = [e.key for e in entries]
+            started = runner.run(runner.core.publish, keys, request=None, store=True)
         except BaseException:
             backlog.requeue(entries)
             raise
@@ -457,46 +408,14 @@ class EmbeddingCache:
         policy, capacity = self._fence_policy, self._capacity
         assert policy is not None
         max_bytes = int(policy.max_fraction * capacity)
-        with self._lock:
-            return self._core.queries.fence_due(now, max_bytes, policy.max_age_s)
-
-    # ------------------------------------------------------------------ the funnel
-    def _run(self, step: Callable[[*Ts], Effects[T]], /, *args: *Ts) -> T:
-        """The one place that takes the cache lock around a core step, and carries out the
-        step's ``Effects``. Under the lock: the step (which raises, changing nothing, if the
-        cache or the request is closed), then the poisoning of the ranges it freed (debug
-        mode: no allocation can take them first) and the wake-ups it names (an Event is set
-        only while the core says nothing is pending). With no lock held: its trace events to
-        the sink (in ``seq`` order across threads), its asyncio waiters resolved, its store
-        reads and writes submitted to the I/O pool. Returns the step's result."""
-        with self._lock:
-            fx = step(*args)
-            if fx.freed:
-                poison(self._pool, fx.freed)
-            futures: list[Future] | None = None
-            if fx.waiting is not None:
-                self._wakeups.note(fx.waiting, self._new_event)
-            if fx.wake:
-                futures = self._wakeups.wake(fx.wake)
-            if fx.closed is not None:  # someone may wait on the closed request itself
-                own = self._wakeups.close(fx.closed)
-                futures = own if futures is None else futures + own
-        if fx.events:
-            assert self._outbox is not None
-            self._outbox.deliver(list(fx.events))
-        if fx.wake:
-            assert_unlocked("waking requests")  # a caller's lock must not span a hand-off
-        if futures:
-            resolve(futures)
-        if fx.loads:
-            self._io.submit(self._run_loads, list(fx.loads))
-        if fx.writes is not None:
-            self._io.submit(self._run_publishes, *fx.writes)
-        return fx.result
+        runner = self.runner
+        with runner.lock:
+            return runner.core.queries.fence_due(now, max_bytes, policy.max_age_s)
 
     def __repr__(self) -> str:
-        with self._lock:
-            entries = len(self._core.queries.entries)
+        runner = self.runner
+        with runner.lock:
+            entries = len(runner.core.queries.entries)
         return f"EmbeddingCache(capacity={self._capacity}, entries={entries})"
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,9 @@ class Item:
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    # Payload size in bytes (the dtype's own width: bf16 takes 2 bytes per element), computed
+    # once: the core reads it at every miss.
+    nbytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_key(self.key)
@@ -29,11 +32,7 @@ class Item:
                 raise InvalidArgumentError(f"shape dims must be > 0, got {self.shape!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise InvalidTypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
-
-    @property
-    def nbytes(self) -> int:
-        """Payload size in bytes (the dtype's own width: bf16 takes 2 bytes per element)."""
-        return math.prod(self.shape) * self.dtype.itemsize
+        _set(self, "nbytes", math.prod(self.shape) * self.dtype.itemsize)
 
     @classmethod
     def of(cls, key: str, tensor: torch.Tensor) -> Item:
@@ -49,6 +48,7 @@ class Item:
             _set(item, "key", key)
             _set(item, "shape", shape)
             _set(item, "dtype", tensor.dtype)
+            _set(item, "nbytes", math.prod(shape) * tensor.dtype.itemsize)
             return item
         return cls(key, shape, tensor.dtype)  # raises what the checks say
 

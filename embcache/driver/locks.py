@@ -23,19 +23,31 @@ CACHE_LEVEL = 1
 ALLOCATOR_LEVEL = 2
 TRACE_LEVEL = 3
 
-_checking = os.environ.get("EMBCACHE_LOCK_CHECK", "") not in ("", "0")
+
+
+class LockChecking:
+    """Whether the checker is on (``on``), process-wide: one object, so that a hot path can
+    skip a guard that would do nothing with one attribute read (``if CHECKING.on:
+    assert_unlocked(...)``) and still follow ``enable_lock_checking``."""
+
+    __slots__ = ("on",)
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+
+CHECKING = LockChecking(os.environ.get("EMBCACHE_LOCK_CHECK", "") not in ("", "0"))
 _held = threading.local()
 
 
 def enable_lock_checking(enabled: bool = True) -> None:
     """Turn the hierarchy checker on or off for every lock, process-wide."""
-    global _checking
-    _checking = enabled
+    CHECKING.on = enabled
 
 
 def lock_checking_enabled() -> bool:
     """Whether the checker is on."""
-    return _checking
+    return CHECKING.on
 
 
 def _held_stack() -> list[HierarchyLock]:
@@ -48,7 +60,7 @@ def _held_stack() -> list[HierarchyLock]:
 
 def assert_unlocked(what: str) -> None:
     """Raise ``LockOrderError`` if this thread holds any hierarchy lock while doing ``what``."""
-    if _checking and _held_stack():
+    if CHECKING.on and _held_stack():
         names = ", ".join(lock.name for lock in _held_stack())
         raise LockOrderError(f"{what} while holding {names}: release every lock first")
 
@@ -56,7 +68,7 @@ def assert_unlocked(what: str) -> None:
 def new_lock(level: int, name: str) -> HierarchyLock | threading.Lock:
     """A non-reentrant lock at ``level``: a ``HierarchyLock`` while checking is on, else a
     plain ``threading.Lock`` (the same calls: ``with``, ``acquire``, ``release``, ``locked``)."""
-    return HierarchyLock(level, name) if _checking else threading.Lock()
+    return HierarchyLock(level, name) if CHECKING.on else threading.Lock()
 
 
 class HierarchyLock:
@@ -71,7 +83,7 @@ class HierarchyLock:
 
     def acquire(self) -> None:
         """Take the lock; with checking on, refuse an acquisition against the hierarchy."""
-        if _checking:
+        if CHECKING.on:
             stack = _held_stack()
             if stack and stack[-1].level >= self.level:
                 raise LockOrderError(
@@ -86,7 +98,7 @@ class HierarchyLock:
 
     def release(self) -> None:
         """Release the lock."""
-        if _checking:
+        if CHECKING.on:
             stack = _held_stack()
             if self in stack:
                 stack.remove(self)
@@ -97,7 +109,7 @@ class HierarchyLock:
         return self._lock.locked()
 
     def __enter__(self) -> HierarchyLock:
-        if _checking:
+        if CHECKING.on:
             self.acquire()
         else:  # the hot path: one call less
             self._lock.acquire()
@@ -109,7 +121,7 @@ class HierarchyLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if _checking:
+        if CHECKING.on:
             self.release()
         else:
             self._lock.release()

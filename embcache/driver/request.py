@@ -7,14 +7,15 @@ pin and wait. A request is used by one thread or task at a time; many requests m
 concurrently against one cache.
 
 Theory of operation. ``Request`` holds its own bodies: each method checks the arguments its
-contract names and runs the request's core steps through its cache's funnel, reaching the
-cache through ``CachePort``, a small typed port (the funnel, the core whose steps it names, the
-store, the pool's views and copies, the wake-ups and their lock). It never reads the core's
-state: what it keeps (``_served``: what it may read; ``_reserved``: the ranges its lookups reserved;
+contract names and runs the request's core steps through its cache's step runner
+(``embcache.driver.runner.StepRunner``), using only the runner's public names (``run``,
+``core``, ``store``, ``views``, ``wait``, ``wait_async``). It never reads the core's state:
+what it keeps (``_served``: what it may read; ``_reserved``: the ranges its lookups reserved;
 ``_handed``: the ranges ``begin_fill`` handed out; ``_items``) are copies of its steps'
-results, so most requests take few steps (embcache/DESIGN.md, "Steps"): an all-hit request is
-its lookup and its close (``EmbeddingCache.lookup`` opens and looks up in one step), and one
-with misses adds one step for the insert that fills what its lookup reserved.
+results, so most requests take few steps (embcache/DESIGN.md, "One owner, few steps"): an
+all-hit request is its lookup and its close (``EmbeddingCache.lookup`` opens and looks up in
+one step), and one with misses adds one step for the insert that fills what its lookup
+reserved.
 
 In-place fills (``begin_fill`` / ``end_fill``): an insert whose bytes someone else writes
 (another process mapping the pool, for example vLLM's rank 0). ``begin_fill`` is an insert's
@@ -30,60 +31,51 @@ processes (vLLM's scheduler).
 
 from __future__ import annotations
 
-import asyncio
 import math
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from itertools import repeat
 from types import TracebackType
-from typing import TYPE_CHECKING, Protocol, TypeVar, TypeVarTuple
 
 import torch
 
-from embcache.core.effects import Effects, Fill, Looked, Served
+from embcache.core.effects import Fill, Looked, Served
 from embcache.core.entries import Entry, RequestState
 from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
 from embcache.core.policy import checked_work
 from embcache.driver.item import Item, check_key
-from embcache.driver.locks import HierarchyLock, assert_unlocked
+from embcache.driver.locks import assert_unlocked
+from embcache.driver.runner import StepRunner
 from embcache.errors import InvalidArgumentError, InvalidTypeError
-
-if TYPE_CHECKING:
-    from embcache.core.cache_core import CacheCore
-    from embcache.driver.global_store import GlobalStore
-    from embcache.driver.pool import PoolViews
-    from embcache.driver.wakeups import Wakeups
-
-T = TypeVar("T")
-Ts = TypeVarTuple("Ts")  # a step's arguments: mypy checks each against the step
-
-
-class CachePort(Protocol):
-    """What a ``Request`` uses of its cache (``EmbeddingCache``): the funnel that runs one
-    core step under the lock and carries out its effects, the core whose steps it names, the
-    store (None: no global tier), the pool's views and copies, and the wake-ups (which live
-    under the cache lock)."""
-
-    _core: CacheCore
-    _store: GlobalStore | None
-    _views: PoolViews
-    _wakeups: Wakeups
-    _lock: HierarchyLock | threading.Lock
-
-    def _run(self, step: Callable[[*Ts], Effects[T]], /, *args: *Ts) -> T: ...
 
 
 class Request:
     """Handle returned by ``EmbeddingCache.request`` and ``EmbeddingCache.lookup``."""
 
-    def __init__(self, cache: CachePort, state: RequestState) -> None:
-        self._cache = cache
+    def __init__(self, runner: StepRunner, state: RequestState) -> None:
+        self._runner = runner
         self._state = state
         # What it keeps of its steps' results.
         self._items: list[Item] | None = None  # what it looked up, in order
         self._served: Served | None = None  # what it may read, from its last step; None: ask
         self._reserved: dict[str, Entry] | None = None  # the ranges its lookups reserved
         self._handed: dict[str, Entry] | None = None  # the ranges begin_fill handed out
+
+    @classmethod
+    def open(
+        cls, runner: StepRunner, request_id: str, items: Sequence[Item], *, prefetch: bool,
+        reserve: bool,
+    ) -> tuple[Request, list[ItemStatus]]:  # fmt: skip
+        """Open a request on ``runner`` and look ``items`` up (none: only open it), in one
+        step when no store is asked (``EmbeddingCache.lookup``); the request and the
+        statuses."""
+        checked = check_items(items)
+        looked = runner.run(
+            runner.core.begin_lookup, request_id, checked,
+            ask_store=prefetch and runner.store is not None and bool(checked), reserve=reserve,
+            serve=True,
+        )  # fmt: skip
+        request = cls(runner, looked.request)
+        return request, cls._looked(request, checked, looked)
 
     @property
     def request_id(self) -> str:
@@ -110,11 +102,11 @@ class Request:
         checked = None if isinstance(items, Item) else list(items)
         if checked is None or not all(map(isinstance, checked, repeat(Item))):  # no frame per item
             raise InvalidTypeError("lookup takes a sequence of Item")
-        cache = self._cache
-        ask_store = prefetch and cache._store is not None
-        looked = cache._run(
-            cache._core.begin_lookup, self._state, checked, ask_store, reserve_misses, True
-        )
+        runner = self._runner
+        looked = runner.run(
+            runner.core.begin_lookup, self._state, checked,
+            ask_store=prefetch and runner.store is not None, reserve=reserve_misses, serve=True,
+        )  # fmt: skip
         if looked.ask or looked.fills or self._items is not None:
             return self._looked(checked, looked)
         self._items, self._served = checked, looked.served  # (``_looked``'s common case)
@@ -122,7 +114,7 @@ class Request:
 
     def _looked(self, items: list[Item], looked: Looked) -> list[ItemStatus]:
         """Keep what a lookup's step said (asking the store first when it names keys); the
-        statuses. ``open_request`` calls it for the step that opened the request."""
+        statuses. ``open`` calls it for the step that opened the request."""
         if looked.ask:
             looked = self._ask_store(looked.ask)
         if self._items is None:
@@ -138,48 +130,30 @@ class Request:
 
     def _ask_store(self, ask: list[str]) -> Looked:
         """Which of ``ask`` the store holds (no lock held), then the lookup's second pass."""
-        cache = self._cache
-        store = cache._store
+        runner = self._runner
+        store = runner.store
         assert store is not None  # begin_lookup asks only when there is a store
         assert_unlocked("store exists")
         try:
             found: dict[str, bool] | None = dict(zip(ask, store.exists(ask), strict=True))
         except Exception:
             found = None  # the store failed: the misses fall back with STORE_ERROR
-        return cache._run(cache._core.finish_lookup, self._state, found, True)
+        return runner.run(runner.core.finish_lookup, self._state, found=found, serve=True)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every load this request waits on has ended; False on timeout."""
-        seconds = _check_timeout(timeout)
-        assert_unlocked("request wait")
-        wakeup = self._cache._wakeups.get(self._state)  # None: it never waited
-        return wakeup is None or bool(wakeup.event.wait(seconds))
+        return self._runner.wait(self._state, _check_timeout(timeout))
 
     async def wait_async(self, timeout: float | None = None) -> bool:
         """``wait`` for asyncio callers; does not block the event loop."""
-        seconds = _check_timeout(timeout)
-        cache, rs = self._cache, self._state
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[bool] = loop.create_future()
-        with cache._lock:  # the wake-ups live under the cache lock
-            wakeup = cache._wakeups.get(rs)  # its Event is set while nothing is pending
-            if wakeup is None or wakeup.event.is_set():
-                return True
-            (futures := wakeup.futures).append((loop, future))
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), seconds)
-        except TimeoutError:
-            with cache._lock:
-                if (loop, future) in futures:
-                    futures.remove((loop, future))
-            return False
+        return await self._runner.wait_async(self._state, _check_timeout(timeout))
 
     def embeddings(self) -> list[torch.Tensor | None]:
         """Zero-copy views (shape and dtype of each item) valid until the request ends; None
         for every looked-up item this request does not hold. Every call makes new view
         objects: reshaping one in place (``unsqueeze_``) touches nobody else's, but writing
         into one changes the cached bytes that every request reads."""
-        view = self._cache._views.view
+        view = self._runner.views.view
         return [None if r is None else view(*r) for r in (self._served or self._now()).ranges]
 
     def fallback_mask(self) -> torch.Tensor:
@@ -228,22 +202,23 @@ class Request:
         """
         if isinstance(keys, str) or len(keys) != len(tensors):
             raise InvalidArgumentError("insert takes a list of keys and a list of as many tensors")
-        items = [Item.of(k, t) for k, t in zip(keys, tensors, strict=True)]  # (checks the key)
-        seconds = checked_work(work, items)
-        cache = self._cache
-        core = cache._core
-        fills = None if self._reserved is None else self._reserved_fills(items)
+        runner = self._runner
+        core = runner.core
+        fills = None if self._reserved is None else self._reserved_fills(keys, tensors)
+        items = None  # (every key one it reserved and no work: no Item to build)
+        if fills is None or work is not None:
+            items = [Item.of(k, t) for k, t in zip(keys, tensors, strict=True)]  # (checks)
+        seconds = None if items is None or work is None else checked_work(work, items)
+        check = fills is not None  # nothing checked the request before the copy: the end does
         if fills is None:
-            _, fills = cache._run(core.begin_insert, self._state, items, False)
-            check = False
-        else:
-            check = True  # nothing checked the request before the copy: the end does
-        outcomes, error = cache._views.copy_in([(e, tensors[i]) for i, e in fills])
-        publish = publish and error is None and cache._store is not None
-        step = core.end_inserts
-        results = cache._run(
-            step, self._state, fills, outcomes, len(items), publish, False, False, check, seconds
-        )
+            assert items is not None  # (built above when nothing was reserved)
+            _, fills = runner.run(core.begin_insert, items, request=self._state, hand_out=False)
+        outcomes, error = runner.views.copy_in([(e, tensors[i]) for i, e in fills])
+        results = runner.run(
+            core.end_inserts, self._state, fills, outcomes, count=len(keys),
+            publish=publish and error is None and runner.store is not None, check=check,
+            work=seconds,
+        )  # fmt: skip
         reserved = self._reserved
         if reserved is not None:  # those it filled are no longer reserved
             if len(fills) == len(reserved):
@@ -256,28 +231,31 @@ class Request:
             raise error
         return results
 
-    def _reserved_fills(self, items: list[Item]) -> list[Fill] | None:
-        """The fills of ``items`` when each is a key this request's lookups reserved (a
-        duplicate once), else None. Raises ``InvalidArgumentError`` when an item's shape or
-        dtype differs from its reservation's."""
+    def _reserved_fills(
+        self, keys: Sequence[str], tensors: Sequence[torch.Tensor]
+    ) -> list[Fill] | None:
+        """The fills of ``keys`` when each is a key this request's lookups reserved (a
+        duplicate once) and each tensor a tensor, else None. Raises ``InvalidArgumentError``
+        when a tensor's shape or dtype differs from its reservation's."""
         reserved = self._reserved
         if not reserved:
             return None  # (it reserved nothing: ``begin_insert`` plans the fills)
         fills: list[Fill] = []
         planned: set[str] = set()
-        for i, item in enumerate(items):
-            entry = reserved.get(item.key)
-            if entry is None:
-                return None
-            if item.key in planned:
+        for i, (key, tensor) in enumerate(zip(keys, tensors, strict=True)):
+            entry = reserved.get(key) if type(key) is str else None
+            if entry is None or not isinstance(tensor, torch.Tensor):
+                return None  # (``Item.of`` checks it, and ``begin_insert`` plans)
+            if key in planned:
                 continue
-            if entry.shape != item.shape or entry.dtype != item.dtype:  # (``matches``)
+            shape = tuple(tensor.shape)
+            if entry.shape != shape or entry.dtype != tensor.dtype:  # (``matches``)
                 raise InvalidArgumentError(
-                    f"tensor for {item.key!r} has shape {item.shape} and dtype "
-                    f"{item.dtype}, but it was reserved as {entry.shape} {entry.dtype}"
+                    f"tensor for {key!r} has shape {shape} and dtype "
+                    f"{tensor.dtype}, but it was reserved as {entry.shape} {entry.dtype}"
                 )
             fills.append((i, entry))
-            planned.add(item.key)
+            planned.add(key)
         return fills
 
     def begin_fill(self, items: Sequence[Item]) -> list[int | None]:
@@ -288,8 +266,8 @@ class Request:
         until a fence, since the writer may still write). O(items)."""
         if isinstance(items, Item) or not all(isinstance(it, Item) for it in items):
             raise InvalidTypeError("begin_fill takes a sequence of Item")
-        cache = self._cache
-        _, fills = cache._run(cache._core.begin_insert, self._state, items, True)
+        runner = self._runner
+        _, fills = runner.run(runner.core.begin_insert, items, request=self._state, hand_out=True)
         offsets: list[int | None] = [None] * len(items)
         handed = self._handed
         if handed is None:
@@ -323,11 +301,11 @@ class Request:
             if entry is not None:
                 fills.append((i, entry))
                 ends.append(outcome)
-        cache = self._cache
-        publish = publish and cache._store is not None
-        results = cache._run(
-            cache._core.end_inserts, self._state, fills, ends, len(keys), publish, False, True
-        )
+        runner = self._runner
+        results = runner.run(
+            runner.core.end_inserts, self._state, fills, ends, count=len(keys),
+            publish=publish and runner.store is not None, handed_out=True,
+        )  # fmt: skip
         reserved = self._reserved or {}
         for _, entry in fills:
             handed.pop(entry.key, None)
@@ -343,14 +321,15 @@ class Request:
         if isinstance(keys, str):
             raise InvalidTypeError("publish takes a list of keys, got a str")
         keys = [check_key(k) for k in keys]
-        cache = self._cache
-        return cache._run(cache._core.publish, self._state, keys, cache._store is not None)
+        runner = self._runner
+        store = runner.store is not None
+        return runner.run(runner.core.publish, keys, request=self._state, store=store)
 
     def close(self) -> None:
         """End reservations, release every pin and wait. Idempotent."""
-        cache = self._cache
+        runner = self._runner
         self._served = self._reserved = None  # (an embeddings or insert after it must fail)
-        cache._run(cache._core.end_request, self._state)
+        runner.run(runner.core.end_request, self._state)
 
     def __enter__(self) -> Request:
         return self
@@ -367,25 +346,13 @@ class Request:
         """What it may read: from its last step while nothing was pending, else one step."""
         served = self._served
         if served is None:
-            cache = self._cache
-            served = cache._run(cache._core.finish_lookup, self._state, None, True).served
+            runner = self._runner
+            step = runner.core.finish_lookup
+            served = runner.run(step, self._state, found=None, serve=True).served
             assert served is not None  # (asked for)
             if served.final:
                 self._served = served
         return served
-
-
-def open_request(
-    cache: CachePort, request_id: str, items: Sequence[Item], prefetch: bool, reserve: bool
-) -> tuple[Request, list[ItemStatus]]:
-    """Open a request and look ``items`` up (none: only open it), in one step when no store is
-    asked (``EmbeddingCache.lookup``); the request and the statuses."""
-    checked = check_items(items)
-    ask_store = prefetch and cache._store is not None and bool(checked)
-    core = cache._core
-    looked = cache._run(core.begin_lookup, request_id, checked, ask_store, reserve, True)
-    request = Request(cache, looked.request)
-    return request, request._looked(checked, looked)
 
 
 def check_items(items: Sequence[Item]) -> list[Item]:

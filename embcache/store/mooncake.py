@@ -39,10 +39,11 @@ may block checks (``assert_unlocked``) that its caller holds no cache or allocat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -168,6 +169,16 @@ class MooncakeStore:
     def config(self) -> MooncakeConfig:
         """The validated configuration. O(1)."""
         return self._config
+
+    @contextlib.contextmanager
+    def setup_paused(self) -> Iterator[None]:
+        """Hold off every client setup (connect, fence, reconnect, close) while the block runs,
+        for whoever stops or restarts the master on purpose: Mooncake's setup holds the GIL
+        while it waits on the master, so a setup that starts against a master going down
+        freezes the whole process. Reads and writes go on. Waits for a setup running now."""
+        assert_unlocked("MooncakeStore.setup_paused")
+        with self._swap_lock:
+            yield
 
     # -- lifecycle ------------------------------------------------------------------------
 

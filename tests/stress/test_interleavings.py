@@ -24,16 +24,17 @@ at most 150 such schedules run completely in CI.
 
 Why not ``frontrun`` (which installs and runs on Python 3.11): its opcode-level exploration
 did not find the stale wake-up bug fixed in 3dfca44 (``_signal`` set ``done`` after releasing
-the lock; the driver now wakes under the lock of its funnel, ``_run``), neither DPOR in 1,700
-executions nor its random strategy in 200, because the window spans whole method calls.
+the lock; the driver now wakes under the lock of its step runner, ``StepRunner.run``), neither
+DPOR in 1,700 executions nor its random strategy in 200, because the window spans whole method
+calls.
 ``explore`` finds it in a few dozen schedules (the self-test below keeps that true), and a
 poison written after the lock is released (issue 42) in 25. Each self-test plants its bug by
 wrapping the real funnel (``tests.support.funnel.replace_funnel``), never by a copy of it.
 Nothing to install.
 
 Which build runs does not matter: the explorer replaces only driver attributes (the lock, the
-funnel ``_run`` in the self-tests), and the driver is Python in both builds (the compiled core
-is ``embcache/core``); the tests run unchanged on either.
+funnel ``StepRunner.run`` in the self-tests), and the driver is Python in both builds (the
+compiled core is ``embcache/core``); the tests run unchanged on either.
 
 The cache is given ``ManualIO`` as its I/O executor, whose jobs run on a scheduled ``io``
 thread, and scheduled events as its request Events (``io_executor``, ``new_event``); its lock
@@ -527,9 +528,9 @@ def world(
         poison_freed=poison,
         trace=sink,
     )
-    # private: the explorer switches threads at every acquisition and release of the cache
-    # lock (the gaps it explores); no caller may replace a cache's lock, so no seam offers it
-    cache._lock = ScheduledLock(sched)  # type: ignore[assignment]
+    # The explorer switches threads at every acquisition and release of the cache lock (the
+    # gaps it explores): the runner's lock, replaced before any request runs.
+    cache.runner.lock = ScheduledLock(sched)  # type: ignore[assignment]
     try:
         yield World(sched, cache, store, io, sink=sink)
     finally:
@@ -994,8 +995,8 @@ def moved(step: Callable[..., Effects[Any]], effect: str, into: list[Any]) -> Ca
     """``step``, with its ``effect`` (``wake`` or ``freed``) taken out into ``into``, so the
     funnel that runs it does nothing about it."""
 
-    def run(*args: Any) -> Effects[Any]:
-        fx = step(*args)
+    def run(*args: Any, **kwargs: Any) -> Effects[Any]:
+        fx = step(*args, **kwargs)
         into.extend(getattr(fx, effect))
         setattr(fx, effect, ())
         return fx
@@ -1005,8 +1006,7 @@ def moved(step: Callable[..., Effects[Any]], effect: str, into: list[Any]) -> Ca
 
 def ready_event(cache: EmbeddingCache, rs: RequestState) -> Effects[Any]:
     """A step: ``rs``'s Event if it waited and nothing of it is pending now, else None."""
-    # private: the stale wake-up plant sets a request's Event itself, which no seam offers
-    wakeup = cache._wakeups.get(rs)
+    wakeup = cache.runner.wakeups.get(rs)  # (read under the lock: this is a step)
     return Effects(None if wakeup is None or rs.pending() else wakeup.event)
 
 
@@ -1017,9 +1017,9 @@ def stale_wake_up(cache: EmbeddingCache) -> Callable[[Funnel], Funnel]:
     waiting on another load again."""
 
     def make(funnel: Funnel) -> Funnel:
-        def planted(step: Callable[..., Effects[Any]], *args: Any) -> Any:
+        def planted(step: Callable[..., Effects[Any]], *args: Any, **kwargs: Any) -> Any:
             woken: list[RequestState] = []
-            result = funnel(moved(step, "wake", woken), *args)
+            result = funnel(moved(step, "wake", woken), *args, **kwargs)
             for rs in woken:
                 event = funnel(ready_event, cache, rs)
                 if event is not None:
@@ -1042,9 +1042,9 @@ def late_poison(funnel: Funnel) -> Funnel:
     """The bug of issue 42: a step's freed ranges are poisoned after its lock section (in one
     of their own), so another thread may allocate and fill a range before its poison lands."""
 
-    def planted(step: Callable[..., Effects[Any]], *args: Any) -> Any:
+    def planted(step: Callable[..., Effects[Any]], *args: Any, **kwargs: Any) -> Any:
         ranges: list[tuple[int, int]] = []
-        result = funnel(moved(step, "freed", ranges), *args)
+        result = funnel(moved(step, "freed", ranges), *args, **kwargs)
         if ranges:
             funnel(freed, ranges)
         return result

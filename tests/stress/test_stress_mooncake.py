@@ -53,7 +53,7 @@ def kill_and_restart(
 ) -> Callable[[random.Random, threading.Event], None]:
     """Kill the master a third into the run and start it again a fifth of the run later.
 
-    The kill waits until no client setup is running (``_swap_lock``: a fence or a reconnect):
+    The kill waits until no client setup is running (``setup_paused``: a fence or a reconnect):
     Mooncake's ``setup`` holds the GIL while it waits on the master, so a master that dies
     under it freezes the whole process (every thread, up to 20 x 30 s). That interleaving is
     ``test_client_setup_against_an_unresponsive_master_does_not_freeze_the_process`` below.
@@ -63,7 +63,7 @@ def kill_and_restart(
         try:
             if stop.wait(seconds * rng.uniform(0.25, 0.4)):
                 return
-            with store._swap_lock:  # private: no client setup runs while the master dies
+            with store.setup_paused():  # no client setup runs while the master dies
                 master.kill()
             events.append("killed")
             stop.wait(seconds * 0.2)

@@ -7,7 +7,7 @@ calls). The profiled time is then split by what ran (``category``):
 
 - ``lock waits``: acquiring (and releasing) a lock outside a condition wait;
 - ``core step``: the cache's own state machine: ``embcache/core`` for embcache (compiled, its
-  steps are builtins to cProfile: methods of ``CacheCore`` and of ``Actions``, the queries), the
+  steps are builtins to cProfile: methods of ``CacheCore`` and of ``StateQueries``), the
   controller's module for SGLang 0.5.23 and the original PR (their bookkeeping is their core);
 - ``driver Python``: every other Python line in the cache call (embcache's driver, adapters,
   pipeline; the serving sequence's own code) and the builtins it calls;
@@ -47,7 +47,7 @@ CATEGORIES = (
 )
 WAITS = "single-flight waits"
 CORE_FILES = ("/embcache/core/", "embedding_cache_controller", "tests/support/baselines.py")
-CORE_BUILTINS = ("of 'CacheCore' objects", "of 'Actions' objects")  # the compiled core's steps
+CORE_BUILTINS = ("of 'CacheCore' objects", "of 'StateQueries' objects")  # the compiled core's steps
 COPY_FUNCTIONS = (("/embcache/driver/pool.py", "copy_bytes"),)  # a ctypes memmove and nothing else
 
 Key = tuple[str, int, str]

@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache, Item, TransferOutcome
-from embcache.core.actions import Actions
+from embcache.core import entry_actions, publishing
 from embcache.core.build import loaded_build
 from embcache.core.lifecycle import ABSENT, QUARANTINED, READY
 from embcache.core.policy import LruPolicy, Policy
 from embcache.core.recency import RecencyOrder
+from embcache.core.state import CoreState
 from embcache.driver.trace import TraceLog
 from embcache.testing import Fault, FaultInjectingStore
 from tests.tla.tla_modules import load_trace
@@ -160,15 +161,16 @@ def test_evicting_a_pinned_entry_is_rejected_at_the_evict(
         def order(self) -> RecencyOrder:
             return PinBlindOrder()
 
-    def evict(self: Actions, entry: Any, *, keep_range: bool = False) -> None:
-        entry.state = ABSENT
-        self._free(entry, keep_range)
-        self._emit("Evict", None, entry.key, entry)
+    free = entry_actions.free
 
-    monkeypatch.setattr(Actions, "evict", evict)
+    def evict(st: CoreState, entry: Any, *, keep_range: bool = False) -> None:
+        entry.state = ABSENT
+        free(st, entry, keep_range=keep_range)
+        st.emit("Evict", None, entry.key, entry)
+
+    monkeypatch.setattr(entry_actions, "evict", evict)
     cache, log = traced(1, policy=PinBlindPolicy())
-    # private: the planted order reads the core's live entries (a snapshot would be a copy)
-    PinBlindOrder.entries = cache._core.queries.entries
+    PinBlindOrder.entries = cache.runner.core.queries.entries  # the live entries, read-only
     a, b = item("a"), item("b")
     with cache.request("r1") as r1:
         r1.insert(["a"], [tensor(a)], publish=False)
@@ -191,24 +193,24 @@ def test_freeing_on_an_unknown_load_is_rejected_at_the_end_load(
     if planted_on_the_pure_core(request):
         return
     # The bug: EndLoad(UNKNOWN) frees the range as if FAILED (the write may still land).
-    original = Actions.end_load
+    original = entry_actions.end_load
     unknown = TransferOutcome.UNKNOWN
 
-    def end_load(self: Actions, entry: Any, outcome: Any, reason: Any) -> Any:
+    def end_load(st: CoreState, entry: Any, outcome: Any, reason: Any) -> Any:
         if outcome is not unknown:
-            return original(self, entry, outcome, reason)
-        emit = self._emit
+            return original(st, entry, outcome, reason)
+        emit = st.emit
 
         def emit_unknown(action: str, *args: Any, **kwargs: Any) -> None:
             emit(action, *args, **{**kwargs, "outcome": unknown.name})
 
-        self._emit = emit_unknown  # type: ignore[method-assign]
+        st.emit = emit_unknown  # type: ignore[method-assign]
         try:
-            return original(self, entry, TransferOutcome.FAILED, reason)
+            return original(st, entry, TransferOutcome.FAILED, reason)
         finally:
-            del self._emit
+            del st.emit
 
-    monkeypatch.setattr(Actions, "end_load", end_load)
+    monkeypatch.setattr(entry_actions, "end_load", end_load)  # (a store read's EndLoad)
     store = FaultInjectingStore(delay_seconds=0.0)
     x = item("x")
     store.put_object("x", bytes(x.nbytes))
@@ -235,18 +237,18 @@ def test_a_fence_freeing_by_key_is_rejected_at_that_fence(
     # ends, so an overlapping fence frees a key QUARANTINED again after it began.
     from tests import tracegen
 
-    def fence_by_key(self: Actions, snap: Any) -> int:
+    def fence_by_key(st: CoreState, snap: Any) -> int:
         freed = []
         for old in snap.entries:
-            entry = self.entries.get(old.key)
+            entry = st.entries.get(old.key)
             if entry is not None and entry.state is QUARANTINED:
                 entry.state = ABSENT
-                self._free(entry)
+                entry_actions.free(st, entry)
                 freed.append(entry.key)
-        self._emit("Fence", None, None, None, fence=snap.fence, keys=freed)
+        st.emit("Fence", None, None, None, fence=snap.fence, keys=freed)
         return len(freed)
 
-    monkeypatch.setattr(Actions, "fence", fence_by_key)
+    monkeypatch.setattr(publishing, "fence", fence_by_key)
     for events in tracegen.overlapping_fence_traces():
         [verdict] = trace_mod.validate(traces=[("buggy", events)], workers=1)
         assert not verdict.accepted, "the spec accepted a fence that freed by key"
@@ -266,17 +268,17 @@ def test_skipping_the_waiter_hand_off_is_rejected_at_the_end_load(
         return
     # The bug: EndLoad(OK) makes the entry READY but does not pin its waiters (they are
     # dropped), so it is evictable before they read it.
-    original = Actions.end_load
+    original = entry_actions.end_load
     ok = TransferOutcome.OK
 
-    def end_load(self: Actions, entry: Any, outcome: Any, reason: Any) -> Any:
+    def end_load(st: CoreState, entry: Any, outcome: Any, reason: Any) -> Any:
         if outcome is ok and not entry.doomed:
             for r in entry.waiters:
-                self.requests[r].waits.discard(entry.key)
+                st.requests[r].waits.discard(entry.key)
             entry.waiters = frozenset()
-        return original(self, entry, outcome, reason)
+        return original(st, entry, outcome, reason)
 
-    monkeypatch.setattr(Actions, "end_load", end_load)
+    monkeypatch.setattr(entry_actions, "end_load", end_load)  # (a store read's EndLoad)
     store = FaultInjectingStore(delay_seconds=0.0)
     x = item("x")
     store.put_object("x", bytes(x.nbytes))

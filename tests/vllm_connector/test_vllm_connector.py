@@ -204,9 +204,9 @@ def test_a_store_read_defers_the_request_until_it_ends(
     from embcache.integrations.vllm import scheduler
     from embcache.testing import FaultInjectingStore
 
-    # private: the connector makes its store from its options (Mooncake only, made by vLLM's
-    # factory): the test swaps that factory for an in-process store
-    monkeypatch.setattr(scheduler, "_store", lambda options: FaultInjectingStore())
+    # The connector makes its store from its options (Mooncake only, made by vLLM's factory):
+    # the test swaps that function for one that makes an in-process store.
+    monkeypatch.setattr(scheduler, "store_from_options", lambda options: FaultInjectingStore())
     sched = make_scheduler(SMALL)
     store = sched.scheduler_side.cache.store
     assert isinstance(store, FaultInjectingStore)
@@ -271,7 +271,7 @@ def test_ensure_cache_available_is_one_funnel_call_and_has_cache_item_none(
     make_scheduler: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 39's few steps per request on vLLM's scheduler side: ``ensure_cache_available``
-    of a new request is one trip through the cache's funnel (``EmbeddingCache._run``: the
+    of a new request is one trip through the cache's funnel (``StepRunner.run``: the
     lookup that pins what is present), asked again it is none, and ``has_cache_item`` never
     is one."""
     sched = make_scheduler(SMALL)
@@ -280,9 +280,9 @@ def test_ensure_cache_available_is_one_funnel_call_and_has_cache_item_none(
     steps: list[str] = []
 
     def counting(run: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(step: Callable[..., Any], *args: Any) -> Any:
+        def counted(step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             steps.append(step.__name__)
-            return run(step, *args)
+            return run(step, *args, **kwargs)
 
         return counted
 

@@ -143,7 +143,7 @@ class SchedulerSide:
         self._hold_timeout = options.hold_timeout_s
         self._shared = SharedPool(options.pool_bytes)
         self._own_store = store is None
-        self._store = _store(options) if store is None else store
+        self._store = store_from_options(options) if store is None else store
         try:
             self._cache = EmbeddingCache(
                 options.pool_bytes,
@@ -580,7 +580,7 @@ class SchedulerSide:
         return sum(it.nbytes for it in {i.key: i for i in held.items}.values() if it.key in present)
 
 
-def _store(options: ConnectorOptions) -> GlobalStore | None:
+def store_from_options(options: ConnectorOptions) -> GlobalStore | None:
     """The Mooncake store ``options`` names; None (no global tier) when it names no master."""
     if options.mooncake_master is None:
         return None
