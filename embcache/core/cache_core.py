@@ -74,7 +74,8 @@ class CacheCore:
         taken), changing nothing."""
         if self._closed or request_id in self._open:
             self._check_new(request_id)
-        return self._done(Effects(request_bodies.open_request(self._state, request_id)))
+        fx = Effects(request_bodies.open_request(self._state, request_id))
+        return self._taken(fx) if self._buffered else fx  # (``_done``, inlined: a hot step)
 
     def begin_lookup(
         self, request: RequestState | str, items: Sequence[ItemLike], *, ask_store: bool,
@@ -91,24 +92,20 @@ class CacheCore:
             rs = request
             if self._closed or self._open.get(rs.request_id) is not rs:
                 self._check(rs)
-            looked = request_bodies.lookup_request(
-                st, rs, items, ask_store=ask_store, reserve=reserve, serve=serve
-            )
+            looked = request_bodies.lookup_request(st, rs, items, ask_store, reserve, serve)
         else:
             if self._closed or request in self._open:
                 self._check_new(request)
             rs = request_bodies.open_request(st, request)
             try:
-                looked = request_bodies.lookup_request(
-                    st, rs, items, ask_store=ask_store, reserve=reserve, serve=serve
-                )
+                looked = request_bodies.lookup_request(st, rs, items, ask_store, reserve, serve)
             except BaseException:
                 request_bodies.end_request(st, rs)  # opened here: nobody else could close it
                 raise
         fx = Effects(looked)
         if not looked.ask:
             fx.waiting = rs
-        return self._done(fx)
+        return self._taken(fx) if self._buffered else fx  # (``_done``, inlined: a hot step)
 
     def finish_lookup(
         self, rs: RequestState, *, found: Mapping[str, bool] | None, serve: bool
@@ -147,8 +144,8 @@ class CacheCore:
             rs = request
             if self._closed or self._open.get(rs.request_id) is not rs:
                 self._check(rs)
-        fills = request_bodies.plan_fills(st, rs, items, hand_out=hand_out)
-        return self._done(Effects((rs, fills)))
+        fx = Effects((rs, request_bodies.plan_fills(st, rs, items, hand_out=hand_out)))
+        return self._taken(fx) if self._buffered else fx  # (``_done``, inlined: a hot step)
 
     def end_inserts(
         self, rs: RequestState, fills: Sequence[Fill], outcomes: Sequence[TransferOutcome], *,
@@ -178,7 +175,7 @@ class CacheCore:
             wake += request_bodies.end_request(st, rs)
         fx = Effects(results)
         fx.writes, fx.wake = writes, wake
-        return self._done(fx)
+        return self._taken(fx) if self._buffered else fx  # (``_done``, inlined: a hot step)
 
     def end_loads(
         self, entries: Sequence[Entry], outcomes: Sequence[TransferOutcome]
@@ -231,7 +228,7 @@ class CacheCore:
             return self._done(Effects(None))
         fx = Effects(None)
         fx.wake, fx.closed = request_bodies.end_request(self._state, rs), rs
-        return self._done(fx)
+        return self._taken(fx) if self._buffered else fx  # (``_done``, inlined: a hot step)
 
     def remove(self, *, key: str | None) -> Effects[int]:
         """Remove(k): freed now if idle, doomed if busy; 0 when absent (or already so), else
@@ -266,8 +263,10 @@ class CacheCore:
     # ------------------------------------------------------------------ helpers
     def _done(self, fx: Effects[T]) -> Effects[T]:
         """The step's record, with the events and freed ranges its actions buffered."""
-        if self._buffered:
-            fx.events, fx.freed = self._state.take_events(), self._state.take_freed()
+        return self._taken(fx) if self._buffered else fx
+
+    def _taken(self, fx: Effects[T]) -> Effects[T]:
+        fx.events, fx.freed = self._state.take_events(), self._state.take_freed()
         return fx
 
     def _check_open(self) -> None:

@@ -158,10 +158,11 @@ def release_all(st: CoreState, rs: RequestState, keys: Iterable[str]) -> None:
 
 # ---------------------------------------------------------------------- lookups
 def lookup_request(
-    st: CoreState, rs: RequestState, items: Sequence[ItemLike], *, ask_store: bool,
-    reserve: bool, serve: bool,
+    st: CoreState, rs: RequestState, items: Sequence[ItemLike], ask_store: bool, reserve: bool,
+    serve: bool,
 ) -> Looked:  # fmt: skip
-    """A lookup's first pass: Lookup each item (the policy records each key), then, when some
+    """A lookup's first pass (the hot path: its flags by position, from ``CacheCore``'s step,
+    which takes them by name): Lookup each item (the policy records each key), then, when some
     item missed, TOO_LARGE for a miss larger than the pool and either the keys to ask the
     store about (Ask: ``finish_lookup`` ends the lookup) or the misses reserved (Reserve) and
     the lookup ended (Note, FallBack). Once it is over, and when ``serve``, what ``rs`` may
