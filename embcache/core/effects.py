@@ -56,7 +56,7 @@ Fill = tuple[int, Entry]
 
 
 class Served(NamedTuple):
-    """What a request may read, derived from its state (``RequestActions.served``): per
+    """What a request may read, derived from its state (``request_bodies.served``): per
     looked-up item the range it may read (offset and item) or None, and why each unserved one
     falls back (None for the served). ``final``: nothing pending, so only a later step of the
     request itself changes it (a driver may keep it until then)."""

@@ -1,9 +1,9 @@
 """What the core keeps per key, per request and per fence: ``Entry``, ``RequestState`` and
 ``FenceSnapshot``.
 
-All are plain records, changed only by the core's one state owner
-(``embcache.core.request_actions.RequestActions``, through the transitions of
-embcache/DESIGN.md) under its driver's lock.
+All are plain records, changed only by the core's actions (``embcache.core.entry_actions``,
+``embcache.core.request_bodies``, through the transitions of embcache/DESIGN.md) under their
+driver's lock.
 Items are duck-typed (``ItemLike``), so nothing here imports torch.
 """
 
@@ -37,8 +37,8 @@ class Entry:
     """One key's entry: what it holds (``key``, ``shape``, ``dtype``), where, and who uses it.
 
     Compact on purpose (100k entries are common): the item's fields are kept, not the item;
-    the time its pins began lives in the core (``CacheCore.pinned_since``), for pinned entries
-    only; a load in flight is from the store exactly when no request must fill it. Written out
+    the time its pins began lives in the core's state (``CoreState.pinned_since``), for
+    pinned entries only; a load in flight is from the store exactly when no request must fill it. Written out
     with ``__slots__`` rather than as a ``dataclass(slots=True)``, whose class swap the compiled
     build (``docs/setup.md``) cannot follow; compared by identity."""
 
