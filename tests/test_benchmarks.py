@@ -677,6 +677,11 @@ def test_tiny_grid_reports_every_cell(tiny_grid: dict[str, Any]) -> None:
         # the server replay: every token accounted for, each image encoded once with room for
         # all, one mix replaying bench_server's trace, bad flags
         pytest.param("benchmarks/server/test_replay.py", 280, marks=pytest.mark.timeout(300)),
+        # the SGLang adapter's run waits for SGLang's PUTs on its own signal (and, planted, on
+        # time: a hit request finds a miss); skipped where SGLang's wheel cannot be had
+        pytest.param(
+            "benchmarks/peers/test_bench_sglang_adapter.py", 280, marks=pytest.mark.timeout(300)
+        ),
     ],
 )
 def test_a_benchmarks_own_checks_pass(checks: str, seconds: int) -> None:

@@ -316,8 +316,13 @@ def absolute_imports(path: Path) -> list[tuple[int, str, tuple[str, ...]]]:
     ``import a.b`` is ``a.b`` with no names, ``from a import b, c`` is ``a`` with ``(b, c)``, and
     a call of ``importlib.import_module``, ``__import__``, ``pytest.importorskip`` or
     ``runpy.run_module`` with a literal module name is that name with no names."""
+    return absolute_imports_in(ast.parse(path.read_text(), str(path)))
+
+
+def absolute_imports_in(module: ast.Module) -> list[tuple[int, str, tuple[str, ...]]]:
+    """``absolute_imports`` of a parsed module."""
     found: list[tuple[int, str, tuple[str, ...]]] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(module):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name, ()) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
@@ -330,20 +335,74 @@ def absolute_imports(path: Path) -> list[tuple[int, str, tuple[str, ...]]]:
     return found
 
 
+def string_text(expr: ast.expr) -> str | None:
+    """The text of a string literal; an f-string's fields read as ``_``."""
+    if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
+        return expr.value
+    if isinstance(expr, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "_" for v in expr.values)
+    return None
+
+
+def code_run(path: Path) -> list[tuple[int, str]]:
+    """(line, source) of the Python code ``path`` hands to an interpreter: the argument after
+    ``"-c"`` in a list or tuple (``[sys.executable, "-c", CODE]``) and the first argument of
+    ``exec``, ``eval`` or ``compile``; a name there stands for every string literal assigned
+    to that name in ``path``."""
+    module = ast.parse(path.read_text(), str(path))
+    assigned: dict[str, list[str]] = {}
+    for node in ast.walk(module):
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            text = string_text(node.value)
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name) and text is not None:
+                    assigned.setdefault(target.id, []).append(text)
+
+    def texts(expr: ast.expr) -> list[str]:
+        if isinstance(expr, ast.Name):
+            return assigned.get(expr.id, [])
+        text = string_text(expr)
+        return [] if text is None else [text]
+
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(module):
+        if isinstance(node, ast.List | ast.Tuple):
+            for flag, arg in zip(node.elts, node.elts[1:], strict=False):
+                if isinstance(flag, ast.Constant) and flag.value == "-c":
+                    found += [(arg.lineno, text) for text in texts(arg)]
+        elif isinstance(node, ast.Call) and node.args:
+            if getattr(node.func, "id", None) in {"exec", "eval", "compile"}:
+                found += [(node.lineno, text) for text in texts(node.args[0])]
+    return found
+
+
 def benchmark_imports(path: Path) -> list[tuple[int, str]]:
     """(line, module) of every import of the ``benchmarks`` package in ``path``: ``import``,
     ``from ... import``, and a call of ``importlib.import_module``, ``__import__``,
-    ``pytest.importorskip`` or ``runpy.run_module`` with a literal module name."""
-    return [
+    ``pytest.importorskip`` or ``runpy.run_module`` with a literal module name; in ``path``
+    itself or in the code it runs (``code_run``: ``python -c CODE``, ``exec``), at the line
+    that runs it."""
+    found = [
         (line, module)
         for line, module, _ in absolute_imports(path)
         if module.split(".")[0] == "benchmarks"
     ]
+    for line, source in code_run(path):
+        try:
+            imports = absolute_imports_in(ast.parse(source))
+        except SyntaxError:
+            continue
+        found += [(line, m) for _, m, _ in imports if m.split(".")[0] == "benchmarks"]
+    return sorted(found)
 
 
 def test_no_test_imports_the_benchmarks() -> None:
     """Tests run a benchmark as ``python -m benchmarks...`` in a child process; what tests and
-    benchmarks share lives in ``tests/support`` (benchmarks import it, never the reverse)."""
+    benchmarks share lives in ``tests/support`` (benchmarks import it, never the reverse). Code
+    a test runs (``python -c CODE``, ``exec``) imports no benchmark either: a check that must
+    reach into a benchmark lives beside it (``benchmarks/**/test_*.py``, run in a child by
+    ``tests/test_benchmarks.py``)."""
     found = [
         f"{path.relative_to(TESTS.parent)}:{line}: {module}"
         for path in sorted(TESTS.rglob("*.py"))
@@ -372,6 +431,29 @@ def test_a_planted_benchmark_import_is_found(tmp_path: Path) -> None:
         (5, "benchmarks.run"),
         (6, "benchmarks.peers.bench_vllm"),
         (7, "benchmarks.common"),
+    ]
+
+
+def test_a_planted_benchmark_import_in_code_a_test_runs_is_found(tmp_path: Path) -> None:
+    source = (
+        'CODE = """\nimport sys\nimport benchmarks.peers.bench_sglang_adapter as bench\n"""\n'
+        "def f(name):\n"
+        "    subprocess.run([sys.executable, '-c', CODE, '--plant'])\n"
+        "    subprocess.run((sys.executable, '-c', 'from benchmarks import common'))\n"
+        "    exec(compile('import benchmarks.run', 'x', 'exec'))\n"
+        "    planted = f'from benchmarks.micro import {name}'\n"
+        "    subprocess.run([sys.executable, '-c', planted])\n"
+        "    subprocess.run([sys.executable, '-m', 'benchmarks.run'])\n"
+        "    path.write_text('import benchmarks')\n"
+        "    subprocess.run([sys.executable, '-c', 'import benchmarksish; x = ('])\n"
+    )
+    path = tmp_path / "test_x.py"
+    path.write_text(source)
+    assert benchmark_imports(path) == [
+        (6, "benchmarks.peers.bench_sglang_adapter"),
+        (7, "benchmarks"),
+        (8, "benchmarks.run"),
+        (10, "benchmarks.micro"),
     ]
 
 

@@ -24,10 +24,8 @@ from embcache import EmbeddingCache, Item
 from embcache.core.cache_core import CacheCore
 from embcache.core.outcomes import Status, TransferOutcome
 from embcache.core.policy import (
-    DEPTH,
     POLICIES,
     AdaptivePolicy,
-    FrequencySketch,
     LruPolicy,
     Policy,
     TinyLfuPolicy,
@@ -35,6 +33,7 @@ from embcache.core.policy import (
     checked_work,
     make_policy,
 )
+from embcache.core.sketch import DEPTH, FrequencySketch
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 from models.policy import MODELS
 

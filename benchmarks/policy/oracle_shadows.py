@@ -6,7 +6,7 @@ It reads what no policy is told today, each item's bytes and the pool's, from th
 (``ORACLE``: ``bench_policy_grid.variant_saved`` then makes it with the workload and the pool's
 capacity). It measures the change that issue 41's notes guessed at, shadows that count bytes
 and not entries, before the core is asked to tell a policy an item's bytes at every lookup
-(``record``) and the pool's capacity: the design is in ``embcache.core.policy``'s notes.
+(``record``) and the pool's capacity: the design is in docs/policies.md.
 
 Each shadow holds keys up to the pool's bytes (aligned sizes), oldest first. The LRU shadow
 takes every key looked up, dropping its oldest until the bytes fit; the filter's shadow takes a

@@ -57,7 +57,7 @@ def test_a_variant_runs_the_policy_it_names_in_place_of_the_default(
         ("AdaptivePolicy", "module:name"),
         ("embcache.core.policy:", "module:name"),
         ("embcache.core.policy:NoSuchPolicy", "no callable 'NoSuchPolicy'"),
-        ("embcache.core.policy:DEPTH", "no callable 'DEPTH'"),
+        ("embcache.core.sketch:DEPTH", "no callable 'DEPTH'"),
     ],
 )
 def test_a_bad_variant_raises_before_running(

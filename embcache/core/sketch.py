@@ -1,6 +1,7 @@
 """``FrequencySketch``, the fixed-size record of recent lookups that ``tinylfu`` and
-``adaptive`` admit by (``embcache.core.policy``), and ``Footprint``, what a policy keeps per key
-(DESIGN.md, "Memory bounds"). Pure: no clock, no thread, no I/O; the caller holds the lock.
+``adaptive`` admit by (``embcache.core.policy_tinylfu``), and ``Footprint``, what a policy
+keeps per key (DESIGN.md, "Memory bounds"). Pure: no clock, no thread, no I/O; the caller
+holds the lock.
 
 Design notes. Exact counts in a dict keyed by every key of a sample window cost a record about
 0.2 us against the sketch's 0.6 us (best of 9 on the 2-core machine; 3,450 against 8,540

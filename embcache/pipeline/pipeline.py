@@ -4,13 +4,11 @@ Theory of operation. One call, ``encode(request_id, items, inputs)``, runs these
 
 1. Rank 0 opens a cache request and looks the items up (``prefetch``: store hits start loading;
    ``reserve_misses``: misses are reserved, so concurrent calls for the same image wait for
-   this call's encode instead of encoding it again), then waits at most ``prefetch_timeout``
-   for the loads.
+   this call's encode), then waits at most ``prefetch_timeout`` for the loads.
 2. Rank 0 takes one snapshot of what it holds (``embeddings()``): the fallback mask is exactly
    the items it does not hold (misses, reservations, failed, timed-out, quarantined loads).
-   It copies the held rows to the encoder's device right away, each straight into its place in
-   the answer (one copy of each byte; on the CPU a byte copy from the pool, no view), so
-   nothing is read from the pool after the request ends.
+   It copies each held row to the encoder's device right away, straight into its place in
+   the answer (docs/pipeline.md: how), so nothing is read from the pool after the request ends.
 3. With a tensor-parallel group (the collectives are ``embcache.pipeline.tp_channel``): every rank
    gathers a header (failed?, item count, item fingerprint), so a failure on any rank before
    this point, or ranks called with different items, raises on every rank; then rank 0
@@ -19,12 +17,10 @@ Theory of operation. One call, ``encode(request_id, items, inputs)``, runs these
 4. Every rank runs the encoder on exactly the masked items (a key once per call), in item
    order, so an encoder that is itself tensor-parallel sees the same calls on each rank. With
    a group, the ranks then agree (an all-reduce) on whether every encoder call succeeded.
-5. Rank 0 inserts the fresh outputs (a copy into the pool, fast, and it must happen while the
-   request still holds its reservations, or their waiters would fall back) with
-   ``publish=True``: the write to the global store runs on the cache's I/O pool and never
-   delays the response. The request then ends, releasing every pin, wait and reservation.
-6. Every rank copies the fresh outputs into the rest of its answer: the items' rows in order
-   along dim 0.
+5. Rank 0 inserts the fresh outputs (while the request still holds its reservations, or their
+   waiters would fall back) with ``publish=True``: the write to the global store runs on the
+   cache's I/O pool. The request then ends, releasing every pin, wait and reservation.
+6. Every rank copies the fresh outputs into the rest of its answer (rows in item order).
 
 The result has the encoder's dtype and device whether an item came from the cache or the
 encoder: the pool stores each item in its own dtype, and encoder outputs of another shape,
@@ -33,15 +29,14 @@ dtype or device are refused rather than converted.
 Failure. Leaving the request's ``with`` block releases everything on every path. A rank that
 fails raises its own exception; the other ranks raise ``TensorParallelError`` at the next
 agreement point (the header or the encoder all-reduce), so every rank raises in the same call
-and the group stays aligned for the next one. Every collective waits at most
-``collective_timeout`` seconds (else the group's own timeout); a timed-out collective raises
-``TensorParallelError`` and leaves the group unusable: rebuild it.
+and the group stays aligned for the next one. A collective that waits past
+``collective_timeout`` (else the group's own timeout) raises ``TensorParallelError`` and leaves
+the group unusable: rebuild it.
 
 Threads and locks. No cache lock is held across the encoder, a wait or a collective (the cache
-takes its lock only inside its own calls; the checker verifies it in tests). The pipeline's
-only lock guards its counters and is held for nothing else. With a group, every rank must call
-``encode`` with the same items in the same order, one call at a time per group (use one group
-per concurrent stream); without one, calls may run concurrently from any number of threads.
+takes its lock only inside its own calls); the pipeline's only lock guards its counters. With a
+group, every rank must call ``encode`` with the same items in the same order, one call at a
+time per group (one group per concurrent stream); without one, calls may run concurrently.
 """
 
 from __future__ import annotations

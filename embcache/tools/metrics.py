@@ -7,7 +7,7 @@ feeds (``observe_load``, ``observe_insert``) with a ``modality`` label; ``TimedS
 ``observe_load`` by timing the store reads of a ``GlobalStore`` it wraps, and
 ``EncodePipeline(on_insert=...)`` can feed ``observe_insert``.
 
-Counters (``_total``): hits, misses by reason, fallbacks by reason, loads started and ended by
+Counters (``*_total``): hits, misses by reason, fallbacks by reason, loads started and ended by
 outcome, inserts, publishes started and ended by outcome, evictions and evicted bytes,
 allocation failures by reason, single-flight joins, fences, failed publishes dropped from the
 backlog (the oldest beyond its bound; stale: evicted, removed or quarantined first). Gauges: pool
