@@ -953,9 +953,10 @@ def test_a_store_answering_too_few_reads_ends_the_load_unknown() -> None:
 
 # ------------------------------------------------------------------ one body per action
 # The hot actions (``request_bodies.lookup_all``, ``request_bodies.release_all``) have one
-# body, traced or not; each test runs both ways, so a bug planted in that body fails both. Checked by planting
-# (then reverting): a release that drops a pin as the last while another holder remains
-# (``len(holders) > 2``), and a lookup that skips the ``doomed`` branch (a doomed entry hit).
+# body, traced or not; each test runs both ways, so a bug planted in that body fails both.
+# Checked by planting (then reverting): a release that drops a pin as the last while another
+# holder remains (``len(holders) > 2``), and a lookup that skips the ``doomed`` branch (a doomed
+# entry hit).
 def one_body_cache(traced: bool) -> EmbeddingCache:
     return EmbeddingCache(ALIGN, pin_memory=False, trace=TraceLog() if traced else None)
 

@@ -38,9 +38,9 @@ class Entry:
 
     Compact on purpose (100k entries are common): the item's fields are kept, not the item;
     the time its pins began lives in the core's state (``CoreState.pinned_since``), for
-    pinned entries only; a load in flight is from the store exactly when no request must fill it. Written out
-    with ``__slots__`` rather than as a ``dataclass(slots=True)``, whose class swap the compiled
-    build (``docs/setup.md``) cannot follow; compared by identity."""
+    pinned entries only; a load in flight is from the store exactly when no request must fill
+    it. Written out with ``__slots__`` rather than as a ``dataclass(slots=True)``, whose class
+    swap the compiled build (``docs/setup.md``) cannot follow; compared by identity."""
 
     __slots__ = (
         "doomed",
