@@ -2,8 +2,13 @@
 
 Workers on one store claim a miss before they encode it. The store holds per key the published
 object (none, a put in progress, complete; a get sees only a complete one) and a claim under a
-key of its own (owner, lease left). Every put is put-if-absent, as measured on a real master:
-the first put of a key wins, a put of an existing key is refused; a remove is by key.
+key of its own (owner, lease left), as measured on a real master: a claim (a put started and
+never ended) is won by exactly one of racing starts, refused while live, and won by the next
+start once its lease ended; a put of the bytes stores nothing if the key exists; a release (a
+revoke) ends only the releaser's own claim. A refused worker waits, polling: it loads the
+publish, or claims again and takes the claim over once it ended; at its deadline (a lease after
+its wait began) still refused, it waits one more lease on the newer claim, up to
+``claims_waited`` claims, then encodes itself with no claim.
 
 Each action is a method with the spec's name in snake case (``Ask`` is ``ask``, ``BeginPublish``
 is ``begin_publish``) and the spec's guard and effect, field for field: it returns False and
@@ -20,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 CRASH, SLOW, FAIL, RESTART = "crash", "slow", "fail", "restart"
+CLAIMS_WAITED = 2  # the spec's ClaimsWaited in every model (embcache/pipeline/claims.py's too)
 ALL_FAULTS = frozenset({CRASH, SLOW, FAIL, RESTART})
 
 # A worker's phase for one key (the spec's names).
@@ -58,14 +64,17 @@ class Claim:
 @dataclasses.dataclass(frozen=True)
 class Work:
     """Worker w's work on key k: its phase; ``own``: it believes it holds k's claim; ``timer``:
-    that claim's lease left as it counts it (an owner) or when its wait ends (a waiter);
-    ``lease``: the lease left of the claim a waiter waits on (a ghost: the store's count);
-    ``got``: the bytes it holds and serves."""
+    that claim's lease left as it counts it (an owner) or the ticks to its deadline (a waiter);
+    ``lease``: the lease left of the claim a waiter last found (a ghost: the store's count);
+    ``rounds``: the claims a waiter has waited on; ``polled``: a waiter polled since the last
+    tick; ``got``: the bytes it holds and serves."""
 
     phase: str = IDLE
     own: bool = False
     timer: int = 0
     lease: int = 0
+    rounds: int = 0
+    polled: bool = False
     got: str | None = None
 
 
@@ -111,9 +120,20 @@ class Fleet:
         """After its publish a claimer removes its claim; anyone else is done."""
         return dataclasses.replace(s, phase=RELEASE if s.own else DONE)
 
+    def free(self, k: str) -> bool:
+        """k's claim can be won: there is none, or its lease has ended."""
+        current = self.claim[k]
+        return current is None or current.left == 0
+
+    def take(self, w: str, k: str) -> None:
+        """w's claim of k wins: w holds it for a lease."""
+        self.claim[k] = Claim(w, self.lease)
+        self.ws[w, k] = Work(phase=OWNED, own=True, timer=self.lease)
+
     def remove_claim(self, w: str, k: str) -> None:
-        """Remove k's claim (by key) unless w's lease has ended: it may be another's by now."""
-        if self.ws[w, k].timer > 0:
+        """w revokes its claim of k: the master ends it only if it is w's."""
+        current = self.claim[k]
+        if current is not None and current.owner == w:
             self.claim[k] = None
 
     # ----------------------------------------------------------- a worker's steps for one key
@@ -130,16 +150,41 @@ class Fleet:
         return True
 
     def claim_key(self, w: str, k: str) -> bool:
-        """The spec's Claim: the put of k's claim wins (w owns it for a lease) or is refused
-        (w reads the claim and waits for what is left of its lease)."""
+        """The spec's Claim: w's start wins if no live claim is there, else w waits on it."""
         if self.ws[w, k].phase != CLAIMING:
             return False
         current = self.claim[k]
-        if current is None:
-            self.claim[k] = Claim(w, self.lease)
-            self.ws[w, k] = Work(phase=OWNED, own=True, timer=self.lease)
+        if current is None or current.left == 0:
+            self.take(w, k)
         else:
-            self.ws[w, k] = Work(phase=WAITING, timer=current.left, lease=current.left)
+            self.ws[w, k] = Work(
+                phase=WAITING, timer=self.lease, lease=current.left, rounds=1, polled=True
+            )
+        return True
+
+    def poll(self, w: str, k: str) -> bool:
+        """One poll of a waiter: load the publish, or claim again (a takeover once the claim
+        it found ended); refused at its deadline, wait on the newer claim or, after
+        ``CLAIMS_WAITED`` claims, encode with no claim. A poll that changes nothing is no step."""
+        s = self.ws[w, k]
+        if s.phase != WAITING:
+            return False
+        obj, current = self.data[k], self.claim[k]
+        found = s.lease if current is None or current.left == 0 else current.left
+        if obj is not None and obj.state == COMPLETE:
+            self.ws[w, k] = Work(phase=DONE, got=obj.bytes)
+        elif self.free(k):
+            self.take(w, k)
+        elif s.timer == 0 and s.rounds == CLAIMS_WAITED:
+            self.ws[w, k] = Work(phase=FALLBACK)
+        elif s.timer == 0:
+            self.ws[w, k] = dataclasses.replace(
+                s, timer=self.lease, rounds=s.rounds + 1, lease=found, polled=True
+            )
+        elif s.polled and s.lease == found:
+            return False
+        else:
+            self.ws[w, k] = dataclasses.replace(s, lease=found, polled=True)
         return True
 
     def encode(self, w: str, k: str) -> bool:
@@ -189,31 +234,12 @@ class Fleet:
         return True
 
     def release(self, w: str, k: str) -> bool:
-        """The claimer's publish is visible (or not needed): it removes its claim."""
+        """The claimer releases once the key is stored, or once its lease ended by its clock."""
         s = self.ws[w, k]
-        if s.phase != RELEASE:
+        if s.phase != RELEASE or not (self.complete(k) or s.timer == 0):
             return False
         self.remove_claim(w, k)
         self.ws[w, k] = dataclasses.replace(s, phase=DONE, own=False, timer=0)
-        return True
-
-    def wake_load(self, w: str, k: str) -> bool:
-        """A waiter's wait ends with the publish visible: it loads the object."""
-        obj = self.data[k]
-        if self.ws[w, k].phase != WAITING or obj is None or obj.state != COMPLETE:
-            return False
-        self.ws[w, k] = Work(phase=DONE, got=obj.bytes)
-        return True
-
-    def fallback(self, w: str, k: str) -> bool:
-        """A waiter's timer fired or the claim is gone; with no publish visible at its last
-        look, it encodes itself."""
-        s = self.ws[w, k]
-        if s.phase != WAITING or self.complete(k):
-            return False
-        if s.timer != 0 and self.claim[k] is not None:
-            return False
-        self.ws[w, k] = Work(phase=FALLBACK)
         return True
 
     def crash(self, w: str) -> bool:
@@ -245,23 +271,30 @@ class Fleet:
         return True
 
     def tick(self) -> bool:
-        """Time moves on one tick: every lease and timer counts down. Not while a waiter's
-        timer has fired, nor (no slow claimers) while it would end a held claim's lease."""
+        """Time moves on one tick: every lease and timer counts down. Not before every waiter
+        polled, nor (no slow claimers) while it would end the lease of a claim its owner still
+        encodes or publishes."""
         works = self.ws.values()
         if not (any(c is not None and c.left > 0 for c in self.claim.values())
                 or any(s.timer > 0 for s in works)):  # fmt: skip
             return False
-        if any(s.phase == WAITING and s.timer == 0 for s in works):
+        if any(s.phase == WAITING and not s.polled for s in works):
             return False
-        if SLOW not in self.faults and any(s.own and s.timer <= 1 for s in works):
+        busy = (OWNED, PUBLISH, PUBLISHING)
+        if SLOW not in self.faults and any(
+            s.own and s.phase in busy and s.timer <= 1 for s in works
+        ):
             return False
         self.claim = {
             k: None if c is None else Claim(c.owner, max(c.left - 1, 0))
             for k, c in self.claim.items()
         }
         for wk, s in self.ws.items():
-            lease = s.lease - 1 if s.phase == WAITING else s.lease
-            self.ws[wk] = dataclasses.replace(s, timer=max(s.timer - 1, 0), lease=lease)
+            timer = max(s.timer - 1, 0)
+            if s.phase == WAITING:
+                self.ws[wk] = dataclasses.replace(s, timer=timer, lease=s.lease - 1, polled=False)
+            else:
+                self.ws[wk] = dataclasses.replace(s, timer=timer)
         return True
 
     def done(self) -> bool:
@@ -305,13 +338,12 @@ class Fleet:
 ACTIONS: list[tuple[str, str, str]] = [
     ("Ask", "ask", "wk"),
     ("Claim", "claim_key", "wk"),
+    ("Poll", "poll", "wk"),
     ("Encode", "encode", "wk"),
     ("EncodeFails", "encode_fails", "wk"),
     ("BeginPublish", "begin_publish", "wk"),
     ("EndPublish", "end_publish", "wk"),
     ("Release", "release", "wk"),
-    ("WakeLoad", "wake_load", "wk"),
-    ("Fallback", "fallback", "wk"),
     ("Crash", "crash", "w"),
     ("Expire", "expire", "k"),
     ("Restart", "restart", ""),
