@@ -2,7 +2,7 @@
 (***************************************************************************)
 (* One encode per image across a fleet: encode workers on one Mooncake     *)
 (* master claim a miss before they encode it.  The design is DESIGN.md,    *)
-(* "Claims"; the actions have the names models/claims.py gives them.       *)
+(* "Claims"; models/claims.py has the same actions, in snake case.         *)
 (* What the fleet needs: every byte a worker serves is the encoder's       *)
 (* output for its key (claims carry no bytes), no request waits on a claim *)
 (* past its lease, and with no failure each key is encoded once.           *)
@@ -47,12 +47,12 @@
 EXTENDS Naturals, Integers, FiniteSets
 
 CONSTANTS
-    Workers,  \* encode worker processes sharing one master
-    Keys,     \* images (mm hashes)
-    Lease,    \* a claim's lease, in ticks
+    Workers,       \* encode worker processes sharing one master
+    Keys,          \* images (mm hashes)
+    Lease,         \* a claim's lease, in ticks
     ClaimsWaited,  \* the claims a waiter waits on, a lease each, before it encodes
-    Faults,   \* the failures this model allows: a subset of AllFaults
-    Garbage   \* a model value: bytes no encoder wrote (a put's half-written object)
+    Faults,        \* the failures this model allows: a subset of AllFaults
+    Garbage        \* a model value: bytes no encoder wrote (a half-written object)
 
 CRASH   == "crash"    \* a claimer's process dies mid-encode
 SLOW    == "slow"     \* a claimer works on past its lease
@@ -72,8 +72,8 @@ NoBytes == "nobytes"
 
 \* A worker's phase for one key.
 IDLE       == "idle"        \* no request for the key yet
-CLAIMING   == "claiming"    \* missed the store: about to put the claim
-OWNED      == "owned"       \* its claim won: re-checks the store, then encodes
+CLAIMING   == "claiming"    \* missed the store: about to claim the key
+OWNED      == "owned"       \* its claim won: looks at the store once more, encodes
 WAITING    == "waiting"     \* the claim was refused: LOADING from the store
 FALLBACK   == "fallback"    \* its waits ended with no publish: encodes itself, no claim
 PUBLISH    == "publish"     \* encoded: about to put the bytes
@@ -113,7 +113,7 @@ Dec(n) == IF n > 0 THEN n - 1 ELSE 0
 \* Worker w's work on k becomes s; nothing else of w changes.
 Set(w, k, s) == ws' = [ws EXCEPT ![w][k] = s]
 
-\* After its publish: a claimer removes its claim, anyone else is done.
+\* After its publish: a claimer releases its claim, anyone else is done.
 AfterPublish(s) == IF s.own THEN [s EXCEPT !.phase = RELEASE] ELSE [s EXCEPT !.phase = DONE]
 
 \* A claim can be won: there is none, or its lease has ended.
