@@ -11,6 +11,10 @@ Theory of operation. One call, ``encode(request_id, items, inputs)``, runs these
    It copies the held rows to the encoder's device right away, each straight into its place in
    the answer (one copy of each byte; on the CPU a byte copy from the pool, no view), so
    nothing is read from the pool after the request ends.
+   With ``claims`` (``FleetClaims``, for workers sharing a global store), the misses it
+   reserved are claimed fleet-wide first: the keys another worker claimed are waited for
+   (at most the claim's lease) and loaded from the store once published; the rest are
+   encoded here, and their claims end after their publish (embcache/pipeline/claims.py).
 3. With a tensor-parallel group (the collectives are ``embcache.pipeline.tp_channel``): every rank
    gathers a header (failed?, item count, item fingerprint), so a failure on any rank before
    this point, or ranks called with different items, raises on every rank; then rank 0
@@ -67,6 +71,7 @@ from embcache.driver.locks import assert_unlocked
 from embcache.driver.pool import bytes_only, copy_bytes
 from embcache.driver.request import Request
 from embcache.errors import InvalidArgumentError, InvalidTypeError, TensorParallelError
+from embcache.pipeline.claims import FleetClaims, Settled
 from embcache.pipeline.plan import Plan, copy_rows, make_plan
 from embcache.pipeline.tp_channel import GroupChannel
 
@@ -139,7 +144,8 @@ class EncodePipeline:
     (None: the group's own timeout). ``on_insert(items, seconds)``, if given, is called on
     rank 0 after each insert of fresh outputs (how many, how long the copy into the pool took),
     with no lock held, e.g. ``CacheMetrics.observe_insert``; what it raises is logged, never
-    raised. See the module docstring for the protocol.
+    raised. ``claims`` (rank 0 only; opt-in) claims misses fleet-wide before encoding them, on
+    the cache's global store (``FleetClaims``). See the module docstring for the protocol.
     """
 
     def __init__(
@@ -151,7 +157,10 @@ class EncodePipeline:
         prefetch_timeout: float = 60.0,
         collective_timeout: float | None = None,
         on_insert: Callable[[int, float], object] | None = None,
+        claims: FleetClaims | None = None,
     ) -> None:
+        if claims is not None and not isinstance(claims, FleetClaims):
+            raise InvalidTypeError(f"claims must be a FleetClaims, got {type(claims).__name__}")
         if on_insert is not None and not callable(on_insert):
             raise InvalidTypeError(f"on_insert must be callable, got {type(on_insert).__name__}")
         if not callable(encoder) or not isinstance(getattr(encoder, "device", None), torch.device):
@@ -183,10 +192,18 @@ class EncodePipeline:
         )
         self._prefetch_timeout = prefetch_timeout
         self._on_insert = on_insert
+        if claims is not None and cache is None:
+            raise InvalidArgumentError("claims are made on rank 0, which has the cache")
+        self._claims = claims
         self._stats_lock = threading.Lock()  # a leaf lock: guards the counters only
         self._counts: Counter[str] = Counter()
         self._wait_seconds = 0.0
         self._encoder_seconds = 0.0
+
+    @property
+    def claims(self) -> FleetClaims | None:
+        """The fleet claims (None: off)."""
+        return self._claims
 
     @property
     def rank(self) -> int:
@@ -274,12 +291,20 @@ class EncodePipeline:
                     request.wait(self._prefetch_timeout)
                     self._count_wait(time.perf_counter() - started)
                 local = self._collect(request, plan, statuses)
+                settled = self._settle(request, plan, local)
+                if settled.loaded:
+                    local = self._collect(request, plan, statuses)
             except BaseException:
                 self._share_failure()
                 raise
-            self._send(plan, local)
-            fresh, seconds = self._encode_fallbacks(plan, local.mask)
-            self._insert(request, fresh, seconds)
+            try:
+                self._send(plan, local)
+                fresh, seconds = self._encode_fallbacks(plan, local.mask)
+                cached = self._insert(request, fresh, seconds)
+            except BaseException:
+                self._end_claims(settled, [])
+                raise
+            self._end_claims(settled, cached)
         self._count_call(plan, local, len(fresh))
         return self._assemble(plan, local.mask, local.answer, fresh)
 
@@ -298,14 +323,22 @@ class EncodePipeline:
                     await request.wait_async(self._prefetch_timeout)
                     self._count_wait(time.perf_counter() - started)
                 local = await _in_thread(lambda: self._collect(request, plan, statuses))
+                settled = await _in_thread(lambda: self._settle(request, plan, local))
+                if settled.loaded:
+                    local = await _in_thread(lambda: self._collect(request, plan, statuses))
             except BaseException:
                 if self._channel is not None:
                     await _in_thread(self._share_failure)
                 raise
-            if self._channel is not None:
-                await _in_thread(lambda: self._send(plan, local))
-            fresh, seconds = await _in_thread(lambda: self._encode_fallbacks(plan, local.mask))
-            await _in_thread(lambda: self._insert(request, fresh, seconds))
+            try:
+                if self._channel is not None:
+                    await _in_thread(lambda: self._send(plan, local))
+                fresh, seconds = await _in_thread(lambda: self._encode_fallbacks(plan, local.mask))
+                cached = await _in_thread(lambda: self._insert(request, fresh, seconds))
+            except BaseException:
+                self._end_claims(settled, [])
+                raise
+            self._end_claims(settled, cached)
         self._count_call(plan, local, len(fresh))
         return await _in_thread(lambda: self._assemble(plan, local.mask, local.answer, fresh))
 
@@ -329,23 +362,45 @@ class EncodePipeline:
                 copy_rows(answer[at[n] : at[n + 1]], view)
         return _Local(statuses, [view is None for view in views], reasons, answer)
 
-    def _insert(self, request: Request, fresh: dict[str, torch.Tensor], seconds: float) -> None:
+    def _settle(self, request: Request, plan: Plan, local: _Local) -> Settled:
+        """With claims: claim the misses this request reserved, wait on other workers' claims
+        and load what they published (``FleetClaims.settle``)."""
+        if self._claims is None:
+            return _UNCLAIMED
+        reserved = [
+            item
+            for item, status, masked in zip(plan.items, local.statuses, local.mask, strict=True)
+            if masked and status.status is Status.RESERVED
+        ]
+        return self._claims.settle(request, list({item.key: item for item in reserved}.values()))
+
+    def _end_claims(self, settled: Settled, cached: list[str]) -> None:
+        """End this call's claims: after their publish for the keys the pool took, else now."""
+        if self._claims is None or not settled.mine:
+            return
+        took = set(cached)
+        self._claims.published([k for k in settled.mine if k in took])
+        self._claims.release([k for k in settled.mine if k not in took])
+
+    def _insert(
+        self, request: Request, fresh: dict[str, torch.Tensor], seconds: float
+    ) -> list[str]:
         """Copy fresh outputs into the pool, each with its share of the encoder's ``seconds``
         when the cache's policy uses work (the cost model's assumption: one call costs the same
         per row for every item in it, so an item's share is its rows / the call's rows); their
-        publish runs on the cache's I/O pool."""
+        publish runs on the cache's I/O pool. The keys the pool took."""
         if not fresh:
-            return
+            return []
         tensors = list(fresh.values())
         work = _shares(seconds, tensors) if self._uses_work else None
         started = time.perf_counter()
-        request.insert(list(fresh), tensors, publish=True, work=work)
-        if self._on_insert is None:
-            return
-        try:
-            self._on_insert(len(fresh), time.perf_counter() - started)
-        except Exception:
-            logger.exception("on_insert raised; the call goes on")
+        took = request.insert(list(fresh), tensors, publish=True, work=work)
+        if self._on_insert is not None:
+            try:
+                self._on_insert(len(fresh), time.perf_counter() - started)
+            except Exception:
+                logger.exception("on_insert raised; the call goes on")
+        return [key for key, ok in zip(fresh, took, strict=True) if ok]
 
     # ------------------------------------------------------------------ other ranks
     def _follow(self, items: Sequence[Item], inputs: Sequence[Any]) -> torch.Tensor:
@@ -475,6 +530,9 @@ class EncodePipeline:
             c["encoder_calls"] += encoded > 0
             for reason_key in reasons:
                 c[reason_key] += 1
+
+
+_UNCLAIMED = Settled([], [])
 
 
 def _shares(seconds: float, tensors: list[torch.Tensor]) -> list[float]:

@@ -27,6 +27,15 @@ per ``reconnect_interval_s``) reaches the master again. Mooncake's client reconn
 restarted master and remounts its segment by itself; the store reconnects on its own only when
 it has no client (the master was down at the first call, or a ``fence`` could not set up).
 
+Claims (``claim``/``release``, the optional ``ClaimingStore`` methods). A claim on ``key`` is a
+put of ``key + "#claim"`` started with ``batch_put_session_start`` and never ended: Mooncake's
+only atomic create with a winner (tests/mooncake_store/test_mooncake_create.py measures it: of
+racing starts exactly one answers 0, the others OBJECT_ALREADY_EXISTS). ``release`` revokes it.
+A start nobody ends keeps other starts out for the master's ``--put_start_discard_timeout_sec``
+(30 s by default); then the next start wins. That is the claim's lease, kept by the master's
+clock; ``claim_lease_s`` must equal it. A claim reserves one byte of the global store and
+writes none.
+
 Threads. The cache calls in from several I/O threads at once; Mooncake's client is
 thread-safe and releases the GIL. ``_lock`` guards the current session and the in-flight
 counts and is never held across a Mooncake call. ``_swap_lock`` serializes connect, fence,
@@ -83,6 +92,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Mooncake's default ``--put_start_discard_timeout_sec``: the lease of a claim.
+DEFAULT_CLAIM_LEASE_S = 30.0
+CLAIM_SUFFIX = "#claim"
+
 
 # ---------------------------------------------------------------------------------------------
 # The store
@@ -115,7 +128,8 @@ class MooncakeStore:
     ``key_prefix`` namespaces every key. ``connect_timeout_s`` bounds each reachability probe;
     ``reconnect_interval_s`` spaces probes and connection attempts. ``client_factory`` makes
     each Mooncake client (default: ``mooncake.store.MooncakeDistributedStore``); a wrapper of
-    it can observe or fail the binding's calls.
+    it can observe or fail the binding's calls. ``claim_lease_s`` is the lease of a claim: the
+    master's ``--put_start_discard_timeout_sec`` (module docstring, "Claims").
 
     The constructor validates (``StoreConfigError``) and, without ``client_factory``, imports
     Mooncake (``StoreUnavailableError``); it touches no network. Connecting is lazy
@@ -136,7 +150,13 @@ class MooncakeStore:
         connect_timeout_s: float = 1.0,
         reconnect_interval_s: float = 1.0,
         client_factory: Callable[[], _Client] | None = None,
+        claim_lease_s: float = DEFAULT_CLAIM_LEASE_S,
     ) -> None:
+        if isinstance(claim_lease_s, bool) or not isinstance(claim_lease_s, int | float):
+            raise InvalidTypeError(f"claim_lease_s must be seconds, got {claim_lease_s!r}")
+        if not 0 < claim_lease_s < float("inf"):
+            raise InvalidArgumentError(f"claim_lease_s must be > 0 and finite, got {claim_lease_s}")
+        self._claim_lease_s = float(claim_lease_s)
         self._config = MooncakeConfig.resolve(
             master_address,
             metadata_server=metadata_server,
@@ -329,6 +349,39 @@ class MooncakeStore:
         codes = [StoreCode.BAD_ITEM] * len(keys)
         if valid:
             got = self._call(len(valid), lambda c: c.batch_remove(names, force))
+            for i, code in zip(valid, got, strict=True):
+                codes[i] = code
+        return codes
+
+    # -- claims (ClaimingStore) -----------------------------------------------------------
+
+    @property
+    def claim_lease_s(self) -> float:
+        """The lease of a claim (the master's ``--put_start_discard_timeout_sec``). O(1)."""
+        return self._claim_lease_s
+
+    def claim(self, keys: Sequence[str]) -> list[int]:
+        """Start the claim put of each key: 0 held, OBJECT_ALREADY_EXISTS (-705) another's
+        live claim, another code < 0 nothing claimed. One master RPC."""
+        assert_unlocked("MooncakeStore.claim")
+        return self._claims(
+            keys, lambda c, names: c.batch_put_session_start(names, [1] * len(names))
+        )
+
+    def release(self, keys: Sequence[str]) -> list[int]:
+        """Revoke this store's claim puts: 0 ended, ILLEGAL_CLIENT (-601) taken by another
+        after its lease, INVALID_PARAMS (-600) not started. One master RPC."""
+        assert_unlocked("MooncakeStore.release")
+        return self._claims(keys, lambda c, names: c.batch_put_session_revoke(names))
+
+    def _claims(
+        self, keys: Sequence[str], op: Callable[[_Client, list[str]], list[int]]
+    ) -> list[int]:
+        valid, names = self._names(keys)
+        codes = [StoreCode.BAD_ITEM] * len(keys)
+        if valid:
+            claims = [name + CLAIM_SUFFIX for name in names]
+            got = self._call(len(valid), lambda c: op(c, claims))
             for i, code in zip(valid, got, strict=True):
                 codes[i] = code
         return codes

@@ -1,0 +1,302 @@
+"""``FleetClaims``: one encode per key across encode workers that share a global store.
+
+Theory of operation. Inside one process, single flight is the cache's reservation: the request
+that reserved a miss encodes it and the process's other requests for that key wait on it.
+``FleetClaims`` carries that across processes through a ``ClaimingStore`` (Mooncake's: a claim is
+a started, never-ended put of ``key#claim``, which exactly one racing worker wins, with the
+master's put timeout as its lease; embcache/DESIGN.md, "Claims").
+
+1. ``settle(request, items)``: ``items`` are misses the request reserved (in neither the pool
+   nor the store at its lookup). One ``claim`` call claims them all. A key claimed is this
+   worker's to encode. A key another worker holds a live claim on (``CLAIM_TAKEN``) is waited
+   for, with no lock held: every ``poll_s`` the waiter asks the store whether the key is stored
+   (the claimer's publish is visible) and claims the rest again. Stored: it is read from the
+   store into the request's own reserved range (``begin_fill``, ``get_into``, ``end_fill``)
+   and served like a load. Claimed now (the claimer released it, or its lease ended): asked
+   once more whether it is stored (a claimer releases only after its publish is visible), else
+   encoded under the new claim. Any other answer (no master, a restarted one, a refusal), a
+   failed read, or ``lease_s`` passed since the wait began: encoded here, without a claim. A
+   waiter never waits longer than the lease and never fails; it falls back item by item.
+2. The caller encodes what ``settle`` did not load, inserts it with ``publish=True`` and calls
+   ``published(keys)`` for the claimed keys the pool took (their publish has started): a
+   background thread releases each of those claims once the key is stored, or once ``lease_s``
+   has passed (a publish that failed). No claim is released before its publish is visible.
+   ``release(keys)`` ends claims at once: a failed encode, a key the pool did not take.
+
+A claim carries no bytes and decides no bytes: a request is served what the store holds under
+the key (Mooncake keeps the first put of a key) or what its own encoder returned, so a lost,
+stale or doubled claim costs a duplicate encode, never a wrong answer. A worker holds at most one
+claim per key (the reservation makes it one request per process), only while that key's encode
+and publish are in flight; an expired claim is replaced by the next claim of its key.
+
+Threads and locks. ``settle`` runs on the request's thread and sleeps between polls holding no
+lock. The releaser is one daemon thread, started at the first ``published``. ``_lock`` guards
+its queue and the counters and is never held across a store call.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from embcache.core.outcomes import TransferOutcome
+from embcache.driver.global_store import CLAIM_EXPIRED, CLAIM_TAKEN, ClaimingStore, get_outcome
+from embcache.driver.item import Item
+from embcache.driver.locks import assert_unlocked
+from embcache.driver.request import Request
+from embcache.errors import InvalidArgumentError, InvalidTypeError
+
+__all__ = ["ClaimStats", "FleetClaims", "Settled"]
+
+DEFAULT_POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What ``settle`` decided: ``mine``, the keys this worker claimed (encode them, then
+    ``published`` or ``release``); ``loaded``, the keys now held by the request, read from the
+    store after another worker's publish. Every other key given is encoded without a claim."""
+
+    mine: list[str]
+    loaded: list[str]
+
+
+@dataclass(frozen=True)
+class ClaimStats:
+    """Counters since the claims were made, per key.
+
+    ``claimed``: claims won at the first ask. ``waited``: keys found claimed by another worker.
+    ``loaded``: waited keys served from the store. ``taken_over``: waited keys claimed later
+    (released unpublished, or its lease ended). ``lease_ended``: waited keys encoded when the
+    wait reached the lease, without a claim. ``unclaimed``: keys encoded without a claim because
+    the store did not answer a claim (no master). ``load_failed``: waited keys whose read failed.
+    ``released``: claims ended by this worker. ``expired``: claims found taken by another worker
+    when released (this worker's lease ended first: its encode and the other's may both run).
+    """
+
+    claimed: int
+    waited: int
+    loaded: int
+    taken_over: int
+    lease_ended: int
+    unclaimed: int
+    load_failed: int
+    released: int
+    expired: int
+
+
+class FleetClaims:
+    """Claims on ``store`` for one encode worker (module docstring: the protocol).
+
+    ``lease_s`` (default: the store's ``claim_lease_s``) bounds every wait; ``poll_s`` spaces
+    the store calls of a wait and of the releaser. ``clock`` is a monotonic clock in seconds.
+    """
+
+    def __init__(
+        self,
+        store: ClaimingStore,
+        *,
+        lease_s: float | None = None,
+        poll_s: float = DEFAULT_POLL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(store, ClaimingStore):
+            raise InvalidTypeError(
+                f"FleetClaims needs a store with claim/release, got {type(store).__name__}"
+            )
+        lease = store.claim_lease_s if lease_s is None else lease_s
+        for name, value in (("lease_s", lease), ("poll_s", poll_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidTypeError(f"{name} must be seconds, got {value!r}")
+            if not math.isfinite(value) or value <= 0:
+                raise InvalidArgumentError(f"{name} must be finite seconds > 0, got {value}")
+        self._store = store
+        self._lease_s = float(lease)
+        self._poll_s = float(poll_s)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        # Guarded by _lock:
+        self._counts: Counter[str] = Counter()
+        self._publishing: dict[str, float] = {}  # key -> when to release it even if unstored
+        self._releaser: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def lease_s(self) -> float:
+        """The longest a wait lasts. O(1)."""
+        return self._lease_s
+
+    def stats(self) -> ClaimStats:
+        """A snapshot of the counters. O(1)."""
+        with self._lock:
+            c = Counter(self._counts)
+        return ClaimStats(**{name: c[name] for name in ClaimStats.__dataclass_fields__})
+
+    # -- the request's side ----------------------------------------------------------------
+
+    def settle(self, request: Request, items: Sequence[Item]) -> Settled:
+        """Claim ``items`` (misses ``request`` reserved, each key once) and wait on the ones
+        another worker claimed; what this worker must encode under a claim, and what it loaded.
+        Never raises for a store failure; waits at most ``lease_s``."""
+        assert_unlocked("FleetClaims.settle")
+        if not items:
+            return Settled([], [])
+        by_key = {item.key: item for item in items}
+        mine: list[str] = []
+        waiting: list[str] = []
+        for key, code in zip(by_key, self._claim(list(by_key)), strict=True):
+            if code == 0:
+                mine.append(key)
+            elif code == CLAIM_TAKEN:
+                waiting.append(key)
+        self._count(claimed=len(mine), waited=len(waiting))
+        self._count(unclaimed=len(by_key) - len(mine) - len(waiting))
+        loaded: list[str] = []
+        if waiting:
+            loaded, taken = self._wait(request, by_key, waiting)
+            mine += taken
+        return Settled(mine, loaded)
+
+    def _wait(
+        self, request: Request, by_key: dict[str, Item], keys: list[str]
+    ) -> tuple[list[str], list[str]]:
+        """Wait on other workers' claims of ``keys``: (loaded, claimed here)."""
+        deadline = self._clock() + self._lease_s
+        loaded: list[str] = []
+        mine: list[str] = []
+        pending = keys
+        while pending:
+            left = deadline - self._clock()
+            if left <= 0:
+                self._count(lease_ended=len(pending))
+                break
+            time.sleep(min(self._poll_s, left))
+            stored = self._stored(pending)
+            loaded += self._load(request, [by_key[k] for k in pending if stored[k]])
+            rest = [k for k in pending if not stored[k]]
+            pending = []
+            taken: list[str] = []
+            for key, code in zip(rest, self._claim(rest) if rest else [], strict=True):
+                if code == CLAIM_TAKEN:
+                    pending.append(key)
+                elif code == 0:
+                    taken.append(key)
+                else:
+                    self._count(unclaimed=1)
+            if taken:
+                stored = self._stored(taken)
+                late = [k for k in taken if stored[k]]  # published just before its release
+                self.release(late)
+                loaded += self._load(request, [by_key[k] for k in late])
+                mine += [k for k in taken if not stored[k]]
+                self._count(taken_over=len(taken) - len(late))
+        return loaded, mine
+
+    def _load(self, request: Request, items: list[Item]) -> list[str]:
+        """Read ``items`` from the store into the request's reserved ranges; the keys held."""
+        if not items:
+            return []
+        offsets = request.begin_fill(items)
+        handed = [(item, at) for item, at in zip(items, offsets, strict=True) if at is not None]
+        keys = [item.key for item, _ in handed]
+        sizes = [item.nbytes for item, _ in handed]
+        try:
+            codes = self._store.get_into(keys, [at for _, at in handed], sizes)
+            outcomes = [get_outcome(self._store, c, n) for c, n in zip(codes, sizes, strict=True)]
+        except Exception:
+            outcomes = [TransferOutcome.UNKNOWN] * len(keys)  # (the protocol: a raise is UNKNOWN)
+        request.end_fill(keys, outcomes, publish=False)
+        held = [k for k, o in zip(keys, outcomes, strict=True) if o is TransferOutcome.OK]
+        self._count(loaded=len(held), load_failed=len(items) - len(held))
+        return held
+
+    # -- releases ------------------------------------------------------------------------
+
+    def published(self, keys: Sequence[str]) -> None:
+        """Release these claims once their keys are stored (or ``lease_s`` from now)."""
+        if not keys:
+            return
+        with self._lock:
+            if self._closed:
+                closed = list(keys)
+            else:
+                closed = []
+                until = self._clock() + self._lease_s
+                for key in keys:
+                    self._publishing[key] = until
+                if self._releaser is None:
+                    self._releaser = threading.Thread(
+                        target=self._release_published, name="embcache-claims", daemon=True
+                    )
+                    self._releaser.start()
+                self._work.notify()
+        self.release(closed)
+
+    def release(self, keys: Sequence[str]) -> None:
+        """End these claims now; never raises for a store failure."""
+        if not keys:
+            return
+        assert_unlocked("FleetClaims.release")
+        try:
+            codes = self._store.release(list(keys))
+        except Exception:
+            codes = []
+        self._count(
+            released=sum(code == 0 for code in codes),
+            expired=sum(code == CLAIM_EXPIRED for code in codes),
+        )
+
+    def _release_published(self) -> None:
+        """The releaser: every ``poll_s``, release the claims whose keys are stored or due."""
+        while True:
+            with self._lock:
+                self._work.wait_for(lambda: bool(self._publishing) or self._closed)
+                if self._closed:
+                    return
+                due = dict(self._publishing)
+            stored = self._stored(list(due))
+            now = self._clock()
+            done = [k for k, until in due.items() if stored[k] or now >= until]
+            with self._lock:
+                for key in done:
+                    self._publishing.pop(key, None)
+            self.release(done)
+            time.sleep(self._poll_s)
+
+    def close(self) -> None:
+        """Release every claim still waiting for its publish and stop the releaser."""
+        with self._lock:
+            self._closed = True
+            left = list(self._publishing)
+            self._publishing.clear()
+            releaser = self._releaser
+            self._work.notify_all()
+        if releaser is not None:
+            releaser.join()
+        self.release(left)
+
+    # -- store calls ---------------------------------------------------------------------
+
+    def _claim(self, keys: list[str]) -> list[int]:
+        try:
+            codes = self._store.claim(keys)
+        except Exception:
+            return [-1] * len(keys)  # no claim: encode here
+        return codes if len(codes) == len(keys) else [-1] * len(keys)
+
+    def _stored(self, keys: list[str]) -> dict[str, bool]:
+        """Whether each key is stored; a store that fails says none is (claims then decide)."""
+        try:
+            found = self._store.exists(keys)
+        except Exception:
+            found = [False] * len(keys)
+        return dict(zip(keys, found, strict=True))
+
+    def _count(self, **counts: int) -> None:
+        with self._lock:
+            self._counts.update(counts)
