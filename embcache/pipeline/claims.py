@@ -14,13 +14,18 @@ master's put timeout as its lease; embcache/DESIGN.md, "Claims").
    store into the request's own reserved range (``begin_fill``, ``get_into``, ``end_fill``)
    and served like a load. Claimed now (the claimer released it, or its lease ended): asked
    once more whether it is stored (a claimer releases only after its publish is visible), else
-   encoded under the new claim. Any other answer (no master, a restarted one, a refusal), a
-   failed read, or ``lease_s`` passed since the wait began: encoded here, without a claim. A
-   waiter never waits longer than the lease and never fails; it falls back item by item.
+   encoded under the new claim. At ``lease_s`` after the wait began the claim it found has
+   ended (it began before the wait), so a key still taken then has a newer claim (another
+   waiter took the old one over): it is waited on for one more lease. Any other answer (no
+   master, a restarted one, a refusal), a failed read, or a key still taken after
+   ``CLAIMS_WAITED`` claims: encoded here, without a claim. A waiter waits at most one lease
+   per claim it waits on (each ends with one last ask) and never fails: it falls back item by
+   item.
 2. The caller encodes what ``settle`` did not load, inserts it with ``publish=True`` and calls
    ``published(keys)`` for the claimed keys the pool took (their publish has started): a
-   background thread releases each of those claims once the key is stored, or once ``lease_s``
-   has passed (a publish that failed). No claim is released before its publish is visible.
+   background thread releases each of those claims once the key is stored, or at the claim's
+   lease end by this worker's clock (a publish that failed). No claim is released before its
+   publish is visible.
    ``release(keys)`` ends claims at once: a failed encode, a key the pool did not take.
 
 A claim carries no bytes and decides no bytes: a request is served what the store holds under
@@ -53,6 +58,9 @@ from embcache.errors import InvalidArgumentError, InvalidTypeError
 __all__ = ["ClaimStats", "FleetClaims", "Settled"]
 
 DEFAULT_POLL_S = 0.005
+#: Claims a waiter waits on, one after the other, before it encodes without a claim: the one it
+#: found, and the one that took that over at its lease's end (another waiter's).
+CLAIMS_WAITED = 2
 
 
 @dataclass(frozen=True)
@@ -122,7 +130,8 @@ class FleetClaims:
         self._work = threading.Condition(self._lock)
         # Guarded by _lock:
         self._counts: Counter[str] = Counter()
-        self._publishing: dict[str, float] = {}  # key -> when to release it even if unstored
+        self._held: dict[str, float] = {}  # key -> when its claim's lease ends (own clock)
+        self._publishing: set[str] = set()  # held keys whose publish has started
         self._releaser: threading.Thread | None = None
         self._closed = False
 
@@ -158,7 +167,13 @@ class FleetClaims:
         self._count(unclaimed=len(by_key) - len(mine) - len(waiting))
         loaded: list[str] = []
         if waiting:
-            loaded, taken = self._wait(request, by_key, waiting)
+            try:
+                loaded, taken = self._wait(request, by_key, waiting)
+            except BaseException:
+                with self._lock:  # (only this request can hold claims on its reserved keys)
+                    held = [key for key in by_key if key in self._held]
+                self.release(held)
+                raise
             mine += taken
         return Settled(mine, loaded)
 
@@ -167,15 +182,15 @@ class FleetClaims:
     ) -> tuple[list[str], list[str]]:
         """Wait on other workers' claims of ``keys``: (loaded, claimed here)."""
         deadline = self._clock() + self._lease_s
+        rounds = 1
         loaded: list[str] = []
         mine: list[str] = []
         pending = keys
         while pending:
             left = deadline - self._clock()
-            if left <= 0:
-                self._count(lease_ended=len(pending))
-                break
-            time.sleep(min(self._poll_s, left))
+            last = left <= 0  # one more ask at the deadline: the claim's lease has ended
+            if not last:
+                time.sleep(min(self._poll_s, left))
             stored = self._stored(pending)
             loaded += self._load(request, [by_key[k] for k in pending if stored[k]])
             rest = [k for k in pending if not stored[k]]
@@ -195,6 +210,12 @@ class FleetClaims:
                 loaded += self._load(request, [by_key[k] for k in late])
                 mine += [k for k in taken if not stored[k]]
                 self._count(taken_over=len(taken) - len(late))
+            if last and pending:
+                if rounds == CLAIMS_WAITED:
+                    self._count(lease_ended=len(pending))
+                    break
+                rounds += 1  # taken again at the old claim's lease end: a newer claim
+                deadline = self._clock() + self._lease_s
         return loaded, mine
 
     def _load(self, request: Request, items: list[Item]) -> list[str]:
@@ -226,9 +247,7 @@ class FleetClaims:
                 closed = list(keys)
             else:
                 closed = []
-                until = self._clock() + self._lease_s
-                for key in keys:
-                    self._publishing[key] = until
+                self._publishing.update(keys)
                 if self._releaser is None:
                     self._releaser = threading.Thread(
                         target=self._release_published, name="embcache-claims", daemon=True
@@ -238,17 +257,24 @@ class FleetClaims:
         self.release(closed)
 
     def release(self, keys: Sequence[str]) -> None:
-        """End these claims now; never raises for a store failure."""
+        """End these claims now; never raises for a store failure. A claim whose lease ended
+        by this worker's clock, or that the store says another took, counts ``expired``: it
+        was no longer this worker's, whatever the revoke answers (Mooncake answers 0 when the
+        claimer that took it over has already released it)."""
         if not keys:
             return
         assert_unlocked("FleetClaims.release")
+        with self._lock:
+            ends = [self._held.pop(key, 0.0) for key in keys]
         try:
             codes = self._store.release(list(keys))
         except Exception:
-            codes = []
+            codes = [-1] * len(keys)
+        now = self._clock()
+        lost = [code == CLAIM_EXPIRED or now >= end for code, end in zip(codes, ends, strict=False)]
         self._count(
-            released=sum(code == 0 for code in codes),
-            expired=sum(code == CLAIM_EXPIRED for code in codes),
+            released=sum(code == 0 and not x for code, x in zip(codes, lost, strict=False)),
+            expired=sum(lost),
         )
 
     def _release_published(self) -> None:
@@ -258,13 +284,12 @@ class FleetClaims:
                 self._work.wait_for(lambda: bool(self._publishing) or self._closed)
                 if self._closed:
                     return
-                due = dict(self._publishing)
+                due = {k: self._held.get(k, 0.0) for k in self._publishing}
             stored = self._stored(list(due))
             now = self._clock()
-            done = [k for k, until in due.items() if stored[k] or now >= until]
+            done = [k for k, ends in due.items() if stored[k] or now >= ends]
             with self._lock:
-                for key in done:
-                    self._publishing.pop(key, None)
+                self._publishing.difference_update(done)
             self.release(done)
             time.sleep(self._poll_s)
 
@@ -283,11 +308,20 @@ class FleetClaims:
     # -- store calls ---------------------------------------------------------------------
 
     def _claim(self, keys: list[str]) -> list[int]:
+        """Claim ``keys``; each claim won is held until the lease from just before the ask
+        (the store's lease began after it, so this worker's end comes first)."""
+        ends = self._clock() + self._lease_s
         try:
             codes = self._store.claim(keys)
         except Exception:
             return [-1] * len(keys)  # no claim: encode here
-        return codes if len(codes) == len(keys) else [-1] * len(keys)
+        if len(codes) != len(keys):
+            return [-1] * len(keys)
+        with self._lock:
+            for key, code in zip(keys, codes, strict=True):
+                if code == 0:
+                    self._held[key] = ends
+        return codes
 
     def _stored(self, keys: list[str]) -> dict[str, bool]:
         """Whether each key is stored; a store that fails says none is (claims then decide)."""
