@@ -1,7 +1,8 @@
 """What Mooncake offers for an atomic create, measured on a real ``mooncake_master``.
 
-The fleet's claims (``embcache.store.claims``) stand on these answers of Mooncake 0.3.13's
-Python binding; a Mooncake upgrade that changes any of them fails here first. Raw binding
+The fleet's claims (``embcache.pipeline.claims``, ``MooncakeStore.claim``) stand on these
+answers of Mooncake 0.3.13's Python binding; a Mooncake upgrade that changes any of them fails
+here first. Raw binding
 clients, no embcache code in between: three clients play three workers (A and B lend a
 segment, C lends none). The master's ``--put_start_discard_timeout_sec`` is 2 s here.
 
