@@ -6,27 +6,27 @@ that reserved a miss encodes it and the process's other requests for that key wa
 a started, never-ended put of ``key#claim``, which exactly one racing worker wins, with the
 master's put timeout as its lease; embcache/DESIGN.md, "Claims").
 
-1. ``settle(request, items)``: ``items`` are misses the request reserved (in neither the pool
-   nor the store at its lookup). One ``claim`` call claims them all. A key claimed is this
-   worker's to encode. A key another worker holds a live claim on (``CLAIM_TAKEN``) is waited
-   for, with no lock held: every ``poll_s`` the waiter asks the store whether the key is stored
-   (the claimer's publish is visible) and claims the rest again. Stored: it is read from the
-   store into the request's own reserved range (``begin_fill``, ``get_into``, ``end_fill``)
-   and served like a load. Claimed now (the claimer released it, or its lease ended): asked
-   once more whether it is stored (a claimer releases only after its publish is visible), else
-   encoded under the new claim. At ``lease_s`` after the wait began the claim it found has
-   ended (it began before the wait), so a key still taken then has a newer claim (another
-   waiter took the old one over): it is waited on for one more lease. Any other answer (no
-   master, a restarted one, a refusal), a failed read, or a key still taken after
-   ``CLAIMS_WAITED`` claims: encoded here, without a claim. A waiter waits at most one lease
-   per claim it waits on (each ends with one last ask) and never fails: it falls back item by
-   item.
-2. The caller encodes what ``settle`` did not load, inserts it with ``publish=True`` and calls
-   ``published(keys)`` for the claimed keys the pool took (their publish has started): a
-   background thread releases each of those claims once the key is stored, or at the claim's
-   lease end by this worker's clock (a publish that failed). No claim is released before its
-   publish is visible.
-   ``release(keys)`` ends claims at once: a failed encode, a key the pool did not take.
+1. ``claim(keys)``: the keys are misses a request reserved (in neither the pool nor the store
+   at its lookup). One store call claims them all. A key claimed is this worker's to encode.
+   ``wait(request, items)``: a key another worker holds a live claim on (``CLAIM_TAKEN``) is
+   waited for, with no lock held (the pipeline encodes its own claimed keys first): every
+   ``poll_s`` the waiter asks the store whether the key is stored (the claimer's publish is
+   visible) and claims the rest again. Stored: it is read from the store into the request's
+   own reserved range (``begin_fill``, ``get_into``, ``end_fill``) and served like a load.
+   Claimed now (the claimer released it, or its lease ended): asked once more whether it is
+   stored (a claimer releases only after its publish is visible), else encoded under the new
+   claim. At ``lease_s`` after the wait began the claim it found has ended (it began before
+   the wait), so a key still taken then has a newer claim (another waiter took the old one
+   over): it is waited on for one more lease. Any other answer (no master, a restarted one, a
+   refusal), a failed read, or a key still taken after ``CLAIMS_WAITED`` claims: encoded here,
+   without a claim. A waiter waits at most one lease per claim it waits on (each ends with one
+   last ask) and never fails: it falls back item by item.
+2. The caller encodes what it claimed and what ``wait`` did not load, inserts it with
+   ``publish=True`` and calls ``published(keys)`` for the claimed keys the pool took (their
+   publish has started): a background thread releases each of those claims once the key is
+   stored, or at the claim's lease end by this worker's clock (a publish that failed). No
+   claim is released before its publish is visible. ``release(keys)`` ends claims at once: a
+   failed encode, a key the pool did not take.
 
 A claim carries no bytes and decides no bytes: a request is served what the store holds under
 the key (Mooncake keeps the first put of a key) or what its own encoder returned, so a lost,
@@ -34,9 +34,10 @@ stale or doubled claim costs a duplicate encode, never a wrong answer. A worker 
 claim per key (the reservation makes it one request per process), only while that key's encode
 and publish are in flight; an expired claim is replaced by the next claim of its key.
 
-Threads and locks. ``settle`` runs on the request's thread and sleeps between polls holding no
-lock. The releaser is one daemon thread, started at the first ``published``. ``_lock`` guards
-its queue and the counters and is never held across a store call.
+Threads and locks. ``claim`` and ``wait`` run on the request's thread; a wait sleeps between
+polls holding no lock. The releaser is one daemon thread, started at the first
+``published``. ``_lock`` guards its queue and the counters and is never held across a store
+call.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ CLAIMS_WAITED = 2
 
 @dataclass(frozen=True)
 class Settled:
-    """What ``settle`` decided: ``mine``, the keys this worker claimed (encode them, then
+    """What ``wait`` decided: ``mine``, the keys this worker claimed (encode them, then
     ``published`` or ``release``); ``loaded``, the keys now held by the request, read from the
     store after another worker's publish. Every other key given is encoded without a claim."""
 
@@ -148,33 +149,38 @@ class FleetClaims:
 
     # -- the request's side ----------------------------------------------------------------
 
-    def settle(self, request: Request, items: Sequence[Item]) -> Settled:
-        """Claim ``items`` (misses ``request`` reserved, each key once) and wait on the ones
-        another worker claimed; what this worker must encode under a claim, and what it loaded.
-        Never raises for a store failure; waits at most ``lease_s``."""
-        assert_unlocked("FleetClaims.settle")
-        if not items:
-            return Settled([], [])
-        by_key = {item.key: item for item in items}
+    def claim(self, keys: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Claim ``keys`` (misses a request reserved, each once): (claimed here: encode them,
+        then ``published`` or ``release``; claimed by another worker: ``wait`` on them). The
+        rest are encoded without a claim (no master). Never raises for a store failure."""
+        assert_unlocked("FleetClaims.claim")
         mine: list[str] = []
         waiting: list[str] = []
-        for key, code in zip(by_key, self._claim(list(by_key)), strict=True):
+        if not keys:
+            return mine, waiting
+        for key, code in zip(keys, self._claim(list(keys)), strict=True):
             if code == 0:
                 mine.append(key)
             elif code == CLAIM_TAKEN:
                 waiting.append(key)
         self._count(claimed=len(mine), waited=len(waiting))
-        self._count(unclaimed=len(by_key) - len(mine) - len(waiting))
-        loaded: list[str] = []
-        if waiting:
-            try:
-                loaded, taken = self._wait(request, by_key, waiting)
-            except BaseException:
-                with self._lock:  # (only this request can hold claims on its reserved keys)
-                    held = [key for key in by_key if key in self._held]
-                self.release(held)
-                raise
-            mine += taken
+        self._count(unclaimed=len(keys) - len(mine) - len(waiting))
+        return mine, waiting
+
+    def wait(self, request: Request, items: Sequence[Item]) -> Settled:
+        """Wait on other workers' claims of ``items`` (``claim``'s second list, reserved by
+        ``request``) and load what they publish; what this worker must now encode under a
+        claim, and what it loaded. Never raises for a store failure; waits at most one lease
+        per claim it waits on."""
+        assert_unlocked("FleetClaims.wait")
+        by_key = {item.key: item for item in items}
+        try:
+            loaded, mine = self._wait(request, by_key, list(by_key))
+        except BaseException:
+            with self._lock:  # (only this request can hold claims on its reserved keys)
+                held = [key for key in by_key if key in self._held]
+            self.release(held)
+            raise
         return Settled(mine, loaded)
 
     def _wait(

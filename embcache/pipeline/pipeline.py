@@ -11,10 +11,12 @@ Theory of operation. One call, ``encode(request_id, items, inputs)``, runs these
    It copies the held rows to the encoder's device right away, each straight into its place in
    the answer (one copy of each byte; on the CPU a byte copy from the pool, no view), so
    nothing is read from the pool after the request ends.
-   With ``claims`` (``FleetClaims``, for workers sharing a global store), the misses it
-   reserved are claimed fleet-wide first: the keys another worker claimed are waited for
-   (at most the claim's lease) and loaded from the store once published; the rest are
-   encoded here, and their claims end after their publish (embcache/pipeline/claims.py).
+   With ``claims`` (``FleetClaims``, for workers sharing a global store; no group), the
+   misses it reserved are claimed fleet-wide first; steps 4-5 run for the items it claimed
+   and every other miss, and their claims end after their publish; then the keys other
+   workers claimed are waited for (at most the claim's lease), loaded from the store once
+   published, and what the wait leaves runs through steps 4-5 again
+   (embcache/pipeline/claims.py).
 3. With a tensor-parallel group (the collectives are ``embcache.pipeline.tp_channel``): every rank
    gathers a header (failed?, item count, item fingerprint), so a failure on any rank before
    this point, or ranks called with different items, raises on every rank; then rank 0
@@ -71,7 +73,7 @@ from embcache.driver.locks import assert_unlocked
 from embcache.driver.pool import bytes_only, copy_bytes
 from embcache.driver.request import Request
 from embcache.errors import InvalidArgumentError, InvalidTypeError, TensorParallelError
-from embcache.pipeline.claims import FleetClaims, Settled
+from embcache.pipeline.claims import FleetClaims
 from embcache.pipeline.plan import Plan, copy_rows, make_plan
 from embcache.pipeline.tp_channel import GroupChannel
 
@@ -144,8 +146,9 @@ class EncodePipeline:
     (None: the group's own timeout). ``on_insert(items, seconds)``, if given, is called on
     rank 0 after each insert of fresh outputs (how many, how long the copy into the pool took),
     with no lock held, e.g. ``CacheMetrics.observe_insert``; what it raises is logged, never
-    raised. ``claims`` (rank 0 only; opt-in) claims misses fleet-wide before encoding them, on
-    the cache's global store (``FleetClaims``). See the module docstring for the protocol.
+    raised. ``claims`` (opt-in; not with ``tp_group``) claims misses fleet-wide before
+    encoding them, on the cache's global store (``FleetClaims``). See the module docstring for
+    the protocol.
     """
 
     def __init__(
@@ -192,8 +195,11 @@ class EncodePipeline:
         )
         self._prefetch_timeout = prefetch_timeout
         self._on_insert = on_insert
-        if claims is not None and cache is None:
-            raise InvalidArgumentError("claims are made on rank 0, which has the cache")
+        if claims is not None and tp_group is not None:
+            raise InvalidArgumentError(
+                "claims with a tensor-parallel group: not supported (the group encodes once per "
+                "call; claims encode in two rounds); use claims without a group"
+            )
         self._claims = claims
         self._stats_lock = threading.Lock()  # a leaf lock: guards the counters only
         self._counts: Counter[str] = Counter()
@@ -291,20 +297,15 @@ class EncodePipeline:
                     request.wait(self._prefetch_timeout)
                     self._count_wait(time.perf_counter() - started)
                 local = self._collect(request, plan, statuses)
-                settled = self._settle(request, plan, local)
-                if settled.loaded:
-                    local = self._collect(request, plan, statuses)
             except BaseException:
                 self._share_failure()
                 raise
-            try:
+            if self._claims is not None:
+                local, fresh = self._encode_claimed(self._claims, request, plan, local)
+            else:
                 self._send(plan, local)
                 fresh, seconds = self._encode_fallbacks(plan, local.mask)
-                cached = self._insert(request, fresh, seconds)
-            except BaseException:
-                self._end_claims(settled, [])
-                raise
-            self._end_claims(settled, cached)
+                self._insert(request, fresh, seconds)
         self._count_call(plan, local, len(fresh))
         return self._assemble(plan, local.mask, local.answer, fresh)
 
@@ -323,22 +324,20 @@ class EncodePipeline:
                     await request.wait_async(self._prefetch_timeout)
                     self._count_wait(time.perf_counter() - started)
                 local = await _in_thread(lambda: self._collect(request, plan, statuses))
-                settled = await _in_thread(lambda: self._settle(request, plan, local))
-                if settled.loaded:
-                    local = await _in_thread(lambda: self._collect(request, plan, statuses))
             except BaseException:
                 if self._channel is not None:
                     await _in_thread(self._share_failure)
                 raise
-            try:
+            claims = self._claims
+            if claims is not None:
+                local, fresh = await _in_thread(
+                    lambda: self._encode_claimed(claims, request, plan, local)
+                )
+            else:
                 if self._channel is not None:
                     await _in_thread(lambda: self._send(plan, local))
                 fresh, seconds = await _in_thread(lambda: self._encode_fallbacks(plan, local.mask))
-                cached = await _in_thread(lambda: self._insert(request, fresh, seconds))
-            except BaseException:
-                self._end_claims(settled, [])
-                raise
-            self._end_claims(settled, cached)
+                await _in_thread(lambda: self._insert(request, fresh, seconds))
         self._count_call(plan, local, len(fresh))
         return await _in_thread(lambda: self._assemble(plan, local.mask, local.answer, fresh))
 
@@ -362,25 +361,51 @@ class EncodePipeline:
                 copy_rows(answer[at[n] : at[n + 1]], view)
         return _Local(statuses, [view is None for view in views], reasons, answer)
 
-    def _settle(self, request: Request, plan: Plan, local: _Local) -> Settled:
-        """With claims: claim the misses this request reserved, wait on other workers' claims
-        and load what they published (``FleetClaims.settle``)."""
-        if self._claims is None:
-            return _UNCLAIMED
-        reserved = [
-            item
+    def _encode_claimed(
+        self, claims: FleetClaims, request: Request, plan: Plan, local: _Local
+    ) -> tuple[_Local, dict[str, torch.Tensor]]:
+        """With fleet claims (no group): claim the misses this request reserved; encode and
+        insert what it claimed and every other miss first; then wait for the keys other
+        workers claimed, load what they publish and encode what the wait leaves. The snapshot
+        (its answer holding the loaded rows, its mask every item encoded) and the outputs."""
+        reserved = {
+            item.key: item
             for item, status, masked in zip(plan.items, local.statuses, local.mask, strict=True)
             if masked and status.status is Status.RESERVED
+        }
+        mine, waiting = claims.claim(list(reserved))
+        later = set(waiting)
+        first = [
+            masked and it.key not in later
+            for it, masked in zip(plan.items, local.mask, strict=True)
         ]
-        return self._claims.settle(request, list({item.key: item for item in reserved}.values()))
+        fresh = self._encode_under(claims, request, plan, first, mine)
+        if not waiting:
+            return local, fresh
+        settled = claims.wait(request, [reserved[key] for key in waiting])
+        loaded = set(settled.loaded)
+        second = [it.key in later and it.key not in loaded for it in plan.items]
+        answer = local.answer
+        if loaded:
+            answer = self._collect(request, plan, local.statuses).answer
+        fresh |= self._encode_under(claims, request, plan, second, settled.mine)
+        mask = [a or b for a, b in zip(first, second, strict=True)]
+        return _Local(local.statuses, mask, local.reasons, answer), fresh
 
-    def _end_claims(self, settled: Settled, cached: list[str]) -> None:
-        """End this call's claims: after their publish for the keys the pool took, else now."""
-        if self._claims is None or not settled.mine:
-            return
-        took = set(cached)
-        self._claims.published([k for k in settled.mine if k in took])
-        self._claims.release([k for k in settled.mine if k not in took])
+    def _encode_under(
+        self, claims: FleetClaims, request: Request, plan: Plan, mask: list[bool], mine: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """Encode and insert the masked items; end the claims ``mine`` (after their publish
+        for the keys the pool took, else now, and now if the encoder raised)."""
+        try:
+            fresh, seconds = self._encode_fallbacks(plan, mask)
+            cached = set(self._insert(request, fresh, seconds))
+        except BaseException:
+            claims.release(mine)
+            raise
+        claims.published([key for key in mine if key in cached])
+        claims.release([key for key in mine if key not in cached])
+        return fresh
 
     def _insert(
         self, request: Request, fresh: dict[str, torch.Tensor], seconds: float
@@ -530,9 +555,6 @@ class EncodePipeline:
             c["encoder_calls"] += encoded > 0
             for reason_key in reasons:
                 c[reason_key] += 1
-
-
-_UNCLAIMED = Settled([], [])
 
 
 def _shares(seconds: float, tensors: list[torch.Tensor]) -> list[float]:
