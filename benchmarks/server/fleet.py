@@ -32,6 +32,7 @@ slowest worker's time), p50 and p99 latency (ms, every request of the fleet), by
 store (read by loads and offered by publishes), wrong answers, and the claim counters.
 
     python -m benchmarks.server.fleet [--size quick|tiny] [--out FILE]
+    python -m benchmarks.server.fleet --table FILE    # a result's rows as markdown
 """
 
 from __future__ import annotations
@@ -448,14 +449,38 @@ def _header(config: FleetConfig, size: str) -> dict[str, Any]:
     }
 
 
+def table(result: dict[str, Any]) -> str:
+    """The rows of a result as a markdown table (docs/benchmarks.md)."""
+    lines = [
+        "| W | mix | contender | encodes/image | duplicates (cross-worker) | req/s | p50 ms "
+        "| p99 ms | store MB | wrong |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    order = {name: n for n, name in enumerate(CONTENDERS)}
+    rows = sorted(result["rows"], key=lambda r: (r["W"], r["mix"], order[r["contender"]]))
+    for r in rows:
+        lines.append(
+            f"| {r['W']} | {r['mix']} | {r['contender']} | {r['encodes_per_image']:.3f} "
+            f"| {r['duplicate_encodes']} ({r['cross_worker_duplicates']}) "
+            f"| {r['requests_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} "
+            f"| {r['store_mb']:.1f} | {r['wrong_answers']} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--size", choices=SIZES, default="full", help="the run's sizes")
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--table", default=None, help="print a result JSON's markdown table")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
         _worker(json.loads(args.worker))
+        return 0
+    if args.table is not None:
+        with open(args.table) as f:
+            print(table(json.load(f)))
         return 0
     config = SIZES[args.size]
     header = _header(config, args.size)

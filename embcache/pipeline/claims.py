@@ -7,12 +7,15 @@ a started, never-ended put of ``key#claim``, which exactly one racing worker win
 master's put timeout as its lease; embcache/DESIGN.md, "Claims").
 
 1. ``claim(keys)``: the keys are misses a request reserved (in neither the pool nor the store
-   at its lookup). One store call claims them all. A key claimed is this worker's to encode.
+   at its lookup). One store call claims them all, and one asks whether the keys claimed are
+   stored after all (another worker published and released one since the lookup: it is
+   released and waited on, which loads it). A key claimed is this worker's to encode.
    ``wait(request, items)``: a key another worker holds a live claim on (``CLAIM_TAKEN``) is
-   waited for, with no lock held (the pipeline encodes its own claimed keys first): every
-   ``poll_s`` the waiter asks the store whether the key is stored (the claimer's publish is
-   visible) and claims the rest again. Stored: it is read from the store into the request's
-   own reserved range (``begin_fill``, ``get_into``, ``end_fill``) and served like a load.
+   waited for, with no lock held (the pipeline encodes its own claimed keys first): at once,
+   then every ``poll_s``, the waiter asks the store whether the key is stored (the claimer's
+   publish is visible) and claims the rest again. Stored: it is read from the store into the
+   request's own reserved range (``begin_fill``, ``get_into``, ``end_fill``) and served like
+   a load.
    Claimed now (the claimer released it, or its lease ended): asked once more whether it is
    stored (a claimer releases only after its publish is visible), else encoded under the new
    claim. At ``lease_s`` after the wait began the claim it found has ended (it began before
@@ -163,8 +166,15 @@ class FleetClaims:
                 mine.append(key)
             elif code == CLAIM_TAKEN:
                 waiting.append(key)
-        self._count(claimed=len(mine), waited=len(waiting))
-        self._count(unclaimed=len(keys) - len(mine) - len(waiting))
+        unclaimed = len(keys) - len(mine) - len(waiting)
+        if mine:  # published (and released) by another worker since this request's lookup?
+            stored = self._stored(mine)
+            late = [key for key in mine if stored[key]]
+            if late:
+                self.release(late)
+                mine = [key for key in mine if not stored[key]]
+                waiting += late  # (``wait`` loads them at its first ask)
+        self._count(claimed=len(mine), waited=len(waiting), unclaimed=unclaimed)
         return mine, waiting
 
     def wait(self, request: Request, items: Sequence[Item]) -> Settled:
@@ -192,11 +202,13 @@ class FleetClaims:
         loaded: list[str] = []
         mine: list[str] = []
         pending = keys
+        first = True  # (the first ask at once: the caller has encoded its own keys since)
         while pending:
             left = deadline - self._clock()
             last = left <= 0  # one more ask at the deadline: the claim's lease has ended
-            if not last:
+            if not (first or last):
                 time.sleep(min(self._poll_s, left))
+            first = False
             stored = self._stored(pending)
             loaded += self._load(request, [by_key[k] for k in pending if stored[k]])
             rest = [k for k in pending if not stored[k]]
