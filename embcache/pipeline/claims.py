@@ -257,7 +257,8 @@ class FleetClaims:
     # -- releases ------------------------------------------------------------------------
 
     def published(self, keys: Sequence[str]) -> None:
-        """Release these claims once their keys are stored (or ``lease_s`` from now)."""
+        """Release these claims once their keys are stored, or at their lease end by this
+        worker's clock (a publish that failed)."""
         if not keys:
             return
         with self._lock:
