@@ -252,18 +252,26 @@ def test_the_breakdown_counts_a_builtin_by_its_caller() -> None:
 
 @pytest.mark.mooncake
 @pytest.mark.timeout(600)
-def test_two_server_processes_share_one_mooncake_master(tmp_path: Path) -> None:
+def test_a_fleet_on_one_mooncake_master_answers_exactly_and_claims_cut_duplicates(
+    tmp_path: Path,
+) -> None:
+    """``--parts fleet``: W worker processes on one real master, each contender and mix: every
+    request answered with its images' exact rows, the store used by all, and fleet claims
+    encoding the burst mix's images no more often than the fleet without them."""
     out = tmp_path / "fleet.json"
     done = bench_server("--size", "tiny", "--parts", "fleet", "--json", str(out), timeout=540)
     assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(out.read_text())
-    result, tiny = report["fleet"], report["config"]
-    alone, shared = result["rows"]["alone"], result["rows"]["one mooncake_master"]
-    for row in (alone, shared):
-        assert row["requests"] == tiny["requests"] and row["publishes_failed"] == 0
-    assert alone["global_hits"] == 0
-    assert shared["global_hits"] > 0 and shared["loads_failed"] == 0, shared
-    assert set(result["skipped"]) == {"original PR", "SGLang 0.5.23"}
+    rows = json.loads(out.read_text())["fleet"]["rows"]
+    keyed = {(r["W"], r["contender"], r["mix"]): r for r in rows}
+    assert {c for _, c, _ in keyed} == {"no claims", "claims", "hash routing"}
+    for row in rows:
+        assert row["wrong_answers"] == 0 and row["requests"] > 0, row
+        assert row["store_mb"] > 0 and row["encodes"] >= row["distinct_images"] > 0, row
+    for w, _, mix in keyed:
+        claims, plain = keyed[w, "claims", mix], keyed[w, "no claims", mix]
+        assert claims["claims"]["claimed"] > 0, claims
+        if mix == "burst":
+            assert claims["duplicate_encodes"] <= plain["duplicate_encodes"], (claims, plain)
 
 
 def test_single_flight_waits_are_left_out_of_the_share_and_reported_beside() -> None:

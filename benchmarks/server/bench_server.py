@@ -53,6 +53,7 @@ from benchmarks.server.contenders import (
     adapter_server,
     sglang_server,
 )
+from benchmarks.server.fleet import SIZES as FLEET_SIZES
 from benchmarks.server.fleet import run_fleet
 from benchmarks.server.scale import run_scale
 from benchmarks.server.workload import SIZES, Config, MeteredEncoder
@@ -404,14 +405,15 @@ def table(result: dict[str, Any]) -> str:
                 f"{r['cache_us_per_item']:7.1f} us/item {100 * r['cache_share']:5.2f}%"
             )
     fleet = result.get("fleet", {})
-    for name, r in fleet.get("rows", {}).items():
+    for r in fleet.get("rows", []):
         lines.append(
-            f"fleet of 2, {name:20} {r['requests_per_s']:7.1f} req/s p99 {r['p99_ms']:7.1f} ms "
-            f"encoded {r['encoded_images']:6d} images, global hits {r['global_hits']:5d}, "
-            f"publishes ok {r['publishes_ok']}, failed {r['publishes_failed']}"
+            f"fleet of {r['W']}, {r['contender']:12} {r['mix']:8} {r['encodes_per_image']:5.3f} "
+            f"encodes/image, {r['duplicate_encodes']:4d} duplicates {r['requests_per_s']:7.1f} "
+            f"req/s p50 {r['p50_ms']:7.1f} ms p99 {r['p99_ms']:7.1f} ms store "
+            f"{r['store_mb']:7.2f} MB, wrong {r['wrong_answers']}"
         )
-    for name, why in fleet.get("skipped", {}).items():
-        lines.append(f"fleet: skipped {name}: {why}")
+    if "skipped" in fleet:
+        lines.append(f"fleet: skipped: {fleet['skipped']}")
     return "\n".join(lines)
 
 
@@ -595,8 +597,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--parts", nargs="+", choices=PARTS, default=list(PARTS),
         help="verify: every contender answers with the encoder's bytes; mixes: the contenders "
         "side by side; breakdown: where each contender's cache time goes (profiled); scale: "
-        "embcache at each pool size; fleet: two server processes with and without one "
-        "mooncake_master",
+        "embcache at each pool size; fleet: W server processes on one mooncake_master, "
+        "without claims, with claims and with hash routing (benchmarks/server/fleet.py)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     if args.headline:
@@ -631,7 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "scale" in args.parts:
         result["scale"] = run_scale(config)
     if "fleet" in args.parts:
-        result["fleet"] = run_fleet(config)
+        result["fleet"] = run_fleet(FLEET_SIZES[size])
     print(table(result))
     if "breakdown" in result:
         print(breakdown.table(result["breakdown"]))

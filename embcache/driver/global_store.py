@@ -16,7 +16,15 @@ import torch
 
 from embcache.core.outcomes import TransferOutcome
 
-__all__ = ["GlobalStore", "TransferOutcome", "get_outcome", "put_outcome"]
+__all__ = [
+    "CLAIM_EXPIRED",
+    "CLAIM_TAKEN",
+    "ClaimingStore",
+    "GlobalStore",
+    "TransferOutcome",
+    "get_outcome",
+    "put_outcome",
+]
 
 
 @runtime_checkable
@@ -51,6 +59,35 @@ class GlobalStore(Protocol):
 
     def close(self) -> None:
         """Release the store's resources; later calls fail their items."""
+
+
+@runtime_checkable
+class ClaimingStore(GlobalStore, Protocol):
+    """A ``GlobalStore`` that can also claim keys fleet-wide (optional; Mooncake's store does).
+
+    A claim is an atomic create with a lease, kept apart from the key's object: it carries no
+    embedding bytes and never changes what a read of the key returns.
+    """
+
+    @property
+    def claim_lease_s(self) -> float:
+        """How long a claim nobody releases keeps other claimers out (the store's lease)."""
+
+    def claim(self, keys: Sequence[str]) -> list[int]:
+        """Claim each key: 0 where this store now holds the claim, ``CLAIM_TAKEN`` where a
+        live claim is another's, another code < 0 where nothing was claimed (no store)."""
+
+    def release(self, keys: Sequence[str]) -> list[int]:
+        """End claims this store holds: per key 0, ``CLAIM_EXPIRED`` (its lease ended and
+        another claimer took it), or another code < 0 (never held, no store)."""
+
+
+#: ``ClaimingStore.claim``'s answer for a key another claimer holds (Mooncake's
+#: OBJECT_ALREADY_EXISTS: the claim's put was started by someone else and has not ended).
+CLAIM_TAKEN = -705
+#: ``ClaimingStore.release``'s answer for a claim whose lease ended and that another claimer
+#: took (Mooncake's ILLEGAL_CLIENT: the put was restarted by someone else).
+CLAIM_EXPIRED = -601
 
 
 def get_outcome(store: GlobalStore, code: int, size: int) -> TransferOutcome:

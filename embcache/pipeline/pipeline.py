@@ -7,8 +7,8 @@ Theory of operation. One call, ``encode(request_id, items, inputs)``, runs these
    this call's encode), then waits at most ``prefetch_timeout`` for the loads.
 2. Rank 0 takes one snapshot of what it holds (``embeddings()``): the fallback mask is exactly
    the items it does not hold (misses, reservations, failed, timed-out, quarantined loads).
-   It copies each held row to the encoder's device right away, straight into its place in
-   the answer (docs/pipeline.md: how), so nothing is read from the pool after the request ends.
+   It copies each held row into its place in the answer on the encoder's device at once, so
+   nothing is read from the pool after the request ends (``claims``: ``FleetClaims``).
 3. With a tensor-parallel group (the collectives are ``embcache.pipeline.tp_channel``): every rank
    gathers a header (failed?, item count, item fingerprint), so a failure on any rank before
    this point, or ranks called with different items, raises on every rank; then rank 0
@@ -62,6 +62,7 @@ from embcache.driver.locks import assert_unlocked
 from embcache.driver.pool import bytes_only, copy_bytes
 from embcache.driver.request import Request
 from embcache.errors import InvalidArgumentError, InvalidTypeError, TensorParallelError
+from embcache.pipeline.claims import FleetClaims
 from embcache.pipeline.plan import Plan, copy_rows, make_plan
 from embcache.pipeline.tp_channel import GroupChannel
 
@@ -134,7 +135,9 @@ class EncodePipeline:
     (None: the group's own timeout). ``on_insert(items, seconds)``, if given, is called on
     rank 0 after each insert of fresh outputs (how many, how long the copy into the pool took),
     with no lock held, e.g. ``CacheMetrics.observe_insert``; what it raises is logged, never
-    raised. See the module docstring for the protocol.
+    raised. ``claims`` (opt-in; not with ``tp_group``) claims misses fleet-wide before
+    encoding them, on the cache's global store (``FleetClaims``). See the module docstring for
+    the protocol.
     """
 
     def __init__(
@@ -146,7 +149,10 @@ class EncodePipeline:
         prefetch_timeout: float = 60.0,
         collective_timeout: float | None = None,
         on_insert: Callable[[int, float], object] | None = None,
+        claims: FleetClaims | None = None,
     ) -> None:
+        if claims is not None and not isinstance(claims, FleetClaims):
+            raise InvalidTypeError(f"claims must be a FleetClaims, got {type(claims).__name__}")
         if on_insert is not None and not callable(on_insert):
             raise InvalidTypeError(f"on_insert must be callable, got {type(on_insert).__name__}")
         if not callable(encoder) or not isinstance(getattr(encoder, "device", None), torch.device):
@@ -178,10 +184,21 @@ class EncodePipeline:
         )
         self._prefetch_timeout = prefetch_timeout
         self._on_insert = on_insert
+        if claims is not None and tp_group is not None:
+            raise InvalidArgumentError(
+                "claims with a tensor-parallel group: not supported (the group encodes once per "
+                "call; claims encode in two rounds); use claims without a group"
+            )
+        self._claims = claims
         self._stats_lock = threading.Lock()  # a leaf lock: guards the counters only
         self._counts: Counter[str] = Counter()
         self._wait_seconds = 0.0
         self._encoder_seconds = 0.0
+
+    @property
+    def claims(self) -> FleetClaims | None:
+        """The fleet claims (None: off)."""
+        return self._claims
 
     @property
     def rank(self) -> int:
@@ -272,9 +289,12 @@ class EncodePipeline:
             except BaseException:
                 self._share_failure()
                 raise
-            self._send(plan, local)
-            fresh, seconds = self._encode_fallbacks(plan, local.mask)
-            self._insert(request, fresh, seconds)
+            if self._claims is not None:
+                local, fresh = self._encode_claimed(self._claims, request, plan, local)
+            else:
+                self._send(plan, local)
+                fresh, seconds = self._encode_fallbacks(plan, local.mask)
+                self._insert(request, fresh, seconds)
         self._count_call(plan, local, len(fresh))
         return self._assemble(plan, local.mask, local.answer, fresh)
 
@@ -297,10 +317,16 @@ class EncodePipeline:
                 if self._channel is not None:
                     await _in_thread(self._share_failure)
                 raise
-            if self._channel is not None:
-                await _in_thread(lambda: self._send(plan, local))
-            fresh, seconds = await _in_thread(lambda: self._encode_fallbacks(plan, local.mask))
-            await _in_thread(lambda: self._insert(request, fresh, seconds))
+            claims = self._claims
+            if claims is not None:
+                local, fresh = await _in_thread(
+                    lambda: self._encode_claimed(claims, request, plan, local)
+                )
+            else:
+                if self._channel is not None:
+                    await _in_thread(lambda: self._send(plan, local))
+                fresh, seconds = await _in_thread(lambda: self._encode_fallbacks(plan, local.mask))
+                await _in_thread(lambda: self._insert(request, fresh, seconds))
         self._count_call(plan, local, len(fresh))
         return await _in_thread(lambda: self._assemble(plan, local.mask, local.answer, fresh))
 
@@ -324,23 +350,71 @@ class EncodePipeline:
                 copy_rows(answer[at[n] : at[n + 1]], view)
         return _Local(statuses, [view is None for view in views], reasons, answer)
 
-    def _insert(self, request: Request, fresh: dict[str, torch.Tensor], seconds: float) -> None:
+    def _encode_claimed(
+        self, claims: FleetClaims, request: Request, plan: Plan, local: _Local
+    ) -> tuple[_Local, dict[str, torch.Tensor]]:
+        """With fleet claims (no group): claim the misses this request reserved; encode and
+        insert what it claimed and every other miss first; then wait for the keys other
+        workers claimed, load what they publish and encode what the wait leaves. The snapshot
+        (its answer holding the loaded rows, its mask every item encoded) and the outputs."""
+        reserved = {
+            item.key: item
+            for item, status, masked in zip(plan.items, local.statuses, local.mask, strict=True)
+            if masked and status.status is Status.RESERVED
+        }
+        mine, waiting = claims.claim(list(reserved))
+        later = set(waiting)
+        first = [
+            masked and it.key not in later
+            for it, masked in zip(plan.items, local.mask, strict=True)
+        ]
+        fresh = self._encode_under(claims, request, plan, first, mine)
+        if not waiting:
+            return local, fresh
+        settled = claims.wait(request, [reserved[key] for key in waiting])
+        loaded = set(settled.loaded)
+        second = [it.key in later and it.key not in loaded for it in plan.items]
+        answer = local.answer
+        if loaded:
+            answer = self._collect(request, plan, local.statuses).answer
+        fresh |= self._encode_under(claims, request, plan, second, settled.mine)
+        mask = [a or b for a, b in zip(first, second, strict=True)]
+        return _Local(local.statuses, mask, local.reasons, answer), fresh
+
+    def _encode_under(
+        self, claims: FleetClaims, request: Request, plan: Plan, mask: list[bool], mine: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """Encode and insert the masked items; end the claims ``mine`` (after their publish
+        for the keys the pool took, else now, and now if the encoder raised)."""
+        try:
+            fresh, seconds = self._encode_fallbacks(plan, mask)
+            cached = set(self._insert(request, fresh, seconds))
+        except BaseException:
+            claims.release(mine)
+            raise
+        claims.published([key for key in mine if key in cached])
+        claims.release([key for key in mine if key not in cached])
+        return fresh
+
+    def _insert(
+        self, request: Request, fresh: dict[str, torch.Tensor], seconds: float
+    ) -> list[str]:
         """Copy fresh outputs into the pool, each with its share of the encoder's ``seconds``
         when the cache's policy uses work (the cost model's assumption: one call costs the same
         per row for every item in it, so an item's share is its rows / the call's rows); their
-        publish runs on the cache's I/O pool."""
+        publish runs on the cache's I/O pool. The keys the pool took."""
         if not fresh:
-            return
+            return []
         tensors = list(fresh.values())
         work = _shares(seconds, tensors) if self._uses_work else None
         started = time.perf_counter()
-        request.insert(list(fresh), tensors, publish=True, work=work)
-        if self._on_insert is None:
-            return
-        try:
-            self._on_insert(len(fresh), time.perf_counter() - started)
-        except Exception:
-            logger.exception("on_insert raised; the call goes on")
+        took = request.insert(list(fresh), tensors, publish=True, work=work)
+        if self._on_insert is not None:
+            try:
+                self._on_insert(len(fresh), time.perf_counter() - started)
+            except Exception:
+                logger.exception("on_insert raised; the call goes on")
+        return [key for key, ok in zip(fresh, took, strict=True) if ok]
 
     # ------------------------------------------------------------------ other ranks
     def _follow(self, items: Sequence[Item], inputs: Sequence[Any]) -> torch.Tensor:

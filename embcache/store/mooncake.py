@@ -6,17 +6,14 @@ segment) has the pool registered and runs every ``batch_get_into`` / ``batch_put
 is asked to contribute memory to the global store (``global_segment_size > 0``), a second,
 long-lived *segment client* holds that memory and does nothing else. They are separate so
 that ``fence`` can tear the transfer client down without unmounting this worker's share of
-the store (closing a client drops every object stored in its segment).
-
-``fence`` builds a new transfer client and registers the pool with it, routes new calls to it,
-waits until every call on the old client has returned, then closes the old client. Closing
+the store (closing a client drops every object stored in its segment). ``fence`` builds a new
+transfer client and registers the pool with it, routes new calls to it, waits until every call
+on the old client has returned, then closes the old client. Closing
 destroys its transfer engine, so a transfer it abandoned (Mooncake gives up waiting after
 60 s and reports ``TRANSFER_FAIL`` while the bytes may still move) can no longer land.
 
-Failures are values, not exceptions: every transfer method returns one code per item and
-``classify`` maps a code to the outcome the cache acts on (the table ``CODES``, in
-``mooncake_native``). Only a
-malformed call (sequences of different lengths, a bad pool) raises.
+Failures are values: one code per item, which ``classify`` maps to an outcome (``CODES``, in
+``mooncake_native``); only a malformed call (a bad pool, lengths that differ) raises.
 
 Mooncake's client blocks a long time when the master is gone: ``setup`` about 90 s, each
 call about 4.5 s until its own reconnect loop notices. So the store never calls into
@@ -26,6 +23,11 @@ master as down and fails items at once with ``MASTER_UNREACHABLE`` until a probe
 per ``reconnect_interval_s``) reaches the master again. Mooncake's client reconnects to a
 restarted master and remounts its segment by itself; the store reconnects on its own only when
 it has no client (the master was down at the first call, or a ``fence`` could not set up).
+
+Claims (the optional ``ClaimingStore`` methods): a claim on ``key`` is a put of ``key#claim``
+started (``batch_put_session_start``: Mooncake's one atomic create) and never ended; ``release``
+revokes it; its lease is the master's ``--put_start_discard_timeout_sec``, which
+``claim_lease_s`` must equal (embcache/DESIGN.md, "Claims": what was measured).
 
 Threads. The cache calls in from several I/O threads at once; Mooncake's client is
 thread-safe and releases the GIL. ``_lock`` guards the current session and the in-flight
@@ -84,6 +86,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Mooncake's default ``--put_start_discard_timeout_sec``: the lease of a claim.
+DEFAULT_CLAIM_LEASE_S = 30.0
+CLAIM_SUFFIX = "#claim"
+
 
 # ---------------------------------------------------------------------------------------------
 # The store
@@ -116,7 +122,8 @@ class MooncakeStore:
     ``key_prefix`` namespaces every key. ``connect_timeout_s`` bounds each reachability probe;
     ``reconnect_interval_s`` spaces probes and connection attempts. ``client_factory`` makes
     each Mooncake client (default: ``mooncake.store.MooncakeDistributedStore``); a wrapper of
-    it can observe or fail the binding's calls.
+    it can observe or fail the binding's calls. ``claim_lease_s`` is the lease of a claim: the
+    master's ``--put_start_discard_timeout_sec`` (module docstring, "Claims").
 
     The constructor validates (``StoreConfigError``) and, without ``client_factory``, imports
     Mooncake (``StoreUnavailableError``); it touches no network. Connecting is lazy
@@ -137,7 +144,13 @@ class MooncakeStore:
         connect_timeout_s: float = 1.0,
         reconnect_interval_s: float = 1.0,
         client_factory: Callable[[], _Client] | None = None,
+        claim_lease_s: float = DEFAULT_CLAIM_LEASE_S,
     ) -> None:
+        if isinstance(claim_lease_s, bool) or not isinstance(claim_lease_s, int | float):
+            raise InvalidTypeError(f"claim_lease_s must be seconds, got {claim_lease_s!r}")
+        if not 0 < claim_lease_s < float("inf"):
+            raise InvalidArgumentError(f"claim_lease_s must be > 0 and finite, got {claim_lease_s}")
+        self._claim_lease_s = float(claim_lease_s)
         self._config = MooncakeConfig.resolve(
             master_address,
             metadata_server=metadata_server,
@@ -340,6 +353,39 @@ class MooncakeStore:
         codes = [StoreCode.BAD_ITEM] * len(keys)
         if valid:
             got = self._call(len(valid), lambda c: c.batch_remove(names, force))
+            for i, code in zip(valid, got, strict=True):
+                codes[i] = code
+        return codes
+
+    # -- claims (ClaimingStore) -----------------------------------------------------------
+
+    @property
+    def claim_lease_s(self) -> float:
+        """The lease of a claim (the master's ``--put_start_discard_timeout_sec``). O(1)."""
+        return self._claim_lease_s
+
+    def claim(self, keys: Sequence[str]) -> list[int]:
+        """Start the claim put of each key: 0 held, OBJECT_ALREADY_EXISTS (-705) another's
+        live claim, another code < 0 nothing claimed. One master RPC."""
+        assert_unlocked("MooncakeStore.claim")
+        return self._claims(
+            keys, lambda c, names: c.batch_put_session_start(names, [1] * len(names))
+        )
+
+    def release(self, keys: Sequence[str]) -> list[int]:
+        """Revoke this store's claim puts: 0 ended, ILLEGAL_CLIENT (-601) taken by another
+        after its lease, INVALID_PARAMS (-600) not started. One master RPC."""
+        assert_unlocked("MooncakeStore.release")
+        return self._claims(keys, lambda c, names: c.batch_put_session_revoke(names))
+
+    def _claims(
+        self, keys: Sequence[str], op: Callable[[_Client, list[str]], list[int]]
+    ) -> list[int]:
+        valid, names = self._names(keys)
+        codes = [StoreCode.BAD_ITEM] * len(keys)
+        if valid:
+            claims = [name + CLAIM_SUFFIX for name in names]
+            got = self._call(len(valid), lambda c: op(c, claims))
             for i, code in zip(valid, got, strict=True):
                 codes[i] = code
         return codes

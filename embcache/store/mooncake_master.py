@@ -119,8 +119,10 @@ class MooncakeMaster:
     ``binary`` defaults to ``find_master_binary()``; the log goes to ``log_dir`` (default: a
     temporary directory removed by ``stop``); ``ports`` are its RPC, metadata and metrics ports
     (default: three that are free now; a caller sharing the machine with other runs gives ports
-    it holds, as the tests do from ``tests/support/ports.py``). As a context manager it starts
-    and stops.
+    it holds, as the tests do from ``tests/support/ports.py``). ``claim_lease_s`` sets the
+    master's ``--put_start_discard_timeout_sec`` (default 30 s): how long a started, unended put
+    keeps its key from other creators, which is the lease of a claim (``embcache.pipeline.claims``).
+    As a context manager it starts and stops.
 
     The master's RPC service, metadata server and metrics are given 127.0.0.1 (Mooncake
     0.3.13's metadata server still binds every interface). A client process should also have
@@ -138,7 +140,13 @@ class MooncakeMaster:
         binary: str | None = None,
         log_dir: Path | None = None,
         ports: Sequence[int] | None = None,
+        claim_lease_s: int | None = None,
     ) -> None:
+        if claim_lease_s is not None and (isinstance(claim_lease_s, bool) or claim_lease_s < 1):
+            raise InvalidArgumentError(
+                f"claim_lease_s must be whole seconds >= 1, got {claim_lease_s!r}"
+            )
+        self.claim_lease_s = claim_lease_s
         self.binary = binary or find_master_binary()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if log_dir is None:
@@ -197,6 +205,8 @@ class MooncakeMaster:
             f"--metrics_port={self.metrics_port}",
             "--rpc_thread_num=4",
         ]
+        if self.claim_lease_s is not None:
+            command.append(f"--put_start_discard_timeout_sec={self.claim_lease_s}")
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -1,0 +1,351 @@
+"""``FleetClaims``: one encode per key across encode workers that share a global store.
+
+Theory of operation. Inside one process, single flight is the cache's reservation: the request
+that reserved a miss encodes it and the process's other requests for that key wait on it.
+``FleetClaims`` carries that across processes through a ``ClaimingStore`` (Mooncake's: a claim is
+a started, never-ended put of ``key#claim``, which exactly one racing worker wins, with the
+master's put timeout as its lease; embcache/DESIGN.md, "Claims").
+
+1. ``claim(keys)``: the keys are misses a request reserved (in neither the pool nor the store
+   at its lookup). One store call claims them all, and one asks whether the keys claimed are
+   stored after all (another worker published and released one since the lookup: it is
+   released and waited on, which loads it). A key claimed is this worker's to encode.
+   ``wait(request, items)``: a key another worker holds a live claim on (``CLAIM_TAKEN``) is
+   waited for, with no lock held (the pipeline encodes its own claimed keys first): at once,
+   then every ``poll_s``, the waiter asks the store whether the key is stored (the claimer's
+   publish is visible) and claims the rest again. Stored: it is read from the store into the
+   request's own reserved range (``begin_fill``, ``get_into``, ``end_fill``) and served like
+   a load. Claimed now (released, or its lease ended): asked once more whether it is stored,
+   else encoded under the new claim. A key still taken at ``lease_s`` after the wait began has
+   a newer claim: one more lease. Anything else (no master, a refusal), a failed read, or a key
+   still taken after ``CLAIMS_WAITED`` claims: encoded here, without a claim. A waiter waits at
+   most one lease per claim it waits on and never fails: it falls back item by item.
+2. The caller encodes what it claimed and what ``wait`` did not load, inserts it with
+   ``publish=True`` and calls ``published(keys)`` for the claimed keys the pool took (their
+   publish has started): a background thread releases each of those claims once the key is
+   stored, or at the claim's lease end by this worker's clock (a publish that failed). No
+   claim is released before its publish is visible. ``release(keys)`` ends claims at once: a
+   failed encode, a key the pool did not take.
+
+A claim carries no bytes and decides no bytes: a request is served what the store holds under
+the key (Mooncake keeps the first put of a key) or what its own encoder returned, so a lost,
+stale or doubled claim costs a duplicate encode, never a wrong answer. A worker holds at most one
+claim per key (the reservation makes it one request per process), only while that key's encode
+and publish are in flight; an expired claim is replaced by the next claim of its key.
+
+Threads and locks. ``claim`` and ``wait`` run on the request's thread; a wait sleeps between
+polls holding no lock. The releaser is one daemon thread, started at the first
+``published``. ``_lock`` guards its queue and the counters and is never held across a store
+call.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from embcache.core.outcomes import TransferOutcome
+from embcache.driver.global_store import CLAIM_EXPIRED, CLAIM_TAKEN, ClaimingStore, get_outcome
+from embcache.driver.item import Item
+from embcache.driver.locks import assert_unlocked
+from embcache.driver.request import Request
+from embcache.errors import InvalidArgumentError, InvalidTypeError
+
+__all__ = ["ClaimStats", "FleetClaims", "Settled"]
+
+DEFAULT_POLL_S = 0.005
+#: Claims a waiter waits on, one after the other, before it encodes without a claim: the one it
+#: found, and the one that took that over at its lease's end (another waiter's).
+CLAIMS_WAITED = 2
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What ``wait`` decided: ``mine``, the keys this worker claimed (encode them, then
+    ``published`` or ``release``); ``loaded``, the keys now held by the request, read from the
+    store after another worker's publish. Every other key given is encoded without a claim."""
+
+    mine: list[str]
+    loaded: list[str]
+
+
+@dataclass(frozen=True)
+class ClaimStats:
+    """Counters since the claims were made, per key.
+
+    ``claimed``: claims won at the first ask. ``waited``: keys found claimed by another worker.
+    ``loaded``: waited keys served from the store. ``taken_over``: waited keys claimed later
+    (released unpublished, or its lease ended). ``lease_ended``: waited keys encoded when the
+    wait reached the lease, without a claim. ``unclaimed``: keys encoded without a claim because
+    the store did not answer a claim (no master). ``load_failed``: waited keys whose read failed.
+    ``released``: claims ended by this worker. ``expired``: claims found taken by another worker
+    when released (this worker's lease ended first: its encode and the other's may both run).
+    """
+
+    claimed: int
+    waited: int
+    loaded: int
+    taken_over: int
+    lease_ended: int
+    unclaimed: int
+    load_failed: int
+    released: int
+    expired: int
+
+
+class FleetClaims:
+    """Claims on ``store`` for one encode worker (module docstring: the protocol).
+
+    ``lease_s`` (default: the store's ``claim_lease_s``) bounds every wait; ``poll_s`` spaces
+    the store calls of a wait and of the releaser. ``clock`` is a monotonic clock in seconds.
+    """
+
+    def __init__(
+        self,
+        store: ClaimingStore,
+        *,
+        lease_s: float | None = None,
+        poll_s: float = DEFAULT_POLL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(store, ClaimingStore):
+            raise InvalidTypeError(
+                f"FleetClaims needs a store with claim/release, got {type(store).__name__}"
+            )
+        lease = store.claim_lease_s if lease_s is None else lease_s
+        for name, value in (("lease_s", lease), ("poll_s", poll_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise InvalidTypeError(f"{name} must be seconds, got {value!r}")
+            if not math.isfinite(value) or value <= 0:
+                raise InvalidArgumentError(f"{name} must be finite seconds > 0, got {value}")
+        self._store = store
+        self._lease_s = float(lease)
+        self._poll_s = float(poll_s)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        # Guarded by _lock:
+        self._counts: Counter[str] = Counter()
+        self._held: dict[str, float] = {}  # key -> when its claim's lease ends (own clock)
+        self._publishing: set[str] = set()  # held keys whose publish has started
+        self._releaser: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def lease_s(self) -> float:
+        """The longest a wait lasts. O(1)."""
+        return self._lease_s
+
+    def stats(self) -> ClaimStats:
+        """A snapshot of the counters. O(1)."""
+        with self._lock:
+            c = Counter(self._counts)
+        return ClaimStats(**{name: c[name] for name in ClaimStats.__dataclass_fields__})
+
+    # -- the request's side ----------------------------------------------------------------
+
+    def claim(self, keys: Sequence[str]) -> tuple[list[str], list[str]]:
+        """Claim ``keys`` (misses a request reserved, each once): (claimed here: encode them,
+        then ``published`` or ``release``; claimed by another worker: ``wait`` on them). The
+        rest are encoded without a claim (no master). Never raises for a store failure."""
+        assert_unlocked("FleetClaims.claim")
+        mine: list[str] = []
+        waiting: list[str] = []
+        if not keys:
+            return mine, waiting
+        for key, code in zip(keys, self._claim(list(keys)), strict=True):
+            if code == 0:
+                mine.append(key)
+            elif code == CLAIM_TAKEN:
+                waiting.append(key)
+        unclaimed = len(keys) - len(mine) - len(waiting)
+        if mine:  # published (and released) by another worker since this request's lookup?
+            stored = self._stored(mine)
+            late = [key for key in mine if stored[key]]
+            if late:
+                self.release(late)
+                mine = [key for key in mine if not stored[key]]
+                waiting += late  # (``wait`` loads them at its first ask)
+        self._count(claimed=len(mine), waited=len(waiting), unclaimed=unclaimed)
+        return mine, waiting
+
+    def wait(self, request: Request, items: Sequence[Item]) -> Settled:
+        """Wait on other workers' claims of ``items`` (``claim``'s second list, reserved by
+        ``request``) and load what they publish; what this worker must now encode under a
+        claim, and what it loaded. Never raises for a store failure; waits at most one lease
+        per claim it waits on."""
+        assert_unlocked("FleetClaims.wait")
+        by_key = {item.key: item for item in items}
+        try:
+            loaded, mine = self._wait(request, by_key, list(by_key))
+        except BaseException:
+            with self._lock:  # (only this request can hold claims on its reserved keys)
+                held = [key for key in by_key if key in self._held]
+            self.release(held)
+            raise
+        return Settled(mine, loaded)
+
+    def _wait(
+        self, request: Request, by_key: dict[str, Item], keys: list[str]
+    ) -> tuple[list[str], list[str]]:
+        """Wait on other workers' claims of ``keys``: (loaded, claimed here)."""
+        deadline = self._clock() + self._lease_s
+        rounds = 1
+        loaded: list[str] = []
+        mine: list[str] = []
+        pending = keys
+        first = True  # (the first ask at once: the caller has encoded its own keys since)
+        while pending:
+            left = deadline - self._clock()
+            last = left <= 0  # one more ask at the deadline: the claim's lease has ended
+            if not (first or last):
+                time.sleep(min(self._poll_s, left))
+            first = False
+            stored = self._stored(pending)
+            loaded += self._load(request, [by_key[k] for k in pending if stored[k]])
+            rest = [k for k in pending if not stored[k]]
+            pending = []
+            taken: list[str] = []
+            for key, code in zip(rest, self._claim(rest) if rest else [], strict=True):
+                if code == CLAIM_TAKEN:
+                    pending.append(key)
+                elif code == 0:
+                    taken.append(key)
+                else:
+                    self._count(unclaimed=1)
+            if taken:
+                stored = self._stored(taken)
+                late = [k for k in taken if stored[k]]  # published just before its release
+                self.release(late)
+                loaded += self._load(request, [by_key[k] for k in late])
+                mine += [k for k in taken if not stored[k]]
+                self._count(taken_over=len(taken) - len(late))
+            if last and pending:
+                if rounds == CLAIMS_WAITED:
+                    self._count(lease_ended=len(pending))
+                    break
+                rounds += 1  # taken again at the old claim's lease end: a newer claim
+                deadline = self._clock() + self._lease_s
+        return loaded, mine
+
+    def _load(self, request: Request, items: list[Item]) -> list[str]:
+        """Read ``items`` from the store into the request's reserved ranges; the keys held."""
+        if not items:
+            return []
+        offsets = request.begin_fill(items)
+        handed = [(item, at) for item, at in zip(items, offsets, strict=True) if at is not None]
+        keys = [item.key for item, _ in handed]
+        sizes = [item.nbytes for item, _ in handed]
+        try:
+            codes = self._store.get_into(keys, [at for _, at in handed], sizes)
+            outcomes = [get_outcome(self._store, c, n) for c, n in zip(codes, sizes, strict=True)]
+        except Exception:
+            outcomes = [TransferOutcome.UNKNOWN] * len(keys)  # (the protocol: a raise is UNKNOWN)
+        request.end_fill(keys, outcomes, publish=False)
+        held = [k for k, o in zip(keys, outcomes, strict=True) if o is TransferOutcome.OK]
+        self._count(loaded=len(held), load_failed=len(items) - len(held))
+        return held
+
+    # -- releases ------------------------------------------------------------------------
+
+    def published(self, keys: Sequence[str]) -> None:
+        """Release these claims once their keys are stored, or at their lease end by this
+        worker's clock (a publish that failed)."""
+        if not keys:
+            return
+        with self._lock:
+            if self._closed:
+                closed = list(keys)
+            else:
+                closed = []
+                self._publishing.update(keys)
+                if self._releaser is None:
+                    self._releaser = threading.Thread(
+                        target=self._release_published, name="embcache-claims", daemon=True
+                    )
+                    self._releaser.start()
+                self._work.notify()
+        self.release(closed)
+
+    def release(self, keys: Sequence[str]) -> None:
+        """End these claims now; never raises for a store failure. A claim whose lease ended
+        by this worker's clock, or that the store says another took, counts ``expired``: it
+        was no longer this worker's, whatever the revoke answers (Mooncake answers 0 when the
+        claimer that took it over has already released it)."""
+        if not keys:
+            return
+        assert_unlocked("FleetClaims.release")
+        with self._lock:
+            ends = [self._held.pop(key, 0.0) for key in keys]
+        try:
+            codes = self._store.release(list(keys))
+        except Exception:
+            codes = [-1] * len(keys)
+        now = self._clock()
+        lost = [code == CLAIM_EXPIRED or now >= end for code, end in zip(codes, ends, strict=False)]
+        self._count(
+            released=sum(code == 0 and not x for code, x in zip(codes, lost, strict=False)),
+            expired=sum(lost),
+        )
+
+    def _release_published(self) -> None:
+        """The releaser: every ``poll_s``, release the claims whose keys are stored or due."""
+        while True:
+            with self._lock:
+                self._work.wait_for(lambda: bool(self._publishing) or self._closed)
+                if self._closed:
+                    return
+                due = {k: self._held.get(k, 0.0) for k in self._publishing}
+            stored = self._stored(list(due))
+            now = self._clock()
+            done = [k for k, ends in due.items() if stored[k] or now >= ends]
+            with self._lock:
+                self._publishing.difference_update(done)
+            self.release(done)
+            time.sleep(self._poll_s)
+
+    def close(self) -> None:
+        """Release every claim still waiting for its publish and stop the releaser."""
+        with self._lock:
+            self._closed = True
+            left = list(self._publishing)
+            self._publishing.clear()
+            releaser = self._releaser
+            self._work.notify_all()
+        if releaser is not None:
+            releaser.join()
+        self.release(left)
+
+    # -- store calls ---------------------------------------------------------------------
+
+    def _claim(self, keys: list[str]) -> list[int]:
+        """Claim ``keys``; each claim won is held until the lease from just before the ask
+        (the store's lease began after it, so this worker's end comes first)."""
+        ends = self._clock() + self._lease_s
+        try:
+            codes = self._store.claim(keys)
+        except Exception:
+            return [-1] * len(keys)  # no claim: encode here
+        if len(codes) != len(keys):
+            return [-1] * len(keys)
+        with self._lock:
+            for key, code in zip(keys, codes, strict=True):
+                if code == 0:
+                    self._held[key] = ends
+        return codes
+
+    def _stored(self, keys: list[str]) -> dict[str, bool]:
+        """Whether each key is stored; a store that fails says none is (claims then decide)."""
+        try:
+            found = self._store.exists(keys)
+        except Exception:
+            found = [False] * len(keys)
+        return dict(zip(keys, found, strict=True))
+
+    def _count(self, **counts: int) -> None:
+        with self._lock:
+            self._counts.update(counts)
