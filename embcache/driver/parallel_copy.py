@@ -2,21 +2,26 @@
 calling thread and a few helper threads claim one at a time.
 
 Design notes. One ``memmove`` on the calling thread copies at one core's speed; torch's
-``copy_`` splits a large copy over its intra-op threads and, on this project's machines, runs
-1.2-1.3x faster at 4 MB and above. A split that hands fixed halves to helpers waits for
-whichever helper is descheduled (``PoolViews``' notes: a median of 16 ms against 0.1 ms on a
-loaded machine), so here nothing is handed out: the caller posts the copy to the helpers and
-starts claiming chunks itself, each claim one step of a shared counter (atomic under the
-interpreter lock, no lock taken); a helper that wakes late finds fewer chunks or none, so the
-caller waits at most for the chunks helpers are copying, never for a helper to start. Every
-copy releases the interpreter lock (``ctypes.memmove``) and no lock is held across one: the
-one lock a copy takes guards its count of finished chunks (its end is signalled through a
-second, taken when the copy is posted and let go by the thread that finishes the last chunk,
-a signal that excludes no one). A chunk that raises ends the copy:
-the caller raises its error once every chunk is done (the range is then partly
-copied, as a single ``memmove`` that faulted would leave it). Helpers are daemon threads
-(no ``threading.Thread``: starting one waits until it runs) started on the first split copy;
-``HELPERS`` of them (the cores less the caller, at most 3).
+``copy_`` splits a large copy over its intra-op threads, faster on an idle machine (the issue
+56 measure: our one ``memmove`` at 0.83-0.89x torch's copy of 4 MB). Measured on the 2-core
+development machine under a load of 12-15 (GB/s, medians of 30 alternating chunks, source
+and destination cycled through 256 MB): split/``memmove`` 0.59x at 2 MB, 0.96-0.99x at 4 MB,
+1.13x at 64 MB; torch's two-thread ``copy_`` was 0.1-0.2 GB/s up to 4 MB there (a helper
+descheduled), 1.25-1.4 at 64 MB. Hence ``SPLIT_BYTES``.
+
+A split that hands fixed halves to helpers waits for whichever helper is descheduled
+(``PoolViews``' notes: a median of 16 ms against 0.1 ms on a loaded machine), so here nothing
+is handed out: the caller posts the copy to the helpers and starts claiming chunks itself,
+each claim one step of a shared counter (atomic under the interpreter lock, no lock taken); a
+helper that wakes late finds fewer chunks or none, so the caller waits at most for the chunks
+helpers are copying, never for a helper to start. Every copy releases the interpreter lock
+(``ctypes.memmove``) and no lock is held across one: the one lock a copy takes guards its
+count of finished chunks (its end is signalled through a second, taken when the copy is posted
+and let go by the thread that finishes the last chunk: a signal that excludes no one). A chunk
+that raises ends the copy: the caller raises its error once every chunk is done (the range is
+then partly copied, as a single ``memmove`` that faulted would leave it). Helpers are daemon
+threads (no ``threading.Thread``: starting one waits until it runs) started on the first split
+copy; ``HELPERS`` of them (the cores less the caller, at most 3).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import threading
 
 __all__ = ["CHUNK_BYTES", "HELPERS", "SPLIT_BYTES", "split_copy"]
 
-SPLIT_BYTES = 2 << 20  # measured: below it waking a helper costs more than it saves
+SPLIT_BYTES = 4 << 20  # measured (module notes): below it a split copy lost to one memmove
 CHUNK_BYTES = 512 << 10  # a claim's share: small enough that a late helper still helps
 HELPERS = max(0, min(os.cpu_count() or 1, 4) - 1)
 
