@@ -5,13 +5,15 @@ Design notes. One ``memmove`` on the calling thread copies at one core's speed; 
 ``copy_`` splits a large copy over its intra-op threads, faster on an idle machine (the issue
 56 measure: our one ``memmove`` at 0.83-0.89x torch's copy of 4 MB). Measured on the 2-core
 development machine under a load of 12-15 (GB/s, medians of 30 alternating chunks, source
-and destination cycled through 256 MB): split/``memmove`` 0.59x at 2 MB, 0.96-0.99x at 4 MB,
-1.13x at 64 MB; torch's two-thread ``copy_`` was 0.1-0.2 GB/s up to 4 MB there (a helper
-descheduled), 1.25-1.4 at 64 MB. Hence ``SPLIT_BYTES``. The server's mixes
-(``benchmarks.server.bench_server``, steady and scan, 200 requests, 1024 hidden, two runs each
-with and without the split, then at 2 MiB, alternating) lost nothing to the helpers: the cache's
-share of request time fell 1.6-4.4 points on each of embcache's six rows (SGLang's, whose
-copies did not change, moved 0.4 at most); requests/s moved with the load, both ways.
+and destination cycled through 256 MB; three runs): split/``memmove`` 0.59x at 2 MB,
+0.68-0.99x at 4 MB, 0.91-1.13x at 64 MB, so under such a load the split gains nothing over
+one core and its gain is the idle machine's, where torch's split beat the one ``memmove``;
+torch's two-thread ``copy_`` was 0.1-0.2 GB/s up to 4 MB there (a helper descheduled),
+1.25-1.4 at 64 MB. Hence ``SPLIT_BYTES``. The server's mixes (``benchmarks.server.
+bench_server``, steady and scan, 200 requests, 1024 hidden, two runs each with and without the
+split, then at 2 MiB, alternating) lost nothing to the helpers: the cache's share of request
+time fell 1.6-4.4 points on each of embcache's six rows (SGLang's, whose copies did not
+change, moved 0.4 at most); requests/s moved with the load, both ways.
 
 A split that hands fixed halves to helpers waits for whichever helper is descheduled
 (``PoolViews``' notes: a median of 16 ms against 0.1 ms on a loaded machine), so here nothing
