@@ -12,6 +12,7 @@ import torch
 
 from embcache.core.entries import Entry, ItemLike
 from embcache.core.outcomes import TransferOutcome
+from embcache.driver import parallel_copy
 from embcache.driver.locks import CHECKING, assert_unlocked
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 
@@ -156,8 +157,12 @@ memmove_releasing = ctypes.memmove
 
 def copy_bytes(dst: int, src: int, nbytes: int) -> None:
     """Copy ``nbytes`` from address ``src`` to address ``dst`` (host memory): keeps the
-    interpreter lock below ``PoolViews.RELEASE_BYTES``, releases it while it copies above."""
-    (memmove_releasing if nbytes >= PoolViews.RELEASE_BYTES else memmove)(dst, src, nbytes)
+    interpreter lock below ``PoolViews.RELEASE_BYTES``, releases it while it copies above,
+    and from ``parallel_copy.SPLIT_BYTES`` splits it over helper threads (``split_copy``)."""
+    if nbytes >= parallel_copy.SPLIT_BYTES:
+        parallel_copy.split_copy(dst, src, nbytes)
+    else:
+        (memmove_releasing if nbytes >= PoolViews.RELEASE_BYTES else memmove)(dst, src, nbytes)
 
 
 def bytes_only(tensor: torch.Tensor, entry: ItemLike | Entry) -> bool:

@@ -48,7 +48,11 @@ CATEGORIES = (
 WAITS = "single-flight waits"
 CORE_FILES = ("/embcache/core/", "embedding_cache_controller", "tests/support/baselines.py")
 CORE_BUILTINS = ("of 'CacheCore' objects", "of 'StateQueries' objects")  # the compiled core's steps
-COPY_FUNCTIONS = (("/embcache/driver/pool.py", "copy_bytes"),)  # a ctypes memmove and nothing else
+COPY_FUNCTIONS = (  # a ctypes memmove, or a split one (its chunks, its wait for them)
+    ("/embcache/driver/pool.py", "copy_bytes"),
+    ("/embcache/driver/parallel_copy.py", "split_copy"),
+    ("/embcache/driver/parallel_copy.py", "work"),
+)
 
 Key = tuple[str, int, str]
 
@@ -143,8 +147,8 @@ def split(stats: dict[Key, Any]) -> dict[str, float]:
         lock = "_thread.lock" in key[2] or "_thread.RLock" in key[2]
         for caller, edge in callers.items():
             by = category(caller) or "driver Python"
-            if lock:
-                by = WAITS if by == WAITS else "lock waits"
+            if lock:  # a split copy's wait for its own chunks is copying
+                by = by if by in (WAITS, "copies") else "lock waits"
             out[by] += edge[2]
     return out
 
