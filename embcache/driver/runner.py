@@ -68,31 +68,22 @@ class Wakeup:
     futures: list[Future] = field(default_factory=list)
 
 
-class Wakeups:
-    """The ``Wakeup`` of each open request that ever waited (every method: cache lock held)."""
-
-    def __init__(self) -> None:
-        self._by_rs: dict[RequestState, Wakeup] = {}  # by identity (RequestState has eq=False)
-
-    def get(self, rs: RequestState) -> Wakeup | None:
-        """``rs``'s Wakeup, None if it never waited."""
-        return self._by_rs.get(rs)
-
-    def __len__(self) -> int:
-        """How many requests have a Wakeup (open ones that ever waited). O(1)."""
-        return len(self._by_rs)
+class Wakeups(dict[RequestState, Wakeup]):
+    """The ``Wakeup`` of each open request that ever waited, by request (by identity:
+    ``RequestState`` has ``eq=False``); ``get(rs)`` is None for one that never waited, and the
+    dict is empty while no open request ever waited. Every method: cache lock held."""
 
     def futures_count(self) -> int:
         """How many asyncio futures wait to be resolved, over every request. O(n)."""
-        return sum(len(w.futures) for w in self._by_rs.values())
+        return sum(len(w.futures) for w in self.values())
 
     def note(self, rs: RequestState, new_event: Callable[[], threading.Event]) -> None:
         """After a lookup: clear rs's Event while it waits on a load, set it otherwise (only
         requests that ever wait get one)."""
-        wakeup = self._by_rs.get(rs)
+        wakeup = self.get(rs)
         if rs.pending():
             if wakeup is None:
-                wakeup = self._by_rs[rs] = Wakeup(new_event())
+                wakeup = self[rs] = Wakeup(new_event())
             wakeup.event.clear()
         elif wakeup is not None:
             wakeup.event.set()
@@ -101,7 +92,7 @@ class Wakeups:
         """Set the Event of each request with nothing pending; their futures, to resolve."""
         futures: list[Future] = []
         for rs in requests:
-            wakeup = self._by_rs.get(rs)
+            wakeup = self.get(rs)
             if wakeup is not None and not rs.pending():
                 wakeup.event.set()
                 futures += wakeup.futures
@@ -111,7 +102,7 @@ class Wakeups:
     def close(self, rs: RequestState) -> list[Future]:
         """``rs`` closed: set its Event (someone may wait on it) and forget it; its futures,
         to resolve."""
-        wakeup = self._by_rs.pop(rs, None)
+        wakeup = self.pop(rs, None)
         if wakeup is None:
             return []
         wakeup.event.set()
@@ -162,12 +153,13 @@ class StepRunner:
             if fx.freed:
                 poison(self.pool, fx.freed)
             futures: list[Future] | None = None
-            if fx.waiting is not None:
-                self.wakeups.note(fx.waiting, self._new_event)
+            wakeups, waiting = self.wakeups, fx.waiting
+            if waiting is not None and (wakeups or waiting.pending()):  # (else: nothing to do)
+                wakeups.note(waiting, self._new_event)
             if fx.wake:
-                futures = self.wakeups.wake(fx.wake)
-            if fx.closed is not None:  # someone may wait on the closed request itself
-                own = self.wakeups.close(fx.closed)
+                futures = wakeups.wake(fx.wake)
+            if fx.closed is not None and wakeups:  # someone may wait on the closed request
+                own = wakeups.close(fx.closed)
                 futures = own if futures is None else futures + own
         if fx.events:
             assert self._outbox is not None
