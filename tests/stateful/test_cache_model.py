@@ -27,7 +27,7 @@ from embcache.core.policy import make_policy
 from embcache.driver.trace import TraceLog
 from embcache.testing import Fault, FaultInjectingStore
 from models.cache import ModelCache
-from tests.support.helpers import FenceThread
+from tests.support.helpers import FenceThread, ManualExecutor
 
 ALIGN = 256
 KEYS = ["k0", "k1", "k2", "k3", "k4"]
@@ -65,24 +65,6 @@ def payload(key: str, nbytes: int) -> bytes:
 def tensor_for(item: Item) -> torch.Tensor:
     raw = torch.frombuffer(bytearray(payload(item.key, item.nbytes)), dtype=torch.uint8)
     return raw.view(item.dtype).view(item.shape).clone()
-
-
-class ManualExecutor:
-    """Stands in for the cache's I/O pool: tasks wait in a queue until a rule runs one."""
-
-    def __init__(self) -> None:
-        self.tasks: list[tuple[Any, tuple[Any, ...]]] = []
-
-    def submit(self, fn: Any, *args: Any) -> None:
-        self.tasks.append((fn, args))
-
-    def run(self, index: int) -> None:
-        fn, args = self.tasks.pop(index)
-        fn(*args)
-
-    def shutdown(self, wait: bool = True) -> None:
-        while self.tasks:
-            self.run(0)
 
 
 class GatedStore(FaultInjectingStore):
