@@ -389,6 +389,34 @@ def test_retries_in_flight_when_the_store_answers_are_retried_at_once_if_they_fa
         cache.check_invariants()
 
 
+def test_one_retry_at_a_time_so_a_failed_probe_is_dropped_before_a_newer_entry() -> None:
+    """While a retry is in flight no other starts (``retry_publishes`` starts nothing): the
+    entries that fail go back older than all that waits, and the bound drops the oldest.
+    Planted bug caught: ``take`` handing out more while a retry is in flight; the probe of
+    k0 then ends FAILED while k1's retry is still out, and one more failure drops k1 (in
+    flight, dropped first) instead of the older k0."""
+    store = FaultInjectingStore()
+    keys = ["k0", "k1", "k2"]
+    outage(store, keys, down=True)
+    cache, io = stepped(store, max_entries=2)
+    with cache:
+        tensors = [t for i, key in enumerate(keys[:2]) for t in insert(cache, [key], seed=i)]
+        io.run_all()
+        assert cache.retry_publishes(1) == 1  # the probe: k0
+        second = cache.retry_publishes(1)  # while k0's retry is in flight
+        io.run(0)  # k0 fails again: back to the oldest end
+        tensors += insert(cache, ["k2"], seed=2)
+        io.run(len(io.tasks) - 1)  # one too many: k0, the oldest, is dropped
+        io.run_all()
+        outage(store, keys, down=False)
+        cache.retry_publishes()
+        io.run_all()
+        assert [store.object(k) for k in keys] == [None, raw(tensors[1]), raw(tensors[2])]
+        assert second == 0, "one retry at a time"
+        assert backlog_counts(cache) == (0, 1, 0, 0)
+        cache.check_invariants()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [

@@ -23,7 +23,9 @@ does; the probe moves one entry an interval. A retry is the cache's ``CacheCore.
 step with no request: the same Lookup, Publish, Release and EndPublish actions as any
 request's publish, under an internal request, only for keys still READY and neither doomed
 nor tainted: an entry evicted, removed or quarantined since is dropped from the
-backlog unpublished (``stale``). A publish ending UNKNOWN never joins, a retry's included: its
+backlog unpublished (``stale``). One retry is in flight at a time (``take`` gives nothing
+until it ended), so the backlog stays in age order. A publish ending UNKNOWN never joins, a
+retry's included: its
 entry is quarantined. A key published OK (by a request) while it waits leaves the backlog: the
 store holds it. Retries that fail together go back to the oldest end in their age order, so the
 bound still drops the oldest failure first. An OK publish while retries are in flight (none
@@ -155,8 +157,12 @@ class PublishBacklog:
 
     def take(self, limit: int | None = None) -> list[Entry]:
         """The ``limit`` oldest waiting entries (None: all), oldest first, now being retried
-        (each then ends in ``note``, ``skipped`` or ``requeue``). O(taken)."""
+        (each then ends in ``note``, ``skipped`` or ``requeue``); none while a retry is still
+        in flight: one retry at a time, so those that fail go back older than every waiting
+        entry and the bound drops them first, the oldest first. O(taken)."""
         with self._lock:
+            if self._retrying:
+                return []
             waiting = self._waiting
             n = len(waiting) if limit is None else min(limit, len(waiting))
             taken = [waiting.popitem(last=False)[1] for _ in range(n)]
