@@ -21,7 +21,11 @@ What it checks, at the end (the master up, the backlog given ``--drain-s`` to em
   the same master, at most ``--verify`` keys);
 - resident memory after the warm-up (``--warmup-s``) and at the end, after ``gc.collect()``:
   growth under 5%.
-Exit status 1 when a check fails. Not a CI test: it runs for minutes.
+Exit status 1 when a check fails. Not a CI test: it runs for minutes. The defaults keep the
+rate low enough (a call every ~30 ms) that the lent segment never fills within a master's life,
+and the warm-up long enough that the pool and the segment pages the master uses are all
+touched before it ends: RSS then measures the cache (at 100 calls/s with 128 MiB lent, the
+segment's pages were still being touched after the warm-up: +8.6%, no leak).
 
 Run: MALLOC_ARENA_MAX=2 nice python -m benchmarks.soak.outage [--minutes 10] [--json out.json]
 (needs the mooncake extra and ``mooncake_master``).
@@ -269,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-min-s", type=float, default=30.0)
     parser.add_argument("--kill-max-s", type=float, default=60.0)
     parser.add_argument("--down-s", type=float, default=5.0)
-    parser.add_argument("--warmup-s", type=float, default=90.0)
+    parser.add_argument("--warmup-s", type=float, default=120.0)
     parser.add_argument("--drain-s", type=float, default=30.0)
     parser.add_argument("--new", type=int, default=3)
     parser.add_argument("--old", type=int, default=1)
-    parser.add_argument("--pause-s", type=float, default=0.01)
-    parser.add_argument("--pool-mib", type=int, default=32)
-    parser.add_argument("--segment-mib", type=int, default=128)
+    parser.add_argument("--pause-s", type=float, default=0.03)
+    parser.add_argument("--pool-mib", type=int, default=16)
+    parser.add_argument("--segment-mib", type=int, default=32)
     parser.add_argument("--max-entries", type=int, default=1024)
     parser.add_argument("--verify", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
