@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from models.allocator import ModelAllocator
+from models.backlog import ModelBacklog
 from models.policy import MODELS
 
 OK, FAILED, UNKNOWN = "OK", "FAILED", "UNKNOWN"
@@ -67,6 +68,7 @@ class ModelCache:
         max_batch: int,
         eviction: bool,
         policy: str = "lru",
+        backlog: int | None = None,
         **knobs: Any,
     ) -> None:
         self.alloc = ModelAllocator(capacity, alignment)
@@ -84,6 +86,9 @@ class ModelCache:
         self.generations = 0  # entries made so far
         self.fences = 0  # fences begun so far: the id of the last one
         self.snapshots: dict[int, list[tuple[str, int]]] = {}  # fences in flight
+        # failed publishes retried (``backlog`` entries at most; None: never retried)
+        self.backlog = None if backlog is None else ModelBacklog(backlog)
+        self.batches = 0  # internal requests opened so far (``republish#N``)
 
     # -- requests --
     def open_request(self, r: str) -> None:
@@ -275,6 +280,7 @@ class ModelCache:
             for k in task.keys:
                 self.end_load(k, UNKNOWN if raised else self.load_outcome(k), None)
             return
+        outcomes = []
         for k in task.keys:
             outcome = UNKNOWN if raised else self.put_outcome(k)
             e = self.entries[k]
@@ -283,6 +289,9 @@ class ModelCache:
                 e.tainted = True
             self.counts["publishes_" + outcome.lower()] += 1
             self.drop_pin(e, ("publish", task.request))
+            outcomes.append(outcome)
+        if self.backlog is not None:
+            self.backlog.note(task.keys, outcomes)
 
     def load_outcome(self, key: str) -> str:
         fault = self.faults.get(key)
@@ -366,6 +375,58 @@ class ModelCache:
             if started:
                 self.tasks.append(Task("publish", started, r))
         return results
+
+    def publish(self, r: str, keys: list[str]) -> list[bool]:
+        """Publish each key ``r`` holds READY that is not being published already."""
+        results, started = [], []
+        for key in keys:
+            e = self.entries.get(key)
+            ok = (
+                e is not None
+                and key in self.requests[r].holds
+                and e.state == "READY"
+                and not e.publishing
+            )
+            if ok:
+                self.start_publish(e, r)
+                started.append(key)
+            results.append(ok)
+        if started:
+            self.tasks.append(Task("publish", started, r))
+        return results
+
+    def start_publish(self, e: MEntry, r: str) -> None:
+        e.publishing = True
+        self.pin(e, ("publish", r))
+        self.counts["publishes_started"] += 1
+
+    def retry(self, limit: int | None) -> int:
+        """The republisher's step: publish again the ``limit`` oldest failed publishes still
+        READY, not doomed, tainted or being published, under an internal request that pins
+        each and closes at once (no hit counted); the rest are stale. How many started."""
+        if self.backlog is None:
+            return 0
+        keys = self.backlog.take(limit)
+        if not keys:
+            return 0
+        self.batches += 1
+        r = f"republish#{self.batches}"
+        live = []
+        for key in keys:
+            e = self.entries.get(key)
+            if e and e.state == "READY" and not (e.doomed or e.tainted or e.publishing):
+                live.append(key)
+            else:
+                self.backlog.skipped(key)
+        for key in live:
+            self.pin(self.entries[key], r)
+        for key in live:
+            self.start_publish(self.entries[key], r)
+        if live:
+            self.tasks.append(Task("publish", live, r))
+        for key in live:
+            self.drop_pin(self.entries[key], r)
+        return len(live)
 
     # -- removal and fence --
     def remove(self, key: str) -> bool:

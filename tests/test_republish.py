@@ -17,14 +17,14 @@ import torch
 
 from embcache import EmbeddingCache
 from embcache.core.entries import Entry
-from embcache.core.lifecycle import QUARANTINED
+from embcache.core.lifecycle import ABSENT, QUARANTINED
 from embcache.core.outcomes import TransferOutcome
 from embcache.driver.backlog import PublishBacklog, RepublishPolicy
 from embcache.driver.item import Item
 from embcache.driver.trace import TraceLog
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 from embcache.testing import Fault, FaultInjectingStore
-from tests.support.helpers import payload, raw, wait_until
+from tests.support.helpers import ManualExecutor, payload, raw, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -190,6 +190,230 @@ def test_a_retry_that_fails_again_keeps_its_place_and_the_bound() -> None:
         wait_until(settled(cache, 0), "the publishes to end")
         assert store.object("k0") is None
         assert all(store.object(k) is not None for k in ("k1", "k2", "late"))
+        cache.check_invariants()
+
+
+# ------------------------------------------------------------------ each edge, step by step
+# No retry thread (``background=False``) and an I/O pool that runs a write only when the test
+# says: a retry is ``retry_publishes`` and stays in flight until its task runs.
+
+
+def stepped(
+    store: FaultInjectingStore, max_entries: int, capacity: int = 64 << 10, background: bool = False
+) -> tuple[EmbeddingCache, ManualExecutor]:
+    io = ManualExecutor()
+    policy = RepublishPolicy(max_entries=max_entries, retry_interval_s=60.0, background=background)
+    cache = EmbeddingCache(
+        capacity, store=store, pin_memory=False, io_executor=io, republish=policy, auto_fence=None
+    )
+    return cache, io
+
+
+def backlog_counts(cache: EmbeddingCache) -> tuple[int, int, int, int]:
+    """(waiting or in flight, dropped, stale, retries in flight the bound dropped)."""
+    s = cache.stats()
+    marks = cache.sizes()["backlog_marks"]
+    return (s.publish_backlog, s.publish_backlog_dropped, s.publish_backlog_stale, marks)
+
+
+def publish_again(cache: EmbeddingCache, key: str) -> None:
+    with cache.request(f"again-{key}") as request:
+        request.lookup([Item(key, ROW, torch.float32)])
+        assert request.publish([key]) == [True]
+
+
+def test_a_retry_dropped_in_flight_is_forgotten_and_its_key_may_fail_and_wait_again() -> None:
+    """Planted bug caught: the mark of a retry that the bound dropped while in flight is kept
+    when that retry ends (``note`` without ``self._forgotten.discard(key)``): the key's next
+    FAILED publish is then ignored (never retried, never written) and the marks grow by one
+    each time (``sizes()["backlog_marks"]``)."""
+    store = FaultInjectingStore()
+    keys = ["k0", "k1", "k2"]
+    outage(store, keys, down=True)
+    cache, io = stepped(store, max_entries=2)
+    with cache:
+        tensors = [t for i, key in enumerate(keys) for t in insert(cache, [key], seed=i)]
+        io.run(0)  # k0's publish fails: it waits
+        assert cache.retry_publishes(1) == 1  # k0's retry: in flight (the last task)
+        io.run(0)
+        io.run(0)  # k1 and k2 fail: one too many, the oldest (k0, in flight) is dropped
+        assert backlog_counts(cache) == (2, 1, 0, 1)
+        io.run(0)  # k0's retry ends FAILED: it was dropped, it does not come back
+        assert backlog_counts(cache) == (2, 1, 0, 0)
+        publish_again(cache, "k0")  # k0 fails again: it waits, newest; k1 is dropped
+        io.run_all()
+        assert backlog_counts(cache) == (2, 2, 0, 0)
+        outage(store, keys, down=False)
+        assert cache.retry_publishes() == 2
+        io.run_all()
+        assert [store.object(k) for k in keys] == [raw(tensors[0]), None, raw(tensors[2])]
+        assert backlog_counts(cache) == (0, 2, 0, 0)
+        cache.check_invariants()
+
+
+def test_a_retry_that_ends_unknown_is_quarantined_and_never_retried() -> None:
+    """DESIGN: an UNKNOWN publish quarantines its entry and is never retried, a retry's too.
+    Planted bug caught: ``note`` putting a retried entry back for any outcome but OK (``else``
+    for ``elif outcome is TransferOutcome.FAILED``): the UNKNOWN retry waits again, then counts
+    as stale when the next retry finds it quarantined."""
+    store = FaultInjectingStore()
+    cache, io = stepped(store, max_entries=4)
+    with cache:
+        store.inject("k0", Fault.FAIL)
+        insert(cache, ["k0"])
+        io.run_all()
+        assert backlog_counts(cache) == (1, 0, 0, 0)
+        store.inject("k0", Fault.UNKNOWN)  # the store comes back half-way: the retry may land
+        assert cache.retry_publishes() == 1
+        io.run_all()
+        assert cache.stats().publishes_unknown == 1
+        assert cache.entry_state("k0") is QUARANTINED
+        assert backlog_counts(cache) == (0, 0, 0, 0), "an UNKNOWN retry never waits again"
+        store.inject("k0", None)
+        puts = store.calls["put_from"]
+        assert cache.retry_publishes() == 0
+        io.run_all()
+        assert store.calls["put_from"] == puts
+        assert backlog_counts(cache) == (0, 0, 0, 0)
+        cache.check_invariants()
+
+
+def test_retries_failing_together_go_back_oldest_first_so_the_bound_drops_the_oldest() -> None:
+    """Several retries in one write, all FAILED: they go back to the oldest end in their age
+    order, so one more failure drops the oldest of them. Planted bug caught: putting them back
+    in reverse age order (``for entry in back`` for ``reversed(back)``): the bound then drops
+    the newest (k2 is lost, k0 written)."""
+    store = FaultInjectingStore()
+    keys = ["k0", "k1", "k2", "late"]
+    outage(store, keys, down=True)
+    cache, io = stepped(store, max_entries=3)
+    with cache:
+        tensors = [t for i, key in enumerate(keys[:3]) for t in insert(cache, [key], seed=i)]
+        io.run_all()
+        assert cache.retry_publishes() == 3  # one write of three keys
+        assert len(io.tasks) == 1
+        io.run_all()
+        assert backlog_counts(cache) == (3, 0, 0, 0)
+        tensors += insert(cache, ["late"], seed=3)
+        io.run_all()  # a fourth failure: the oldest, k0, is dropped
+        assert backlog_counts(cache) == (3, 1, 0, 0)
+        outage(store, keys, down=False)
+        assert cache.retry_publishes() == 3
+        io.run_all()
+        assert store.object("k0") is None
+        assert [store.object(k) for k in keys[1:]] == [raw(t) for t in tensors[1:]]
+        assert backlog_counts(cache) == (0, 1, 0, 0)
+        cache.check_invariants()
+
+
+def test_entries_evicted_or_quarantined_while_waiting_are_stale_and_never_written() -> None:
+    """Planted bugs caught: ``skipped`` not counting what it drops (``stale`` stays 0); a
+    retry that no longer checks its entry is still READY, undoomed and untainted
+    (``RequestActions.republish`` without that check: the retry step raises on the
+    quarantined entry)."""
+    store = FaultInjectingStore()
+    keys = ["evicted", "quarantined", "kept"]
+    outage(store, keys, down=True)
+    cache, io = stepped(store, max_entries=8, capacity=4 * 1024)  # four items
+    with cache:
+        tensors = [t for i, key in enumerate(keys) for t in insert(cache, [key], seed=i)]
+        io.run_all()
+        assert backlog_counts(cache) == (3, 0, 0, 0)
+        store.inject("quarantined", Fault.UNKNOWN)
+        publish_again(cache, "quarantined")
+        io.run_all()
+        assert cache.entry_state("quarantined") is QUARANTINED
+        with cache.request("touch") as request:  # ``kept`` is newer: ``evicted`` is the oldest
+            request.lookup([Item("kept", ROW, torch.float32)])
+        outage(store, [*keys, "x1", "x2"], down=False)
+        insert(cache, ["x1", "x2"], seed=10)  # the fifth item evicts ``evicted``
+        assert cache.entry_state("evicted") is ABSENT
+        io.run_all()
+        assert cache.retry_publishes() == 1  # ``kept`` alone
+        io.run_all()
+        assert store.object("kept") == raw(tensors[2])
+        assert store.object("evicted") is None
+        assert store.object("quarantined") is None
+        assert backlog_counts(cache) == (0, 0, 2, 0)
+        cache.check_invariants()
+
+
+def test_a_key_published_by_a_request_while_it_waits_leaves_the_backlog() -> None:
+    """The store holds it: no retry writes it again. Planted bug caught: ``note`` leaving an
+    OK publish's key in the backlog (without ``waiting.pop(key, None)``): the next retry
+    writes it a second time."""
+    store = FaultInjectingStore()
+    cache, io = stepped(store, max_entries=4)
+    with cache:
+        store.inject("k0", Fault.FAIL)
+        (tensor,) = insert(cache, ["k0"])
+        io.run_all()
+        store.inject("k0", None)
+        publish_again(cache, "k0")
+        io.run_all()
+        assert store.object("k0") == raw(tensor)
+        assert backlog_counts(cache) == (0, 0, 0, 0)
+        puts = store.calls["put_from"]
+        assert cache.retry_publishes() == 0
+        assert store.calls["put_from"] == puts
+        cache.check_invariants()
+
+
+def test_retries_in_flight_when_the_store_answers_are_retried_at_once_if_they_fail() -> None:
+    """An OK publish while the backlog's retries are all in flight finds nothing waiting to
+    retry; each retry then ends as its own outcome says (OK: published, out of the backlog;
+    FAILED: back), and failed ones are retried at once (they were sent before the store
+    answered), not at the next interval (60 s here). Planted bug caught: ``note`` forgetting
+    the answer seen while retries were in flight (returning ``ok and bool(waiting)`` only):
+    k0 and k1 then wait for the probe and the test times out waiting for their retry."""
+    store = FaultInjectingStore()
+    outage(store, ["k0", "k1"], down=True)
+    cache, io = stepped(store, max_entries=4, background=True)
+    with cache:
+        tensors = insert(cache, ["k0", "k1"])
+        io.run_all()
+        assert backlog_counts(cache) == (2, 0, 0, 0)
+        insert(cache, ["fresh"], seed=5)  # the store answers this one: the backlog is retried
+        io.run(0)
+        wait_until(lambda: len(io.tasks) == 1, "the retry of all that waits")
+        insert(cache, ["fresh2"], seed=6)
+        io.run(1)  # another OK publish, the retry of k0 and k1 still in flight
+        assert backlog_counts(cache) == (2, 0, 0, 0)
+        io.run(0)  # the retry fails: its write was sent before the store answered
+        assert store.object("k0") is None
+        wait_until(lambda: len(io.tasks) == 1, "their retry, at once")
+        outage(store, ["k0", "k1"], down=False)
+        io.run_all()
+        assert [store.object(k) for k in ("k0", "k1")] == [raw(t) for t in tensors]
+        assert backlog_counts(cache) == (0, 0, 0, 0)
+        cache.check_invariants()
+
+
+def test_one_retry_at_a_time_so_a_failed_probe_is_dropped_before_a_newer_entry() -> None:
+    """While a retry is in flight no other starts (``retry_publishes`` starts nothing): the
+    entries that fail go back older than all that waits, and the bound drops the oldest.
+    Planted bug caught: ``take`` handing out more while a retry is in flight; the probe of
+    k0 then ends FAILED while k1's retry is still out, and one more failure drops k1 (in
+    flight, dropped first) instead of the older k0."""
+    store = FaultInjectingStore()
+    keys = ["k0", "k1", "k2"]
+    outage(store, keys, down=True)
+    cache, io = stepped(store, max_entries=2)
+    with cache:
+        tensors = [t for i, key in enumerate(keys[:2]) for t in insert(cache, [key], seed=i)]
+        io.run_all()
+        assert cache.retry_publishes(1) == 1  # the probe: k0
+        second = cache.retry_publishes(1)  # while k0's retry is in flight
+        io.run(0)  # k0 fails again: back to the oldest end
+        tensors += insert(cache, ["k2"], seed=2)
+        io.run(len(io.tasks) - 1)  # one too many: k0, the oldest, is dropped
+        io.run_all()
+        outage(store, keys, down=False)
+        cache.retry_publishes()
+        io.run_all()
+        assert [store.object(k) for k in keys] == [None, raw(tensors[1]), raw(tensors[2])]
+        assert second == 0, "one retry at a time"
+        assert backlog_counts(cache) == (0, 1, 0, 0)
         cache.check_invariants()
 
 

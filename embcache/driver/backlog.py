@@ -12,6 +12,10 @@ an OK one says the store answers. A background thread (``Republisher``) tries th
   is the probe (while the store is still down it fails at once and the entry goes back to the
   oldest end; when it ends OK, the rest follows at once).
 
+With ``RepublishPolicy(background=False)`` there is no thread: the backlog fills and drops the
+same way, and only ``EmbeddingCache.retry_publishes`` tries it again (a test drives each retry as
+a step; an application may run its own schedule).
+
 "The store returned" is thus "a store write succeeded": no call beyond the ``GlobalStore``
 protocol, no probe while nothing waits, and while the store stays down one write an interval.
 A retried entry joins the eviction order anew when its publish ends, as any published entry
@@ -19,7 +23,14 @@ does; the probe moves one entry an interval. A retry is the cache's ``CacheCore.
 step with no request: the same Lookup, Publish, Release and EndPublish actions as any
 request's publish, under an internal request, only for keys still READY and neither doomed
 nor tainted: an entry evicted, removed or quarantined since is dropped from the
-backlog unpublished (``stale``). A publish ending UNKNOWN never joins: its entry is quarantined.
+backlog unpublished (``stale``). One retry is in flight at a time (``take`` gives nothing
+until it ended), so the backlog stays in age order. A publish ending UNKNOWN never joins, a
+retry's included: its
+entry is quarantined. A key published OK (by a request) while it waits leaves the backlog: the
+store holds it. Retries that fail together go back to the oldest end in their age order, so the
+bound still drops the oldest failure first. An OK publish while retries are in flight (none
+waiting, so nothing to retry yet) is remembered: those retries that then come back FAILED are
+retried at once, not at the next interval.
 
 Bounded: at most ``max_entries`` wait; one more drops the oldest (``dropped``). The counters
 are in ``EmbeddingCache.stats()`` (``publish_backlog``, ``publish_backlog_dropped``,
@@ -51,10 +62,12 @@ BACKLOG_LEVEL = 4  # above the trace outbox's (3): a leaf, taken with no other l
 @dataclass(frozen=True)
 class RepublishPolicy:
     """How many failed publishes wait for the store (``max_entries``, the oldest dropped
-    beyond it) and how often they are tried again while it stays down (``retry_interval_s``)."""
+    beyond it) and how often they are tried again while it stays down (``retry_interval_s``).
+    ``background=False``: no retry thread; only ``EmbeddingCache.retry_publishes`` retries."""
 
     max_entries: int = 4096
     retry_interval_s: float = 1.0
+    background: bool = True
 
     def __post_init__(self) -> None:
         n = self.max_entries
@@ -67,6 +80,8 @@ class RepublishPolicy:
             raise InvalidTypeError(f"retry_interval_s must be a number, got {s!r}")
         if not (math.isfinite(s) and s > 0):
             raise InvalidArgumentError(f"retry_interval_s must be a finite number > 0, got {s}")
+        if not isinstance(self.background, bool):
+            raise InvalidTypeError(f"background must be a bool, got {self.background!r}")
 
 
 class PublishBacklog:
@@ -78,6 +93,7 @@ class PublishBacklog:
         self._waiting: OrderedDict[str, Entry] = OrderedDict()
         self._retrying: dict[str, Entry] = {}  # taken by ``take``, not yet ended; oldest first
         self._forgotten: set[str] = set()  # retries in flight dropped as the oldest
+        self._answered = False  # an OK publish was noted while retries were in flight
         self._lock = new_lock(BACKLOG_LEVEL, "publish backlog lock")
         self.dropped = 0  # the oldest, dropped for a newer one beyond ``max_entries``
         self.stale = 0  # evicted, removed or quarantined before their retry: never published
@@ -86,12 +102,23 @@ class PublishBacklog:
         with self._lock:
             return len(self._waiting) + len(self._retrying)
 
+    @property
+    def marks(self) -> int:
+        """Retries in flight that the bound dropped (each forgotten when its retry ends or
+        does not start): at most ``max_entries``. O(1)."""
+        with self._lock:
+            return len(self._forgotten)
+
     def note(self, entries: Sequence[Entry], outcomes: Sequence[TransferOutcome]) -> bool:
-        """Ended publishes: each FAILED one waits (a retry's goes back to the oldest end);
-        returns whether one ended OK (the store answers) while publishes wait for it. With
-        none waiting there is nothing to retry, so the republisher is not woken: an OK
-        publish, the common case, costs no thread wake-up. (A failure noted by another
-        I/O thread just after is retried by the next OK publish, or by the probe.)"""
+        """Ended publishes: each FAILED one waits (retries that failed go back to the oldest
+        end, in their age order); an OK one leaves the backlog if it waited (the store holds
+        it); an UNKNOWN one never waits (its entry is quarantined). Returns whether the
+        republisher should retry all that waits now: a publish ended OK (the store answers)
+        while publishes wait, or failed retries came back after an OK publish was noted
+        while they were in flight. With none waiting there is nothing to retry, so the
+        republisher is not woken: an OK publish, the common case, costs no thread wake-up.
+        (A failure noted by another I/O thread just after is retried by the next OK publish,
+        or by the probe.)"""
         ok = False
         with self._lock:
             waiting, retrying = self._waiting, self._retrying
@@ -105,6 +132,7 @@ class PublishBacklog:
                 retried = retrying.pop(key, None) is not None  # (a retry writes the key's entry)
                 if outcome is TransferOutcome.OK:
                     ok = True
+                    waiting.pop(key, None)  # (published by a request while it waited)
                 elif outcome is TransferOutcome.FAILED:
                     if retried:
                         back.append(entry)
@@ -123,15 +151,23 @@ class PublishBacklog:
                 else:
                     waiting.popitem(last=False)
                 self.dropped += 1
-            return ok and bool(waiting)
+            again = bool(back) and self._answered  # (sent before the store answered)
+            self._answered = bool(retrying) and (ok or self._answered)
+            return (ok or again) and bool(waiting)
 
     def take(self, limit: int | None = None) -> list[Entry]:
         """The ``limit`` oldest waiting entries (None: all), oldest first, now being retried
-        (each then ends in ``note``, ``skipped`` or ``requeue``). O(taken)."""
+        (each then ends in ``note``, ``skipped`` or ``requeue``); none while a retry is still
+        in flight: one retry at a time, so those that fail go back older than every waiting
+        entry and the bound drops them first, the oldest first. O(taken)."""
         with self._lock:
+            if self._retrying:
+                return []
             waiting = self._waiting
             n = len(waiting) if limit is None else min(limit, len(waiting))
             taken = [waiting.popitem(last=False)[1] for _ in range(n)]
+            if taken:
+                self._answered = False  # (this retry follows the answer)
             self._retrying.update((e.key, e) for e in taken)
             return taken
 
@@ -159,7 +195,7 @@ class Republisher:
         self,
         policy: RepublishPolicy,
         backlog: PublishBacklog,
-        retry: Callable[[int | None], None],
+        retry: Callable[[int | None], object],
     ) -> None:
         self._policy = policy
         self._backlog = backlog

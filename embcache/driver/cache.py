@@ -170,7 +170,6 @@ class EmbeddingCache:
         self._republisher: Republisher | None = None
         if store is not None and republish is not None:
             self._backlog = PublishBacklog(republish.max_entries)
-            self._republisher = Republisher(republish, self._backlog, self._republish)
         self.runner = StepRunner(
             core,
             pool_tensor,
@@ -185,6 +184,8 @@ class EmbeddingCache:
             outbox=None if trace is None else TraceOutbox(trace),
             published=None if self._backlog is None else self._published,
         )
+        if self._backlog is not None and republish is not None and republish.background:
+            self._republisher = Republisher(republish, self._backlog, self.retry_publishes)
         self._fence_gate = fence_gate
         self._fence_policy = auto_fence
         self._fencer = (
@@ -365,7 +366,8 @@ class EmbeddingCache:
         that waited on a load), ``async_waiters`` (their pending ``wait_async`` futures),
         ``fences_in_flight``, ``shapes`` (interned shapes), ``trace_batches`` (trace events
         handed in and not yet delivered), ``typed_views`` and ``view_bases`` (the pool's
-        views) and ``strides`` (the process-wide strides cache). O(open requests)."""
+        views), ``strides`` (the process-wide strides cache) and ``backlog_marks`` (failed
+        publishes' retries in flight that the backlog's bound dropped). O(open requests)."""
         runner = self.runner
         with runner.lock:
             sizes = {
@@ -375,25 +377,31 @@ class EmbeddingCache:
                 "shapes": runner.core.queries.shapes,
             }
         sizes["trace_batches"] = runner.trace_batches()
+        sizes["backlog_marks"] = 0 if self._backlog is None else self._backlog.marks
         return sizes | runner.views.sizes()
 
     # ------------------------------------------------------------------ what outlives a step
     def _published(self, entries: list[Entry], outcomes: list[TransferOutcome]) -> None:
         """The runner's report of publishes that ended (no lock held): failed ones wait in
-        the backlog, and the republisher wakes when the backlog says a retry is due."""
-        backlog = self._backlog
-        if backlog is not None and backlog.note(entries, outcomes):
-            assert self._republisher is not None
-            self._republisher.store_answered()
+        the backlog, and the republisher (when it runs) wakes when the backlog says a retry
+        is due."""
+        backlog, republisher = self._backlog, self._republisher
+        if backlog is not None and backlog.note(entries, outcomes) and republisher:
+            republisher.store_answered()
 
-    def _republish(self, limit: int | None) -> None:
-        """The republisher's retry: publish again the ``limit`` oldest failed publishes (None:
-        all; ``CacheCore.publish`` with no request)."""
+    def retry_publishes(self, limit: int | None = None) -> int:
+        """Publish again, now, the ``limit`` oldest failed publishes waiting in the backlog
+        (None: all; ``embcache.driver.backlog``): the republisher thread's step, for a cache
+        built with ``RepublishPolicy(background=False)`` (or any other). Returns how many
+        writes started (the rest were evicted, removed or quarantined since: stale); each
+        ends on the I/O pool as any publish does. 0 without a backlog. Raises ClosedError
+        once the cache is closed (the taken entries wait again). O(retried)."""
         backlog = self._backlog
-        assert backlog is not None
+        if backlog is None:
+            return 0
         entries = backlog.take(limit)
         if not entries:
-            return
+            return 0
         try:
             runner = self.runner
             keys = [e.key for e in entries]
@@ -402,6 +410,7 @@ class EmbeddingCache:
             backlog.requeue(entries)
             raise
         backlog.skipped(entries, started)
+        return sum(started)
 
     def _fence_due(self, now: float) -> bool:
         """Whether the automatic fence should run now (the fencer's question)."""

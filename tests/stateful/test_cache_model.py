@@ -8,8 +8,13 @@ releases, removes and fences deterministically. A fence is also two rules: ``beg
 ``fence()`` on a thread whose store fence waits, ``end_fence`` lets one of those in flight end,
 so fences overlap with loads, UNKNOWN outcomes, removes and each other, and the model says what
 each must free. Store faults (fail, unknown, short, raise) and other workers' puts and deletes
-are rules too. After every step the whole observable state is compared, ``check_invariants()``
-runs, and every view a request holds must carry exactly the bytes that were stored for its key.
+are rules too. Most runs keep a backlog of failed publishes (``RepublishPolicy``, 1-3 entries,
+its thread off): store outages (every write FAILED or UNKNOWN), the store's return, a request
+publishing again and the republisher's retry step (``retry_publishes``: the probe or all) are
+rules, and the backlog's size, drops, stale retries and dropped retries in flight are compared
+with ``models.backlog``. After every step the whole observable state is compared,
+``check_invariants()`` runs, and every view a request holds must carry exactly the bytes that
+were stored for its key.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from embcache import EmbeddingCache, Item
 from embcache.core.policy import make_policy
+from embcache.driver.backlog import RepublishPolicy
 from embcache.driver.trace import TraceLog
 from embcache.testing import Fault, FaultInjectingStore
 from models.cache import ModelCache
-from tests.support.helpers import FenceThread
+from tests.support.helpers import FenceThread, ManualExecutor
 
 ALIGN = 256
 KEYS = ["k0", "k1", "k2", "k3", "k4"]
@@ -65,24 +71,6 @@ def payload(key: str, nbytes: int) -> bytes:
 def tensor_for(item: Item) -> torch.Tensor:
     raw = torch.frombuffer(bytearray(payload(item.key, item.nbytes)), dtype=torch.uint8)
     return raw.view(item.dtype).view(item.shape).clone()
-
-
-class ManualExecutor:
-    """Stands in for the cache's I/O pool: tasks wait in a queue until a rule runs one."""
-
-    def __init__(self) -> None:
-        self.tasks: list[tuple[Any, tuple[Any, ...]]] = []
-
-    def submit(self, fn: Any, *args: Any) -> None:
-        self.tasks.append((fn, args))
-
-    def run(self, index: int) -> None:
-        fn, args = self.tasks.pop(index)
-        fn(*args)
-
-    def shutdown(self, wait: bool = True) -> None:
-        while self.tasks:
-            self.run(0)
 
 
 class GatedStore(FaultInjectingStore):
@@ -133,8 +121,17 @@ class CacheMachine(RuleBasedStateMachine):
         eviction=st.booleans(),
         policy=st.sampled_from(list(KNOBS)),
         traced=st.booleans(),
+        backlog=st.sampled_from([None, 1, 2, 3]),
     )
-    def setup(self, units: int, max_batch: int, eviction: bool, policy: str, traced: bool) -> None:
+    def setup(
+        self,
+        units: int,
+        max_batch: int,
+        eviction: bool,
+        policy: str,
+        traced: bool,
+        backlog: int | None,
+    ) -> None:
         self.store = GatedStore()
         self.fencing: list[tuple[FenceThread, threading.Event, int]] = []  # fences in flight
         # Untraced, the core takes its fast paths (no event built); traced, the paths the trace
@@ -152,9 +149,14 @@ class CacheMachine(RuleBasedStateMachine):
             policy=make_policy(policy, **KNOBS[policy]),
             auto_fence=None,  # fences are a rule here
             io_executor=self.io,
-            republish=None,  # no retry thread racing the rules (tests/test_republish.py)
+            # the backlog with no thread: a rule runs each retry (``retry_publishes``)
+            republish=None
+            if backlog is None
+            else RepublishPolicy(max_entries=backlog, background=False),
         )
-        self.model = ModelCache(units * ALIGN, ALIGN, max_batch, eviction, policy, **KNOBS[policy])
+        self.model = ModelCache(
+            units * ALIGN, ALIGN, max_batch, eviction, policy, backlog, **KNOBS[policy]
+        )
         self.handles: dict[str, Any] = {}
 
     def teardown(self) -> None:
@@ -241,6 +243,11 @@ class CacheMachine(RuleBasedStateMachine):
         work = data.draw(  # measured encoder seconds, or none (unknown)
             st.none() | st.lists(st.sampled_from(WORK_S), min_size=len(items), max_size=len(items))
         )
+        self.insert_items(r, items, publish, work)
+
+    def insert_items(
+        self, r: str, items: list[Item], publish: bool, work: list[float] | None = None
+    ) -> None:
         real = self.handles[r].insert(
             [it.key for it in items], [tensor_for(it) for it in items], publish=publish, work=work
         )
@@ -289,6 +296,53 @@ class CacheMachine(RuleBasedStateMachine):
             self.model.faults.pop(key, None)
         else:
             self.model.faults[key] = fault
+
+    # -- publishes and the backlog of failed ones --
+    @rule(r=st.sampled_from(REQUESTS), keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3))
+    def publish(self, r: str, keys: list[str]) -> None:
+        """A request publishes keys it holds again (a key that failed may fail again)."""
+        if r not in self.handles:
+            return
+        assert self.handles[r].publish(keys) == self.model.publish(r, keys)
+
+    @precondition(lambda self: getattr(self, "model", None) and self.model.backlog is not None)
+    @rule(
+        r=st.sampled_from(REQUESTS),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3, unique=True),
+        fault=st.sampled_from(["fail", "fail", "short", "unknown"]),
+        end=st.booleans(),
+    )
+    def publish_in_outage(self, r: str, keys: list[str], fault: str, end: bool) -> None:
+        """An insert published while the store is down for its keys, its write ended or not
+        (four rules in one: the request, the faults, the insert, the completion), so that
+        within a few steps the backlog fills, drops (retries in flight too) and is retried."""
+        keys = [k for k in keys if k not in self.model.entries]
+        if not keys:
+            return
+        self.open_request(r)
+        for key in keys:
+            self.store_fault(key, fault)
+        self.insert_items(r, [self.item(key, 0) for key in keys], publish=True)
+        if end and self.io.tasks:
+            self.run_task(len(self.io.tasks) - 1)
+
+    @rule(fault=st.sampled_from(["fail", "unknown"]))
+    def store_outage(self, fault: str) -> None:
+        """The store goes down for every key: its writes end FAILED (unreachable) or UNKNOWN
+        (cut off part-way)."""
+        for key in KEYS:
+            self.store_fault(key, fault)
+
+    @rule()
+    def store_returns(self) -> None:
+        for key in KEYS:
+            self.store_fault(key, None)
+
+    @precondition(lambda self: bool(getattr(self, "model", None) and self.model.backlog))
+    @rule(limit=st.sampled_from([None, 1, 2]))
+    def retry(self, limit: int | None) -> None:
+        """The republisher's step (its thread is off): the probe (1) or all that waits."""
+        assert self.cache.retry_publishes(limit) == self.model.retry(limit)
 
     # -- removal and fence --
     @rule(key=st.sampled_from(KEYS))
@@ -361,6 +415,12 @@ class CacheMachine(RuleBasedStateMachine):
             counts["publishes_failed"],
             counts["publishes_unknown"],
         )
+        assert stats.publishes_started == counts["publishes_started"]
+        backlog = self.model.backlog
+        if backlog is not None:  # waiting or in flight, dropped, stale, dropped in flight
+            real = (stats.publish_backlog, stats.publish_backlog_dropped)
+            real += (stats.publish_backlog_stale, self.cache.sizes()["backlog_marks"])
+            assert real == (len(backlog), backlog.dropped, backlog.stale, len(backlog.gone))
         for r, rq in self.model.requests.items():  # the request bookkeeping (DESIGN's table)
             rs = snap.requests[r]
             assert (list(rs.holds), rs.waits, rs.reserved) == (rq.holds, rq.waits, rq.reserved)

@@ -1,6 +1,7 @@
 """Helpers shared by the tests: seeded payloads, stored bytes, unique names, bounded polling, a
 cache on a real Mooncake master, a cache checked idle once its transfers ended, a fence on a
-thread of its own, this process's resident memory, the evict-after-close harness."""
+thread of its own, this process's resident memory, the evict-after-close harness, an I/O pool
+that runs a task only when the test says (``ManualExecutor``)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,31 @@ def aligned(nbytes: int, alignment: int = 256) -> int:
 def unique(name: str) -> str:
     """``name`` made unique to this call (keys and request ids on a store other tests share)."""
     return f"{name}-{uuid.uuid4().hex[:10]}"
+
+
+class ManualExecutor:
+    """Stands in for a cache's I/O pool (``io_executor``): tasks wait in a queue until the test
+    runs one, so a transfer stays in flight as long as the test wants. ``submit`` may be called
+    from another thread (a republisher's)."""
+
+    def __init__(self) -> None:
+        self.tasks: list[tuple[Any, tuple[Any, ...]]] = []
+
+    def submit(self, fn: Any, *args: Any) -> None:
+        self.tasks.append((fn, args))
+
+    def run(self, index: int) -> None:
+        """Run the ``index``-th waiting task (0: the oldest)."""
+        fn, args = self.tasks.pop(index)
+        fn(*args)
+
+    def run_all(self) -> None:
+        """Run every waiting task, oldest first (those they submit too)."""
+        while self.tasks:
+            self.run(0)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.run_all()
 
 
 def wait_until(
