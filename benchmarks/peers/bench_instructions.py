@@ -68,17 +68,17 @@ Op = Callable[[int], None]
 
 
 # ---------------------------------------------------------------------------- the two sides
-def ours_cache(entries: int, policy: str | Policy | None = None) -> EmbeddingCache:
+def ours_cache(entries: int, policy: str | Policy = "lru") -> EmbeddingCache:
     """A CPU cache of exactly ``entries`` 256 B entries, no automatic fence thread, with
-    ``policy`` (None: the cache's default)."""
-    chosen = {} if policy is None else {"policy": policy}
+    ``policy`` (``lru`` against SGLang's controller, whose order is LRU: like for like, and
+    every operation runs the same code, so a count per operation is exact)."""
     return EmbeddingCache(
         entries * ENTRY_BYTES,
         alignment=ENTRY_BYTES,
         pin_memory=False,
         io_workers=1,
         auto_fence=None,
-        **chosen,
+        policy=policy,
     )
 
 
@@ -86,12 +86,12 @@ def ours_hit(
     entries: int,
     batches: list[list[str]],
     two_steps: bool = False,
-    policy: str | Policy | None = None,
+    policy: str | Policy = "lru",
 ) -> tuple[Op, Callable[[int], None]]:
     """Ours' 8-item all-hit request, and a check of what the first ``n`` ops did (uncounted):
     ``cache.request()``, ``lookup``, ``embeddings()``, close; or, ``two_steps``,
     ``cache.lookup(id, items)`` (open and look up in one step), ``embeddings()``, close.
-    ``policy``: the cache's (None: its default)."""
+    ``policy``: the cache's (``ours_cache``)."""
     cache = ours_cache(entries, policy)
     tensor = torch.zeros(SHAPE, dtype=torch.bfloat16)
     with cache.request("fill") as fill:

@@ -70,7 +70,8 @@ VARIANTS: dict[str, Callable[[], Policy]] = {  # measured, not product policies
     "adaptive-half": HalfShadows,  # cheaper shadows (issue 57, point 4)
     "adaptive-work-noisy": _noisy_work,  # adaptive-work told work as a loaded clock measures it
 }
-POLICIES = ("lru", "tinylfu", "adaptive", "adaptive-work", *VARIANTS)
+PRODUCT = ("lru", "tinylfu", "adaptive", "adaptive-work")  # the policies a default can be
+POLICIES = (*PRODUCT, *VARIANTS)
 SAME_HIT = {"adaptive-work-noisy": "adaptive-work"}  # the same hit path: not counted twice
 BASE = "lru"
 MAX_LOSS = 1.5  # points of work saved a default may lose to lru on any cell
@@ -328,9 +329,10 @@ def candidates(cells: Sequence[dict[str, Any]], policies: Sequence[str]) -> dict
 
 
 def choose(table: dict[str, Any], costs: dict[str, dict[str, Any]] | None) -> str:
-    """The rule: the highest mean work saved among the eligible (``lru`` is always eligible);
-    a tie (equal to the hundredth of a point) goes to the fewer instructions per hit item, else
-    the shorter time."""
+    """The rule: the highest mean work saved among the eligible policies of the product
+    (``PRODUCT``; ``lru`` is always eligible; a variant that would win is reported, and must
+    become a product policy first); a tie (equal to the hundredth of a point) goes to the
+    fewer instructions per hit item, else the shorter time."""
 
     def cost(name: str) -> float:
         if not costs or name not in costs:
@@ -338,7 +340,7 @@ def choose(table: dict[str, Any], costs: dict[str, dict[str, Any]] | None) -> st
         count = costs[name].get("instructions")
         return count if count is not None else costs[name].get("us_per_item", 0.0)
 
-    eligible = [n for n, v in table.items() if v["eligible"]]
+    eligible = [n for n, v in table.items() if v["eligible"] and n in PRODUCT]
     return min(eligible, key=lambda n: (-round(table[n]["mean_saved"], 2), cost(n)))
 
 
