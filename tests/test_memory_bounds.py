@@ -185,7 +185,7 @@ def test_pool_views_and_strides_stay_at_their_bound() -> None:
     from embcache.driver.pool import PoolViews
 
     dtypes = (torch.uint8, torch.float16, torch.float32)
-    with EmbeddingCache(1 << 16, pin_memory=False) as cache:
+    with EmbeddingCache(1 << 16, pin_memory=False, policy="lru") as cache:
         for i in range(10 * 1024):
             key, dtype = f"k{i}", dtypes[i % 3]
             with cache.request(f"r{i}") as request:

@@ -174,7 +174,7 @@ def test_a_lost_ack_quarantines_the_range_for_good_and_a_late_one_ends_it(
 
     from embcache.integrations.vllm import EmbcacheECWorkerMetadata
 
-    sched = make_scheduler({**SMALL, "hold_timeout_s": 0.01})
+    sched = make_scheduler({**SMALL, "hold_timeout_s": 0.01, "policy": "lru"})  # fills evict
     _insert(sched, "a", 8)
     request = FakeRequest("r1", ["a"], {"a": 8}, 1)
     meta = _one_step(sched, request)
