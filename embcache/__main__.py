@@ -19,6 +19,7 @@ from pathlib import Path
 from types import FrameType
 
 from embcache import __version__
+from embcache.core.policy import POLICIES
 from embcache.tools.demo import (
     DTYPES,
     DemoConfig,
@@ -95,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to wait for store loads before encoding instead",
     )
     demo.add_argument("--seed", type=int, default=d.seed, help="seed of the workload and faults")
+    demo.add_argument(
+        "--policy", choices=sorted(POLICIES), default=d.policy,
+        help="the cache's eviction policy (default: EmbeddingCache's)",
+    )  # fmt: skip
     demo.add_argument(
         "--verify", action="store_true", help="check every response against a fresh encode"
     )
@@ -176,6 +181,7 @@ def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> DemoCo
         prefetch_timeout=args.prefetch_timeout,
         seed=args.seed,
         verify=args.verify,
+        policy=args.policy,
         metrics_port=args.metrics_port,
     )
 

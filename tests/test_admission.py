@@ -89,7 +89,7 @@ def test_tinylfu_admits_a_key_looked_up_more_often_than_its_victims(
 
 
 def test_lru_never_refuses(make_cache: Callable[..., EmbeddingCache]) -> None:
-    cache = make_cache(UNIT, alignment=UNIT)
+    cache = make_cache(UNIT, alignment=UNIT, policy="lru")
     for n in range(5):
         with cache.request(f"r{n}") as request:
             tensor = payload((UNIT // 4,), torch.float32, n)

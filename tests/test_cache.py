@@ -577,7 +577,7 @@ def test_remove_quarantined_entry_waits_for_fence(
 def test_unknown_load_is_quarantined_and_freed_only_by_fence(
     store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
-    cache = make_cache(capacity=2 * UNIT)
+    cache = make_cache(capacity=2 * UNIT, policy="lru")
     store.put_object("q", raw(slot(1)))
     store.inject("q", Fault.UNKNOWN)
     with cache.request("r") as request:
@@ -655,7 +655,7 @@ def test_unknown_publish_quarantines_once_the_last_pin_goes(
 def test_publish_runs_under_its_own_pin(
     store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
-    cache = make_cache(capacity=UNIT)
+    cache = make_cache(capacity=UNIT, policy="lru")
     store.inject("a", Fault.HOLD)
     with cache.request("r") as request:
         assert request.insert(["a"], [slot(1)], publish=True) == [True]
@@ -848,7 +848,7 @@ def test_eviction_order_is_lru_with_uniform_sizes(
     make_cache: Callable[..., EmbeddingCache],
 ) -> None:
     trace: list[dict[str, Any]] = []
-    cache = make_cache(capacity=4 * UNIT, trace=trace)
+    cache = make_cache(capacity=4 * UNIT, trace=trace, policy="lru")
     for i, key in enumerate("abcd"):
         insert(cache, key, slot(i))
     assert read(cache, slot_item("a")) == raw(slot(0))  # a is now the most recent
@@ -874,7 +874,7 @@ def test_eviction_matches_an_lru_model_with_uniform_sizes(
 ) -> None:
     """Seeded random hits and inserts over 16 keys in an 8-slot pool: victims are plain LRU."""
     trace: list[dict[str, Any]] = []
-    cache = make_cache(capacity=8 * UNIT, trace=trace)
+    cache = make_cache(capacity=8 * UNIT, trace=trace, policy="lru")
     model: OrderedDict[str, None] = OrderedDict()
     rng = random.Random(1234)
     keys = [f"k{i}" for i in range(16)]
@@ -923,7 +923,7 @@ def test_eviction_disabled_never_evicts(make_cache: Callable[..., EmbeddingCache
 def test_eviction_batch_limit_evicts_nothing_when_exceeded(
     make_cache: Callable[..., EmbeddingCache],
 ) -> None:
-    cache = make_cache(capacity=4 * UNIT, max_eviction_batch=2)
+    cache = make_cache(capacity=4 * UNIT, max_eviction_batch=2, policy="lru")
     for i, key in enumerate("abcd"):
         insert(cache, key, slot(i))
     with cache.request("r") as request:
@@ -992,7 +992,7 @@ def test_trace_has_one_event_per_action_in_order(
     store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
 ) -> None:
     trace: list[dict[str, Any]] = []
-    cache = make_cache(capacity=2 * UNIT, trace=trace)
+    cache = make_cache(capacity=2 * UNIT, trace=trace, policy="lru")
     with cache.request("r1") as request:
         request.lookup([slot_item("A")], reserve_misses=True)
         request.insert(["A"], [slot(1)], publish=False)

@@ -179,7 +179,7 @@ def test_no_eviction_between_load_completion_and_the_waiter_reading(
     """EndLoad pins every waiter at once: allocation pressure right after it evicts nothing."""
     data = payload((256, 64), torch.float32, seed=3)  # 64 KiB
     item = item_of("loaded", data)
-    cache = make_cache(capacity=aligned(item.nbytes) + 4 * ALIGN)
+    cache = make_cache(capacity=aligned(item.nbytes) + 4 * ALIGN, policy="lru")
     store.put_object("loaded", raw(data))
     store.inject("loaded", Fault.HOLD)
     big = payload((256, 64), torch.float32, seed=33)  # needs the loaded entry's range
@@ -440,7 +440,7 @@ def test_eviction_frees_only_adjacent_victims(
     """LRU order A, C, B, D and a two-slot request: plain LRU would evict A and C (not
     adjacent) for nothing; the rule evicts exactly A and B and keeps C."""
     trace: list[dict[str, Any]] = []
-    cache = make_cache(capacity=4 * UNIT, trace=trace)
+    cache = make_cache(capacity=4 * UNIT, trace=trace, policy="lru")
     tensors = fill_slots(cache, "ABCD")
     age_in_order(cache, "ACBD")
     before = cache.stats().evictions

@@ -60,7 +60,7 @@ def test_present_duplicate_and_reserved_keys_are_left_alone() -> None:
 
 
 def test_a_full_pool_evicts_idle_entries_oldest_first() -> None:
-    with EmbeddingCache(2 * UNIT, pin_memory=False) as cache:
+    with EmbeddingCache(2 * UNIT, pin_memory=False, policy="lru") as cache:
         assert cache.insert(["a", "b"], [slot(1), slot(2)], publish=False) == [True, True]
         assert cache.insert(["c"], [slot(3)], publish=False) == [True]
         assert cache.entry_state("a").name == "ABSENT" and cache.entry_state("c") is READY
@@ -126,7 +126,9 @@ def test_an_evicting_insert_leaves_the_allocator_as_freeing_and_allocating_would
     ``layout``: entry sizes in units, inserted (and idle) in order, the first the LRU victim;
     ``removed``: the indexes of the entries removed first, leaving free blocks."""
     capacity = sum(int(size) for size in layout) * UNIT
-    with EmbeddingCache(capacity, alignment=UNIT, pin_memory=False, auto_fence=None) as cache:
+    with EmbeddingCache(
+        capacity, alignment=UNIT, pin_memory=False, auto_fence=None, policy="lru"
+    ) as cache:
         keys = [f"e{i}" for i in range(len(layout))]
         for key, size in zip(keys, layout, strict=True):
             tensor = payload((int(size) * UNIT // 2,), torch.bfloat16, int(size))

@@ -208,7 +208,7 @@ def test_metrics_endpoint_of_a_running_demo() -> None:
     parser = pytest.importorskip("prometheus_client.parser")
     demo = subprocess.Popen(
         [sys.executable, "-m", "embcache", *SMALL_ARGS, "--requests", "1000000",
-         "--metrics-port", "0"],
+         "--metrics-port", "0", "--policy", "lru"],  # lru: every insert call copies an output
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

@@ -374,8 +374,8 @@ def scripted_flow() -> dict[str, Any]:
     store = FaultInjectingStore(delay_seconds=0.001)
     observed: list[Any] = []
     unit = (256,)
-    with EmbeddingCache(
-        4 * 1024, store=store, pin_memory=False, io_workers=2, trace=trace
+    with EmbeddingCache(  # lru: its fills evict in LRU order (below)
+        4 * 1024, store=store, pin_memory=False, io_workers=2, trace=trace, policy="lru"
     ) as cache:
         store.put_object("stored", raw(tensor(1)))
         store.put_object("broken", raw(tensor(2)))

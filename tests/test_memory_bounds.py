@@ -58,10 +58,12 @@ def growth_while_pushing(cache: EmbeddingCache, pool: int, nbytes: int) -> tuple
 
 
 def test_the_readme_cache_holds_at_most_its_pool_however_many_images_pass() -> None:
-    """``EmbeddingCache(pool_bytes)`` as the README's first example: 10x the pool of distinct
-    images pass and neither the process nor Python's heap grows by a fraction of a pool."""
+    """``EmbeddingCache(pool_bytes)`` as the README's first example, with ``lru`` so that every
+    image enters and evicts (the default's filter refuses one-off images): 10x the pool of
+    distinct images pass and neither the process nor Python's heap grows by a fraction of a
+    pool."""
     pool, nbytes = 4 * MIB, 64 << 10
-    with EmbeddingCache(pool, pin_memory=False) as cache:
+    with EmbeddingCache(pool, pin_memory=False, policy="lru") as cache:
         assert cache.store is None
         grew, heap = growth_while_pushing(cache, pool, nbytes)
         stats = cache.stats()
@@ -75,7 +77,7 @@ def test_the_growth_measure_catches_a_store_that_keeps_everything() -> None:
     sees it, so the bound test is not one that cannot fail."""
     pool, nbytes = 4 * MIB, 64 << 10
     store = FaultInjectingStore()
-    with EmbeddingCache(pool, store=store, pin_memory=False) as cache:
+    with EmbeddingCache(pool, store=store, pin_memory=False, policy="lru") as cache:
         grew, heap = growth_while_pushing(cache, pool, nbytes)
     store.close()
     assert grew >= pool // 4 or heap >= 256 << 10, (grew, heap)
@@ -118,7 +120,7 @@ def test_per_entry_tables_reach_their_bound_at_the_most_entries_and_stay_within_
     e = pool // 256
     mixed = [[1, 2] * e, [2] * 2 * e, [1] * 2 * e, [2, 1, 1] * e, [1, 2, 2] * e]  # 9 E each round
     slack = 16 << 10  # a few KiB of Python's own noise; a table flip here is 20+ KiB
-    with EmbeddingCache(pool, pin_memory=False) as cache:
+    with EmbeddingCache(pool, pin_memory=False, policy="lru") as cache:
         tracemalloc.start()
         try:
             (warm,) = heap_after_each(cache, [[1] * 8 * e], 0)  # churned at E entries
@@ -128,7 +130,7 @@ def test_per_entry_tables_reach_their_bound_at_the_most_entries_and_stay_within_
         assert cache.stats().evictions >= 100 * e // 2
         cache.check_invariants()
     assert max(heaps) - warm <= slack, [(h - warm) >> 10 for h in heaps]
-    with EmbeddingCache(pool, pin_memory=False) as cache:
+    with EmbeddingCache(pool, pin_memory=False, policy="lru") as cache:
         tracemalloc.start()
         try:
             (half,) = heap_after_each(cache, [[2] * 4 * e], 0)  # churned at E/2 entries
@@ -183,7 +185,7 @@ def test_pool_views_and_strides_stay_at_their_bound() -> None:
     from embcache.driver.pool import PoolViews
 
     dtypes = (torch.uint8, torch.float16, torch.float32)
-    with EmbeddingCache(1 << 16, pin_memory=False) as cache:
+    with EmbeddingCache(1 << 16, pin_memory=False, policy="lru") as cache:
         for i in range(10 * 1024):
             key, dtype = f"k{i}", dtypes[i % 3]
             with cache.request(f"r{i}") as request:

@@ -77,8 +77,8 @@ def test_every_counter_and_gauge_matches_stats(
 ) -> None:
     store = FaultInjectingStore()
     timed_metrics = CacheMetrics()
-    cache = EmbeddingCache(
-        4 * 4096, store=TimedStore(store, timed_metrics, "main"), pin_memory=False
+    cache = EmbeddingCache(  # lru: run_requests' inserts evict (the counters are not all 0)
+        4 * 4096, store=TimedStore(store, timed_metrics, "main"), pin_memory=False, policy="lru"
     )
     try:
         run_requests(cache, store)

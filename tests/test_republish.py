@@ -123,8 +123,9 @@ def test_entries_evicted_removed_or_quarantined_since_are_never_published(
     evicted, removed, quarantined, kept = keys = ["evicted", "removed", "quarantined", "kept"]
     outage(store, keys, down=True)
     capacity = 6 * 1024  # six items: two more evict the two oldest idle ones
-    with EmbeddingCache(
-        capacity, store=store, pin_memory=False, republish=SLOW, auto_fence=None, trace=trace
+    with EmbeddingCache(  # lru: the inserts below evict the oldest idle entries
+        capacity, store=store, pin_memory=False, republish=SLOW, auto_fence=None, trace=trace,
+        policy="lru",
     ) as cache:
         for i, key in enumerate(keys):
             insert(cache, [key], seed=i)

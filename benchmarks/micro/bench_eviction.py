@@ -79,7 +79,13 @@ def ours_side(
     The op inserts a fresh key in a request of its own, or by ``cache.insert`` if
     ``request_less``."""
     cache = stack.enter_context(
-        EmbeddingCache(entries * ENTRY_BYTES, alignment=ENTRY_BYTES, pin_memory=False, io_workers=1)
+        EmbeddingCache(  # lru: each insert evicts the oldest idle entry, as SGLang's controller
+            entries * ENTRY_BYTES,
+            alignment=ENTRY_BYTES,
+            pin_memory=False,
+            io_workers=1,
+            policy="lru",
+        )
     )
     stack.callback(cache.check_invariants)  # runs before the cache closes
     half = entries // 2

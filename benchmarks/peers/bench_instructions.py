@@ -54,6 +54,7 @@ import torch
 from benchmarks.common import Row, insert_all, make_row, print_rows, skipped_row
 from benchmarks.peers import bench_peers
 from embcache import EmbeddingCache, Item
+from embcache.core.policy import Policy
 from tests.support.callgrind import Unavailable, per_operation, total
 from tests.support.sglang_wheel import SGLangPeer
 
@@ -67,24 +68,31 @@ Op = Callable[[int], None]
 
 
 # ---------------------------------------------------------------------------- the two sides
-def ours_cache(entries: int) -> EmbeddingCache:
-    """A CPU cache of exactly ``entries`` 256 B entries, no automatic fence thread."""
+def ours_cache(entries: int, policy: str | Policy = "lru") -> EmbeddingCache:
+    """A CPU cache of exactly ``entries`` 256 B entries, no automatic fence thread, with
+    ``policy`` (``lru`` against SGLang's controller, whose order is LRU: like for like, and
+    every operation runs the same code, so a count per operation is exact)."""
     return EmbeddingCache(
         entries * ENTRY_BYTES,
         alignment=ENTRY_BYTES,
         pin_memory=False,
         io_workers=1,
         auto_fence=None,
+        policy=policy,
     )
 
 
 def ours_hit(
-    entries: int, batches: list[list[str]], two_steps: bool = False
+    entries: int,
+    batches: list[list[str]],
+    two_steps: bool = False,
+    policy: str | Policy = "lru",
 ) -> tuple[Op, Callable[[int], None]]:
     """Ours' 8-item all-hit request, and a check of what the first ``n`` ops did (uncounted):
     ``cache.request()``, ``lookup``, ``embeddings()``, close; or, ``two_steps``,
-    ``cache.lookup(id, items)`` (open and look up in one step), ``embeddings()``, close."""
-    cache = ours_cache(entries)
+    ``cache.lookup(id, items)`` (open and look up in one step), ``embeddings()``, close.
+    ``policy``: the cache's (``ours_cache``)."""
+    cache = ours_cache(entries, policy)
     tensor = torch.zeros(SHAPE, dtype=torch.bfloat16)
     with cache.request("fill") as fill:
         insert_all(fill, [f"img{i}" for i in range(entries)], tensor)

@@ -585,11 +585,14 @@ def cost_row(quick: bool, policy: str = CHOSEN) -> dict[str, Any]:
     )
 
 
-def hit_request_row(quick: bool, entries: int = 1000, policy: str = CHOSEN) -> dict[str, Any]:
+def hit_request_row(
+    quick: bool, entries: int = 1000, policy: str = CHOSEN, made: Policy | None = None
+) -> dict[str, Any]:
     """An 8-item all-hit request (lookup, views, close) per item through a cache with the
-    chosen policy against one with LRU: the whole request, where ``record`` runs per item.
-    Chunks alternate; medians, and the ratio is the median of the ratios of adjacent chunks
-    (robust to the load of a shared machine, which comes and goes between chunks)."""
+    chosen policy (``made``, when given, under the name ``policy``) against one with LRU: the
+    whole request, where ``record`` runs per item. Chunks alternate; medians, and the ratio is
+    the median of the ratios of adjacent chunks (robust to the load of a shared machine, which
+    comes and goes between chunks)."""
     batch = bench_hitpath.BATCH
     items = [Item(f"img{i:08d}", bench_hitpath.SHAPE, torch.bfloat16) for i in range(entries)]
     rng = random.Random(entries)
@@ -606,7 +609,7 @@ def hit_request_row(quick: bool, entries: int = 1000, policy: str = CHOSEN) -> d
                     alignment=bench_hitpath.ENTRY_BYTES,
                     pin_memory=False,
                     io_workers=1,
-                    policy=name,
+                    policy=made if made is not None and name == policy else name,
                     auto_fence=None,
                 )
             )

@@ -36,6 +36,7 @@ import torch
 
 from benchmarks.server.workload import SIZES
 from embcache import EmbeddingCache
+from embcache.core.policy import Policy
 from tests.support.baselines import OriginalPRController
 from tests.support.server_workload import TOKENS, Image, make_encoder, make_images, make_workload
 
@@ -119,12 +120,19 @@ def replay_original(
 
 
 def replay_embcache(
-    trace: list[list[Image]], warm: int, pool_bytes: int, costs: dict[int, float], name: str
+    trace: list[list[Image]],
+    warm: int,
+    pool_bytes: int,
+    costs: dict[int, float],
+    name: str,
+    policy: Policy | None = None,
 ) -> Tally:
-    """An ``EmbeddingCache`` with the contender's policy: each request one lookup that reserves
-    its misses, then one insert of them with their work where the contender passes work."""
-    policy, _, work = name.partition(" ")
-    cache, zeros, tally = EmbeddingCache(pool_bytes, policy=policy), _Zeros(), Tally()
+    """An ``EmbeddingCache`` with the contender's policy (``policy``, when given, in place of
+    the one ``name`` names): each request one lookup that reserves its misses, then one insert
+    of them with their work where the contender passes work."""
+    named, _, work = name.partition(" ")
+    chosen = named if policy is None else policy
+    cache, zeros, tally = EmbeddingCache(pool_bytes, policy=chosen), _Zeros(), Tally()
     try:
         for n, images in enumerate(trace):
             request, _ = cache.lookup(str(n), [image.item for image in images], reserve_misses=True)

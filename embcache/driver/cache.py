@@ -82,7 +82,7 @@ class EmbeddingCache:
     is a uint8 tensor, pinned when CUDA is available unless ``pin_memory=False``, registered
     with the store (if any) once. ``trace``, when given, receives one
     event dict per action, in ``seq`` order. ``policy`` shapes the eviction order and may refuse
-    inserts that would evict (``embcache.core.policy``: "lru", the default, "tinylfu", or a
+    inserts that would evict (``embcache.core.policy``: a name, "adaptive-work" by default, or a
     ``Policy``). ``auto_fence`` says when the cache fences by itself (``embcache.driver.fencing``;
     None: only ``fence()`` does). ``poison_freed`` (default: ``EMBCACHE_POISON``) is a debug
     mode that overwrites every freed range (``embcache.driver.poison``). ``pool``, when given, is
@@ -111,7 +111,7 @@ class EmbeddingCache:
         pin_memory: bool | None = None,
         io_workers: int = 4,
         trace: TraceSink | None = None,
-        policy: str | Policy = "lru",
+        policy: str | Policy = "adaptive-work",
         auto_fence: FencePolicy | None = FencePolicy(),  # noqa: B008 (frozen: shared is fine)
         poison_freed: bool | None = None,
         pool: torch.Tensor | None = None,

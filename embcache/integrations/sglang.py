@@ -130,7 +130,7 @@ class ControllerBase:
 
     hold_timeout_s = 300.0  # SGLang waits 60 s for a prefetch; MMEncoder reads right after
     all_rank_get = False
-    cache_policy = "lru"  # EmbeddingCache(policy=...); SGLang passes none: set it on a subclass
+    cache_policy = "adaptive-work"  # EmbeddingCache(policy=...), its default; SGLang passes none
 
     def _setup(
         self,

@@ -308,7 +308,11 @@ def run_demo(config: DemoConfig, progress: TextIO | None = None) -> DemoResult:
             )  # fmt: skip
             timed = flaky if metrics is None or flaky is None else _timed(flaky, metrics)
             pool = int(config.pool_mib * (1 << 20)) // 256 * 256
-            cache = EmbeddingCache(pool, store=timed, pin_memory=False)
+            cache = (
+                EmbeddingCache(pool, store=timed, pin_memory=False)
+                if config.policy is None
+                else EmbeddingCache(pool, store=timed, pin_memory=False, policy=config.policy)
+            )
             stack.callback(cache.close)
             if metrics is not None:
                 metrics.add("demo", cache)

@@ -52,6 +52,7 @@ class DemoConfig:
     prefetch_timeout: float = 5.0
     seed: int = 0
     verify: bool = False
+    policy: str | None = None  # the cache's eviction policy; None: EmbeddingCache's default
     metrics_port: int | None = None  # serve Prometheus metrics here (0: a free port)
 
 

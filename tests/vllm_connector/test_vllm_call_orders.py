@@ -261,7 +261,7 @@ def test_the_scheduler_copies_no_payload_byte(
     from embcache.driver.pool import PoolViews
     from tests.vllm_connector.vllm_replay import Replay, requests
 
-    sched = make_scheduler(CFG)
+    sched = make_scheduler({**CFG, "policy": "lru"})  # lru: its fills evict
     inside = [False]
     copies: list[str] = []
     tensor_copy, copy_in = torch.Tensor.copy_, PoolViews.copy_in

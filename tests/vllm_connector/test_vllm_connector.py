@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from embcache import InvalidArgumentError, InvalidTypeError
+from tests.support.default_policy import chosen
 from tests.support.funnel import replace_funnel
 from tests.support.helpers import DEVICES
 from tests.vllm_connector.vllm_replay import (
@@ -173,7 +174,7 @@ def test_a_lost_ack_quarantines_the_range_for_good_and_a_late_one_ends_it(
 
     from embcache.integrations.vllm import EmbcacheECWorkerMetadata
 
-    sched = make_scheduler({**SMALL, "hold_timeout_s": 0.01})
+    sched = make_scheduler({**SMALL, "hold_timeout_s": 0.01, "policy": "lru"})  # fills evict
     _insert(sched, "a", 8)
     request = FakeRequest("r1", ["a"], {"a": 8}, 1)
     meta = _one_step(sched, request)
@@ -251,6 +252,14 @@ def test_without_options_it_has_no_global_tier(make_scheduler: Callable[..., Any
     sched = make_scheduler()
     assert sched.scheduler_side.cache.store is None
     assert sched.scheduler_side.cache.capacity == 1 << 30
+
+
+def test_without_a_policy_option_it_takes_the_chosen_default(vllm_base: Any) -> None:
+    """The connector's cache takes the default policy that issue 57's committed table names
+    (``tests/test_default_policy.py``), as ``EmbeddingCache`` does."""
+    from embcache.integrations.vllm.options import ConnectorOptions, parse_options
+
+    assert parse_options({}).policy == ConnectorOptions().policy == chosen()
 
 
 def test_a_method_of_the_other_role_raises(make_scheduler: Callable[..., Any]) -> None:

@@ -81,7 +81,7 @@ def test_a_connector_as_the_readme_shows_holds_its_budget_with_10x_of_it_passing
     from tests.support.vllm_wheel import vllm_config
 
     pool = 1 << 20
-    extra = {"pool_bytes": pool}
+    extra = {"pool_bytes": pool, "policy": "lru"}  # lru: every image enters, 10x pass through
     make = ECConnectorFactory.create_connector
     sched = make(vllm_config("ec_both", extra, 2), ECConnectorRole.SCHEDULER)
     workers = [make(vllm_config("ec_both", extra, 2, r), ECConnectorRole.WORKER) for r in (0, 1)]

@@ -10,8 +10,9 @@ staging_bytes      ignored: there is no staging area any more (rank 0 writes fre
 mooncake_master    "host:port" of a Mooncake master; absent: no global tier (the pool is all)
 mooncake_segment   bytes this engine lends the Mooncake store (0)
 key_prefix         namespace of the keys in the global store ("embcache/vllm/")
-policy             eviction order and admission: "lru" or "tinylfu" ("lru"; checked by
-                   ``EmbeddingCache`` when the scheduler starts)
+policy             eviction order and admission: a name ``EmbeddingCache(policy=...)`` takes
+                   ("adaptive-work", the cache's default; checked by ``EmbeddingCache``
+                   when the scheduler starts)
 hold_timeout_s     how long after a request ends its missing acks are awaited before its
                    ranges are quarantined: held until the late acks come or the owing
                    rank's worker process is seen gone, never freed on the timeout (30.0)
@@ -40,7 +41,7 @@ class ConnectorOptions:
     mooncake_master: str | None = None
     mooncake_segment: int = 0
     key_prefix: str = "embcache/vllm/"
-    policy: str = "lru"
+    policy: str = "adaptive-work"
     hold_timeout_s: float = 30.0
     embed_width: int | None = None
 
