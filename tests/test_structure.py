@@ -449,7 +449,7 @@ import json, os, sys, torch
 from embcache import EmbeddingCache, Item
 import embcache
 root = os.path.dirname(embcache.__file__)
-cache = EmbeddingCache(1 << 20, pin_memory=False, auto_fence=None)
+cache = EmbeddingCache(1 << 20, pin_memory=False, auto_fence=None, policy="lru")
 tensor = torch.ones(16, 16)
 cache.insert(["a"], [tensor])
 hit, miss = [Item.of("a", tensor)], [Item.of("b", tensor)]
@@ -492,7 +492,9 @@ def modules_and_entries(calls: list[str], module: str) -> tuple[int, int]:
 
 def test_a_request_walks_few_modules() -> None:
     """Traced on the pure build with lock checking off (production's configuration), items
-    built before: docs/architecture.md, "The walk of a request", draws both walks."""
+    built before, under ``lru``: the walk of the cache itself (a frequency policy adds its own
+    modules, ``record`` and ``admit``, whose cost the policy table measures: docs/benchmarks.md,
+    "The default policy"). docs/architecture.md, "The walk of a request", draws both walks.""" 
     env = {**os.environ, "EMBCACHE_PURE": "1", "EMBCACHE_LOCK_CHECK": "0"}
     env.pop("EMBCACHE_EXPECT_BUILD", None)
     done = subprocess.run(
