@@ -101,13 +101,20 @@ def test_the_pipeline_serves_gpu_outputs_from_the_pool_under_eviction(device: st
 
 
 def controller(store: FaultInjectingStore, items: int) -> EmbeddingCacheController:
-    """A controller whose pool holds exactly ``items`` items of 32 rows."""
-    return EmbeddingCacheController(
+    """A controller whose pool holds exactly ``items`` items of 32 rows, under lru (each store
+    into the full pool evicts the oldest idle item: the tests count those evictions)."""
+    return LruController(
         store,
         max_pool_size_gb=items * 32 * HIDDEN * 2 / (1 << 30),
         hidden_dims={IMAGE: HIDDEN},
         dtype=DTYPE,
     )
+
+
+class LruController(EmbeddingCacheController):
+    """The adapter under lru (its ``cache_policy``; SGLang passes none)."""
+
+    cache_policy = "lru"
 
 
 def busy(where: torch.device) -> None:

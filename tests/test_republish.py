@@ -204,9 +204,10 @@ def stepped(
 ) -> tuple[EmbeddingCache, ManualExecutor]:
     io = ManualExecutor()
     policy = RepublishPolicy(max_entries=max_entries, retry_interval_s=60.0, background=background)
-    cache = EmbeddingCache(
-        capacity, store=store, pin_memory=False, io_executor=io, republish=policy, auto_fence=None
-    )
+    cache = EmbeddingCache(  # lru: an insert into a full pool evicts the oldest idle entry
+        capacity, store=store, pin_memory=False, io_executor=io, republish=policy,
+        auto_fence=None, policy="lru",
+    )  # fmt: skip
     return cache, io
 
 
@@ -310,7 +311,7 @@ def test_retries_failing_together_go_back_oldest_first_so_the_bound_drops_the_ol
 def test_entries_evicted_or_quarantined_while_waiting_are_stale_and_never_written() -> None:
     """Planted bugs caught: ``skipped`` not counting what it drops (``stale`` stays 0); a
     retry that no longer checks its entry is still READY, undoomed and untainted
-    (``RequestActions.republish`` without that check: the retry step raises on the
+    (``publishing.republish`` without that check: the retry step raises on the
     quarantined entry)."""
     store = FaultInjectingStore()
     keys = ["evicted", "quarantined", "kept"]
