@@ -494,7 +494,7 @@ def test_a_request_walks_few_modules() -> None:
     """Traced on the pure build with lock checking off (production's configuration), items
     built before, under ``lru``: the walk of the cache itself (a frequency policy adds its own
     modules, ``record`` and ``admit``, whose cost the policy table measures: docs/benchmarks.md,
-    "The default policy"). docs/architecture.md, "The walk of a request", draws both walks.""" 
+    "The default policy"). docs/architecture.md, "The walk of a request", draws both walks."""
     env = {**os.environ, "EMBCACHE_PURE": "1", "EMBCACHE_LOCK_CHECK": "0"}
     env.pop("EMBCACHE_EXPECT_BUILD", None)
     done = subprocess.run(
