@@ -68,9 +68,10 @@ def test_what_a_inserted_during_an_outage_is_published_when_the_master_returns(
     probe = RepublishPolicy(retry_interval_s=0.2)
     trace = TraceLog()
     with ExitStack() as stack:
-        a = mooncake_worker(
-            stack, master, 8 * ITEM_BYTES, SEGMENT_BYTES, republish=probe, trace=trace
-        )
+        a = mooncake_worker(  # lru: an insert into its full pool evicts the oldest idle one
+            stack, master, 8 * ITEM_BYTES, SEGMENT_BYTES, republish=probe, trace=trace,
+            policy="lru",
+        )  # fmt: skip
         puts = record_put_codes(a)
         two = RepublishPolicy(2, 0.2)  # a backlog of 2
         bounded = mooncake_worker(stack, master, 16 * ITEM_BYTES, SEGMENT_BYTES, republish=two)
