@@ -53,6 +53,7 @@ def test_a_connector_with_a_master_holds_its_budget_with_10x_of_it_passing(
         "mooncake_master": kwargs["master_address"],
         "mooncake_segment": segment,
         "key_prefix": key_prefix,
+        "policy": "lru",  # every fresh output admitted: the warm-up fills the pool and segment
     }
     make = ECConnectorFactory.create_connector
     sched = make(vllm_config("ec_both", extra, 2), ECConnectorRole.SCHEDULER)

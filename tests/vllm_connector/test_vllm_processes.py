@@ -18,7 +18,8 @@ import pytest
 from tests.vllm_connector.vllm_replay import ProcessRank, Replay, requests, settle
 
 pytestmark = [pytest.mark.stress, pytest.mark.timeout(600)]
-EXTRA = {"pool_bytes": 96 * 1024, "hold_timeout_s": 0.05}
+# lru: every fresh output is admitted, so the small pool evicts under the replay's pressure
+EXTRA = {"pool_bytes": 96 * 1024, "hold_timeout_s": 0.05, "policy": "lru"}
 
 
 def expire(replay: Replay) -> None:
