@@ -62,7 +62,7 @@ class Request:
 
     @classmethod
     def open(
-        cls, runner: StepRunner, request_id: str, items: Sequence[Item], *, prefetch: bool,
+        cls, runner: StepRunner, request_id: str, items: Sequence[Item], prefetch: bool,
         reserve: bool,
     ) -> tuple[Request, list[ItemStatus]]:  # fmt: skip
         """Open a request on ``runner`` and look ``items`` up (none: only open it), in one

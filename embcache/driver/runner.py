@@ -154,7 +154,8 @@ class StepRunner:
                 poison(self.pool, fx.freed)
             futures: list[Future] | None = None
             wakeups, waiting = self.wakeups, fx.waiting
-            if waiting is not None and (wakeups or waiting.pending()):  # (else: nothing to do)
+            # (no wake-up to note while none exists and the request waits on nothing)
+            if waiting is not None and (wakeups or (waiting.waits and waiting.pending())):
                 wakeups.note(waiting, self._new_event)
             if fx.wake:
                 futures = wakeups.wake(fx.wake)
