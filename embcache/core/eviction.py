@@ -34,10 +34,13 @@ allocator's blocks around a candidate, through free blocks and candidates only. 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from array import array
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from embcache.core.allocator import BestFitAllocator, Block
+from embcache.core.entries import Entry
+from embcache.core.recency import RecencyOrder
 
 
 class Piece(NamedTuple):
@@ -262,3 +265,349 @@ def choose_victims(
         if window is not None:
             return window
     return None
+
+
+def _window_in(pieces: list[Piece], need: int, max_batch: int, must: int) -> Window | None:
+    """``best_window``, with its answer where no search is needed: none when the pieces span
+    less than ``need``; the candidate alone when no other candidate is among them."""
+    start, last = pieces[0].offset, pieces[-1]
+    span = last.offset + last.size - start
+    if span < need:
+        return None
+    if len(pieces) <= 3 and sum(piece.victim for piece in pieces) == 1:
+        return Window((pieces[must].offset,), pieces[must].size, start, span)
+    return best_window(pieces, need, max_batch, must)
+
+
+# The core searches with ``EvictionIndex`` once its order holds this many candidates, and
+# scans below (benchmarks/micro/bench_eviction_index.py: on small pools the scan examines
+# few candidates and costs less than the index's upkeep; the index's tables are made at its
+# first search, so a pool that never holds this many candidates never pays for them).
+INDEX_FROM = 1024
+
+_DEAD = -1  # a slot whose candidate left the order, or one a search has set aside
+_NONE = -1  # no slot, no list, no registered edge
+
+
+class EvictionIndex:
+    """The eviction rule of DESIGN.md over a recency order, with what each search learns kept
+    for the next: ``search(need)`` chooses exactly what ``VictimSearch`` fed the whole order
+    chooses, examining O(log n) candidates in the usual case instead of the order's first k.
+
+    Theory. Rank the candidates by their stamps (``RecencyOrder``'s values: the order is by
+    stamp). For a candidate c, its *component* is the stretch of free blocks and of candidates
+    ranked below c around it, up to the first other allocated block on each side (a
+    *barrier*) or the pool's edge; the windows whose newest victim is c lie inside it, so a
+    component that spans less than ``need`` has no window for ``need``. The rule's k is the rank
+    of the first candidate with a window of its own. Each candidate keeps an upper bound on its
+    component's span (unknown until measured) in a max tree over the candidates in rank order:
+    a search descends to the first candidate whose bound reaches ``need``, walks the blocks
+    around it (as ``neighbourhood``), and either finds the rule's window there
+    (``best_window``) or keeps the measured bound and descends again.
+
+    Why the bounds stay bounds. While c stays in the order with the same stamp, its component
+    only grows when one of the barriers it had when measured is freed: a pin or an allocation
+    adds barriers; a candidate added later ranks above c and is a barrier to it, as it was
+    while pinned. So a measured candidate *registers* its two edges (the barriers' inner
+    sides) once, and keeps them until a barrier is freed: ``gone(offset, size, kept)`` (the
+    core frees an entry, and its block unless kept) unregisters every candidate whose
+    registered component ended where the block began or began where it ended, and forgets
+    its bound. A bound is the span between the registered
+    edges, never less than the component's. A candidate pinned or freed since its slot was
+    made is found stale when a search reaches it (its key is out of the order, or its offset
+    points to a newer slot), and dropped.
+
+    Memory: flat arrays, nothing per candidate but a slot. Per slot (one for each key taken
+    into the order since the last compaction): its key, two tree nodes, its registered edges
+    and one list link per edge (4-byte ints). Per alignment unit of the pool, made at the first
+    search: the slot of the candidate starting there and the heads of the two lists of slots
+    whose registered component begins or ends there. Spans and edges are in alignment units.
+
+    Cost. A search takes in the candidates added since the last one (O(log n) each), descends
+    the tree (O(log n)) once per candidate it measures, and walks each measured component (at
+    most ``max_batch - 1`` candidates on each side). ``examined`` counts the candidates a
+    search measured or dropped, ``walked`` the blocks its walks read.
+    """
+
+    def __init__(
+        self,
+        allocator: BestFitAllocator,
+        order: RecencyOrder,
+        entries: Mapping[str, Entry],
+        max_batch: int,
+    ) -> None:
+        self._allocator = allocator
+        self._order = order
+        self._entries = entries
+        self._max_batch = max_batch
+        self._shift = allocator.alignment.bit_length() - 1
+        self._units = allocator.capacity >> self._shift
+        # The narrowest ints that hold every unit, span and slot (slots: fewer than 5 units
+        # a pool; see _compact), and the bound "not measured (or forgotten)": their largest.
+        units = self._units
+        self._code = "h" if units <= 4096 else "i" if units < 1 << 28 else "q"
+        self._unknown = (1 << 8 * array(self._code).itemsize - 1) - 1
+        self._newest = 0  # the highest stamp taken in
+        self._keys: list[str] = []  # slot -> key; slots in rank order
+        self._count = 0  # slots in use (the tables below have room for _width)
+        self._left = self._ints(0)  # slot -> registered start of its component, or _NONE
+        self._right = self._ints(0)  # slot -> registered end of its component, or _NONE
+        self._next_left = self._ints(0)  # slot -> the next slot registered at the same start
+        self._next_right = self._ints(0)  # slot -> the next slot registered at the same end
+        self._width = 0  # leaves of the tree: a power of two >= the slots (0: none yet)
+        self._tree = self._ints(2)  # max bound over each node's slots; leaves at _width + slot
+        self._slot_at = self._ints(0)  # unit -> the newest slot of a candidate starting there
+        self._starting = self._ints(0)  # unit -> first slot registered to begin there
+        self._ending = self._ints(0)  # unit -> first slot registered to end there
+        self.searches = 0
+        self.examined = 0
+        self.walked = 0
+
+    def _ints(self, length: int, value: int = _NONE) -> array[int]:
+        return array(self._code, [value]) * length
+
+    def gone(self, offset: int, size: int, kept: bool) -> None:
+        """The core freed the entry at ``offset`` (``size`` bytes): its slot, if it has one,
+        lets go of its key; unless its range is ``kept`` for the entry it was evicted for, the
+        block is free, and the components it bounded may grow."""
+        slot_at = self._slot_at
+        if not slot_at:  # no search yet: nothing taken in
+            return
+        shift = self._shift
+        at = offset >> shift
+        slot = slot_at[at]
+        if slot != _NONE:
+            slot_at[at] = _NONE
+            if slot < self._count:
+                self._keys[slot] = ""  # (dead now: no entry's offset points to the slot)
+        if kept:
+            return
+        ending = self._ending
+        slot = ending[at]
+        if slot != _NONE:
+            ending[at] = _NONE
+            right, link = self._right, self._next_right
+            while slot != _NONE:
+                right[slot] = _NONE
+                self._forget(slot)
+                slot = link[slot]
+        at = (offset + size) >> shift
+        starting = self._starting
+        slot = starting[at]
+        if slot != _NONE:
+            starting[at] = _NONE
+            left, link = self._left, self._next_left
+            while slot != _NONE:
+                left[slot] = _NONE
+                self._forget(slot)
+                slot = link[slot]
+
+    def search(self, need: int) -> tuple[Window, list[Entry]] | None:
+        """The rule's window for ``need`` bytes (a multiple of the alignment) and its victims
+        (address order), or None when no run of at most ``max_batch`` candidates and free
+        blocks holds ``need``."""
+        self.searches += 1
+        self._take_in()
+        tree, keys, entries, order = self._tree, self._keys, self._entries, self._order
+        shift, slot_at = self._shift, self._slot_at
+        units = need >> shift
+        lowered: list[int] = []  # slots whose bound reaches need but that had no window
+        found: tuple[Window, list[Entry]] | None = None
+        while tree[1] >= units:
+            slot = self._first_at_least(units)
+            self.examined += 1
+            key = keys[slot]
+            entry = entries.get(key)
+            if entry is None or key not in order or slot_at[entry.offset >> shift] != slot:
+                self._set(slot, _DEAD)
+                continue
+            pieces, must, whole = self._walk(entry, slot)
+            bound = self._unknown
+            if whole:
+                bound = self._register(slot, pieces)
+            if bound >= units:
+                window = _window_in(pieces, need, self._max_batch, must)
+                if window is not None:
+                    victims = [entries[keys[slot_at[at >> shift]]] for at in window.victims]
+                    found = (window, victims)
+                    break
+                lowered.append(slot)
+                self._set(slot, _DEAD)
+            else:
+                self._set(slot, bound)
+        for slot in lowered:
+            self._set(slot, self._bound(slot))
+        return found
+
+    # ------------------------------------------------------------------ helpers
+    def _bound(self, slot: int) -> int:
+        """The slot's bound: the span of its registered component, else unknown."""
+        left, right = self._left[slot], self._right[slot]
+        return self._unknown if left == _NONE or right == _NONE else right - left
+
+    def _forget(self, slot: int) -> None:
+        if self._tree[self._width + slot] != _DEAD:
+            self._set(slot, self._unknown)
+
+    def _register(self, slot: int, pieces: list[Piece]) -> int:
+        """Register the edges of the component ``pieces`` spans where the slot has none; its
+        bound. An edge at the pool's end has no barrier to free and joins no list."""
+        shift = self._shift
+        if self._left[slot] == _NONE:
+            at = pieces[0].offset >> shift
+            self._left[slot] = at
+            if at > 0:
+                self._next_left[slot] = self._starting[at]
+                self._starting[at] = slot
+        if self._right[slot] == _NONE:
+            last = pieces[-1]
+            at = (last.offset + last.size) >> shift
+            self._right[slot] = at
+            if at < self._units:
+                self._next_right[slot] = self._ending[at]
+                self._ending[at] = slot
+        return self._right[slot] - self._left[slot]
+
+    def _take_in(self) -> None:
+        """Give a slot to each candidate added to the order since the last search."""
+        order, newest = self._order, self._newest
+        fresh: list[str] = []
+        for key in reversed(order.keys()):
+            if order[key] <= newest:
+                break
+            fresh.append(key)
+        if not self._slot_at:
+            units = self._units
+            self._slot_at = self._ints(units)
+            self._starting, self._ending = self._ints(units + 1), self._ints(units + 1)
+        if not fresh:
+            return
+        if self._count + len(fresh) > self._width:
+            self._compact(len(fresh))
+        keys, slot_at, entries, shift = self._keys, self._slot_at, self._entries, self._shift
+        unknown = self._unknown
+        for index in range(len(fresh) - 1, -1, -1):
+            key = fresh[index]
+            slot = self._count
+            self._count = slot + 1
+            keys[slot] = key
+            slot_at[entries[key].offset >> shift] = slot
+            self._set(slot, unknown)
+        self._newest = order[fresh[0]]
+
+    def _live(self, slot: int) -> bool:
+        key = self._keys[slot]
+        entry = self._entries.get(key)
+        return (
+            entry is not None
+            and key in self._order
+            and self._slot_at[entry.offset >> self._shift] == slot
+        )
+
+    def _compact(self, more: int) -> None:
+        """Renumber the slots of the candidates still in the order, with room for ``more``;
+        the tree and the registration lists are rebuilt, keeping every bound. Every per-slot
+        table is made at its final length (no growth by appends, no slack but the room)."""
+        live = [slot for slot in range(self._count) if self._live(slot)]
+        tree, width, count = self._tree, self._width, len(live)
+        bounds = [tree[width + slot] for slot in live]
+        left = [self._left[slot] for slot in live]
+        right = [self._right[slot] for slot in live]
+        keys = [self._keys[slot] for slot in live]
+        width = 1
+        while width < count + more + (count + more) // 4:
+            width *= 2
+        self._width, self._count = width, count
+        self._keys = keys + [""] * (width - count)
+        self._tree = tree = self._ints(2 * width, _DEAD)
+        tree[width : width + count] = array(self._code, bounds)
+        for node in range(width - 1, 0, -1):
+            a, b = tree[2 * node], tree[2 * node + 1]
+            tree[node] = a if a > b else b
+        units, spare = self._units, self._ints(width - count)
+        self._left, self._right = array(self._code, left) + spare, array(self._code, right) + spare
+        self._next_left, self._next_right = self._ints(width), self._ints(width)
+        self._starting, self._ending = self._ints(units + 1), self._ints(units + 1)
+        self._slot_at = slot_at = self._ints(units)  # (no stale slot numbers left behind)
+        entries, shift = self._entries, self._shift
+        for slot, key in enumerate(keys):
+            slot_at[entries[key].offset >> shift] = slot
+            at = left[slot]
+            if at > 0:
+                self._next_left[slot] = self._starting[at]
+                self._starting[at] = slot
+            at = right[slot]
+            if at != _NONE and at < units:
+                self._next_right[slot] = self._ending[at]
+                self._ending[at] = slot
+
+    def _set(self, slot: int, bound: int) -> None:
+        tree = self._tree
+        node = self._width + slot
+        tree[node] = bound
+        node >>= 1
+        while node:
+            a, b = tree[2 * node], tree[2 * node + 1]
+            top = a if a > b else b
+            if tree[node] == top:
+                return
+            tree[node] = top
+            node >>= 1
+
+    def _first_at_least(self, units: int) -> int:
+        tree, width, node = self._tree, self._width, 1
+        while node < width:
+            node *= 2
+            if tree[node] < units:
+                node += 1
+        return node - width
+
+    def _walk(self, entry: Entry, slot: int) -> tuple[list[Piece], int, bool]:
+        """The component of the candidate ``entry`` (slot ``slot``), cut at ``max_batch - 1``
+        candidates on each side (as ``neighbourhood``): its pieces in address order, the
+        candidate's index among them, and whether both edges were reached."""
+        allocator, room = self._allocator, self._max_batch - 1
+        keys, entries, order, slot_at, shift = (
+            self._keys, self._entries, self._order, self._slot_at, self._shift
+        )  # fmt: skip
+        whole = True
+        left: list[Piece] = []
+        victims, cursor = 0, entry.offset
+        while (block := allocator.block_before(cursor)) is not None:
+            self.walked += 1
+            offset = block[0]
+            if not block[2]:  # allocated: a candidate ranked below this one, or a barrier
+                other = slot_at[offset >> shift]
+                if other == _NONE or other >= slot:
+                    break
+                key = keys[other]
+                neighbour = entries.get(key)
+                if neighbour is None or neighbour.offset != offset or key not in order:
+                    break
+                if victims == room:
+                    whole = False
+                    break
+                victims += 1
+            left.append(Piece(offset, block[1], not block[2]))
+            cursor = offset
+        right: list[Piece] = []
+        victims, cursor = 0, entry.offset + entry.size
+        while (block := allocator.block_at(cursor)) is not None:
+            self.walked += 1
+            offset = block[0]
+            if not block[2]:
+                other = slot_at[offset >> shift]
+                if other == _NONE or other >= slot:
+                    break
+                key = keys[other]
+                neighbour = entries.get(key)
+                if neighbour is None or neighbour.offset != offset or key not in order:
+                    break
+                if victims == room:
+                    whole = False
+                    break
+                victims += 1
+            right.append(Piece(offset, block[1], not block[2]))
+            cursor = offset + block[1]
+        left.reverse()
+        return [*left, Piece(entry.offset, entry.size, True), *right], len(left), whole

@@ -1,0 +1,129 @@
+"""The eviction index against the scan it replaces, on a small pool of mixed sizes (issue 56,
+point 2): a 4 MiB pool of items of 0.9-57 KB (uniform in bytes), every request inserting one
+fresh item into the full pool and closing, so that most allocations evict, many of them by a
+search for several adjacent victims.
+
+Both sides run the same cache, the same items in the same order: one with the core's
+``EvictionIndex`` (the default for recency orders), one with the index switched off (the core
+then feeds ``VictimSearch`` its order from the head, as before the index). Reported: candidates
+examined per evicting allocation that searched (the index's ``examined``; the scan's count of
+candidates fed), and seconds per request, timed in alternating chunks (medians), with their
+ratio. The choices are the same (tests/test_eviction_index.py): the victims evicted, bytes and
+counts, are printed for both and must match.
+Run from the repository root: python -m benchmarks.micro.bench_eviction_index [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from embcache import EmbeddingCache, Item
+from embcache.core import entry_actions
+
+POOL = int(__import__("os").environ.get("POOL_MIB", "4")) << 20
+SMALLEST, LARGEST = 900, 57 << 10
+
+
+class Scanned:
+    """Counts the candidates the scan is fed (``entry_actions._scan``, wrapped)."""
+
+    def __init__(self) -> None:
+        self.searches = 0
+        self.examined = 0
+        self._scan = entry_actions._scan
+
+    def __call__(self, st: Any, size: int) -> Any:
+        self.searches += 1
+        order = st.order
+        before = len(order)
+        found = self._scan(st, size)
+        window = found[0]
+        if window is None:
+            self.examined += before
+        else:  # the scan stopped at the newest victim's rank
+            victims = {victim.key for victim in found[1]}
+            for rank, key in enumerate(order):
+                if key in victims:
+                    victims.discard(key)
+                    if not victims:
+                        self.examined += 1 + rank
+                        break
+        return found
+
+
+def make_cache(indexed: bool) -> EmbeddingCache:
+    cache = EmbeddingCache(POOL, pin_memory=False, policy="lru")
+    if not indexed:
+        cache.runner.core._state.index = None  # the scan (as an order it cannot rank)
+    return cache
+
+
+def request(cache: EmbeddingCache, n: int, nbytes: int, payload: torch.Tensor) -> None:
+    key = f"item-{n:09d}"
+    with cache.request(f"r{n}") as req:
+        req.lookup([Item(key, (nbytes,), torch.uint8)])
+        req.insert([key], [payload[:nbytes]])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    rng = random.Random(56)
+    count = 3_000 if args.quick else 20_000
+    sizes = [rng.randint(SMALLEST, LARGEST) for _ in range(count)]
+    payload = torch.zeros(LARGEST, dtype=torch.uint8)
+    caches = {"index": make_cache(True), "scan": make_cache(False)}
+    counted = make_cache(False)  # the scan again, untimed, counting what it examines
+    warm = count // 5
+    for cache in (*caches.values(), counted):
+        for n in range(warm):
+            request(cache, n, sizes[n], payload)
+    scanned = Scanned()
+    entry_actions._scan = scanned
+    try:
+        for n in range(warm, count):
+            request(counted, n, sizes[n], payload)
+    finally:
+        entry_actions._scan = scanned._scan
+    counted.close()
+    index = caches["index"].runner.core._state.index
+    assert index is not None
+    index.searches = index.examined = index.walked = 0
+    times: dict[str, list[float]] = {name: [] for name in caches}
+    chunk = 200
+    for first in range(warm, count, chunk):
+        for name, cache in caches.items():
+            start = time.perf_counter()
+            for n in range(first, min(first + chunk, count)):
+                request(cache, n, sizes[n], payload)
+            times[name].append((time.perf_counter() - start) / chunk)
+    rows = {}
+    for name, cache in caches.items():
+        stats = cache.stats()
+        rows[name] = (stats.evictions, stats.evicted_bytes, stats.entries)
+        cache.close()
+    print(f"pool {POOL >> 20} MiB, items {SMALLEST}-{LARGEST} B, {count - warm} timed requests")
+    print(f"searches: index {index.searches}, scan {scanned.searches}")
+    print(
+        f"candidates examined per search: index {index.examined / max(index.searches, 1):.1f}"
+        f" (blocks walked {index.walked / max(index.searches, 1):.1f}),"
+        f" scan {scanned.examined / max(scanned.searches, 1):.1f}"
+    )
+    us = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+    print(
+        f"us per request (median of chunks): index {us['index']:.2f}, scan {us['scan']:.2f},"
+        f" ratio scan/index {us['scan'] / us['index']:.3f}"
+    )
+    print(f"(evictions, evicted bytes, entries): index {rows['index']}, scan {rows['scan']}")
+    assert rows["index"] == rows["scan"], "the index chose differently from the scan"
+
+
+if __name__ == "__main__":
+    main()
