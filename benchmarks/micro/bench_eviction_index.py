@@ -3,30 +3,47 @@ point 2): a 4 MiB pool of items of 0.9-57 KB (uniform in bytes), every request i
 fresh item into the full pool and closing, so that most allocations evict, many of them by a
 search for several adjacent victims.
 
-Both sides run the same cache, the same items in the same order: one with the core's
-``EvictionIndex`` (the default for recency orders), one with the index switched off (the core
-then feeds ``VictimSearch`` its order from the head, as before the index). Reported: candidates
+Both sides run the same cache, the same items in the same order: one whose core searches with
+its ``EvictionIndex`` from the first candidate (``INDEX_FROM`` 0), one whose core never does
+(it feeds ``VictimSearch`` its order from the head, as before the index). Reported: candidates
 examined per evicting allocation that searched (the index's ``examined``; the scan's count of
 candidates fed), and seconds per request, timed in alternating chunks (medians), with their
 ratio. The choices are the same (tests/test_eviction_index.py): the victims evicted, bytes and
 counts, are printed for both and must match.
-Run from the repository root: python -m benchmarks.micro.bench_eviction_index [--quick]
+
+With ``--callgrind`` it counts instead the instructions per request of each side under
+``valgrind --tool=callgrind`` (as ``benchmarks.peers.bench_instructions``: main thread only,
+collection toggled around two regions of ``low`` and ``high`` requests after the same warm-up,
+the difference over ``high - low``), the index forced on from the first candidate
+(``INDEX_FROM`` 0) and off. ``POOL_MIB`` (environment) sets the pool (default 4).
+Run from the repository root:
+python -m benchmarks.micro.bench_eviction_index [--quick] [--callgrind]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import os
 import random
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from embcache import EmbeddingCache, Item
-from embcache.core import entry_actions
+from embcache.core import entry_actions, state
+from tests.support.callgrind import per_operation, total
 
-POOL = int(__import__("os").environ.get("POOL_MIB", "4")) << 20
+POOL = int(os.environ.get("POOL_MIB", "4")) << 20
+ROOT = Path(__file__).resolve().parents[2]
 SMALLEST, LARGEST = 900, 57 << 10
 
 
@@ -58,10 +75,13 @@ class Scanned:
 
 
 def make_cache(indexed: bool) -> EmbeddingCache:
-    cache = EmbeddingCache(POOL, pin_memory=False, policy="lru")
-    if not indexed:
-        cache.runner.core._state.index = None  # the scan (as an order it cannot rank)
-    return cache
+    """A cache whose core searches with the index from its first candidate, or never."""
+    before = state.INDEX_FROM
+    state.INDEX_FROM = 0 if indexed else 1 << 40
+    try:
+        return EmbeddingCache(POOL, pin_memory=False, policy="lru", auto_fence=None)
+    finally:
+        state.INDEX_FROM = before
 
 
 def request(cache: EmbeddingCache, n: int, nbytes: int, payload: torch.Tensor) -> None:
@@ -71,10 +91,71 @@ def request(cache: EmbeddingCache, n: int, nbytes: int, payload: torch.Tensor) -
         req.insert([key], [payload[:nbytes]])
 
 
+def child(low: int, high: int) -> None:
+    """Under callgrind: each side warmed up, then ``low`` requests (dump), ``high`` (dump)."""
+    rng = random.Random(56)
+    warm = 2_000 + 3 * POOL // ((SMALLEST + LARGEST) // 2)  # full, and churned
+    sizes = [rng.randint(SMALLEST, LARGEST) for _ in range(warm + low + high)]
+    payload = torch.zeros(LARGEST, dtype=torch.uint8)
+    order = []
+    for name in ("index", "scan"):
+        cache = make_cache(name == "index")
+        for n in range(warm):
+            request(cache, n, sizes[n], payload)
+        start = warm
+        for count in (low, high):
+            gc.collect()
+            torch._C._valgrind_toggle()
+            for n in range(start, start + count):
+                request(cache, n, sizes[n], payload)
+            torch._C._valgrind_toggle_and_dump_stats()
+            start += count
+            order.append(name)
+        cache.close()
+    print(json.dumps({"order": order}))
+
+
+def instructions(low: int, high: int) -> dict[str, float]:
+    """Instructions per request of each side (callgrind, main thread)."""
+    valgrind = shutil.which("valgrind")
+    assert valgrind is not None, "valgrind not on PATH"
+    with tempfile.TemporaryDirectory(prefix="embcache-callgrind-") as folder:
+        out = Path(folder)
+        command = [
+            valgrind, "--tool=callgrind", "--collect-atstart=no", "--separate-threads=yes",
+            f"--callgrind-out-file={out}/cg.%p", sys.executable, "-m",
+            "benchmarks.micro.bench_eviction_index", "--child", f"--low={low}", f"--high={high}",
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        order = json.loads(done.stdout.strip().splitlines()[-1])["order"]
+        main_thread = sorted(
+            out.glob("cg.*.*-01"), key=lambda p: int(p.name.split(".")[-1].split("-")[0])
+        )
+        counts = [total(path) for path in main_thread]
+    return per_operation(order, counts, high - low)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--callgrind", action="store_true")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--low", type=int, default=50)
+    parser.add_argument("--high", type=int, default=550)
     args = parser.parse_args()
+    if args.child:
+        child(args.low, args.high)
+        return
+    if args.callgrind:
+        per = instructions(args.low, args.high)
+        print(f"pool {POOL >> 20} MiB, items {SMALLEST}-{LARGEST} B: instructions per request")
+        print(
+            f"index {per['index'] / 1e3:.1f}k, scan {per['scan'] / 1e3:.1f}k,"
+            f" ratio scan/index {per['scan'] / per['index']:.3f}"
+        )
+        return
     rng = random.Random(56)
     count = 3_000 if args.quick else 20_000
     sizes = [rng.randint(SMALLEST, LARGEST) for _ in range(count)]

@@ -51,6 +51,9 @@ class Piece(NamedTuple):
     victim: bool
 
 
+_new_piece = tuple.__new__  # Piece(...) without the namedtuple's Python-level __new__
+
+
 class Window(NamedTuple):
     """A feasible choice: evict ``victims``; the freed span starts at ``offset``."""
 
@@ -355,7 +358,7 @@ class EvictionIndex:
         self._next_left = self._ints(0)  # slot -> the next slot registered at the same start
         self._next_right = self._ints(0)  # slot -> the next slot registered at the same end
         self._width = 0  # leaves of the tree: a power of two >= the slots (0: none yet)
-        self._tree = self._ints(2)  # max bound over each node's slots; leaves at _width + slot
+        self._tree: list[int] = [_DEAD, _DEAD]  # max bound under each node; leaves at _width + slot
         self._slot_at = self._ints(0)  # unit -> the newest slot of a candidate starting there
         self._starting = self._ints(0)  # unit -> first slot registered to begin there
         self._ending = self._ints(0)  # unit -> first slot registered to end there
@@ -421,12 +424,17 @@ class EvictionIndex:
             if entry is None or key not in order or slot_at[entry.offset >> shift] != slot:
                 self._set(slot, _DEAD)
                 continue
-            pieces, must, whole = self._walk(entry, slot)
+            start, stop, whole = self._walk(entry, slot, None)
             bound = self._unknown
             if whole:
-                bound = self._register(slot, pieces)
+                bound = self._register(slot, start, stop)
             if bound >= units:
-                window = _window_in(pieces, need, self._max_batch, must)
+                window = None
+                if stop - start >= need:  # (else no window: the component spans too little)
+                    pieces: list[Piece] = []
+                    self._walk(entry, slot, pieces)
+                    must = next(i for i, piece in enumerate(pieces) if piece[0] == entry.offset)
+                    window = _window_in(pieces, need, self._max_batch, must)
                 if window is not None:
                     victims = [entries[keys[slot_at[at >> shift]]] for at in window.victims]
                     found = (window, victims)
@@ -449,19 +457,18 @@ class EvictionIndex:
         if self._tree[self._width + slot] != _DEAD:
             self._set(slot, self._unknown)
 
-    def _register(self, slot: int, pieces: list[Piece]) -> int:
-        """Register the edges of the component ``pieces`` spans where the slot has none; its
+    def _register(self, slot: int, start: int, stop: int) -> int:
+        """Register the edges of the component ``[start, stop)`` where the slot has none; its
         bound. An edge at the pool's end has no barrier to free and joins no list."""
         shift = self._shift
         if self._left[slot] == _NONE:
-            at = pieces[0].offset >> shift
+            at = start >> shift
             self._left[slot] = at
             if at > 0:
                 self._next_left[slot] = self._starting[at]
                 self._starting[at] = slot
         if self._right[slot] == _NONE:
-            last = pieces[-1]
-            at = (last.offset + last.size) >> shift
+            at = stop >> shift
             self._right[slot] = at
             if at < self._units:
                 self._next_right[slot] = self._ending[at]
@@ -519,8 +526,8 @@ class EvictionIndex:
             width *= 2
         self._width, self._count = width, count
         self._keys = keys + [""] * (width - count)
-        self._tree = tree = self._ints(2 * width, _DEAD)
-        tree[width : width + count] = array(self._code, bounds)
+        self._tree = tree = [_DEAD] * (2 * width)  # (a list: the hottest table, read in C)
+        tree[width : width + count] = bounds
         for node in range(width - 1, 0, -1):
             a, b = tree[2 * node], tree[2 * node + 1]
             tree[node] = a if a > b else b
@@ -562,18 +569,17 @@ class EvictionIndex:
                 node += 1
         return node - width
 
-    def _walk(self, entry: Entry, slot: int) -> tuple[list[Piece], int, bool]:
+    def _walk(self, entry: Entry, slot: int, pieces: list[Piece] | None) -> tuple[int, int, bool]:
         """The component of the candidate ``entry`` (slot ``slot``), cut at ``max_batch - 1``
-        candidates on each side (as ``neighbourhood``): its pieces in address order, the
-        candidate's index among them, and whether both edges were reached."""
+        candidates on each side (as ``neighbourhood``): where it starts and stops, and whether
+        both edges were reached. ``pieces``, when given, gets its pieces in address order."""
         allocator, room = self._allocator, self._max_batch - 1
         keys, entries, order, slot_at, shift = (
             self._keys, self._entries, self._order, self._slot_at, self._shift
         )  # fmt: skip
         whole = True
-        left: list[Piece] = []
-        victims, cursor = 0, entry.offset
-        while (block := allocator.block_before(cursor)) is not None:
+        victims, start = 0, entry.offset
+        while (block := allocator.block_before(start)) is not None:
             self.walked += 1
             offset = block[0]
             if not block[2]:  # allocated: a candidate ranked below this one, or a barrier
@@ -588,11 +594,14 @@ class EvictionIndex:
                     whole = False
                     break
                 victims += 1
-            left.append(Piece(offset, block[1], not block[2]))
-            cursor = offset
-        right: list[Piece] = []
-        victims, cursor = 0, entry.offset + entry.size
-        while (block := allocator.block_at(cursor)) is not None:
+            if pieces is not None:
+                pieces.append(_new_piece(Piece, (offset, block[1], not block[2])))
+            start = offset
+        if pieces is not None:
+            pieces.reverse()
+            pieces.append(_new_piece(Piece, (entry.offset, entry.size, True)))
+        victims, stop = 0, entry.offset + entry.size
+        while (block := allocator.block_at(stop)) is not None:
             self.walked += 1
             offset = block[0]
             if not block[2]:
@@ -607,7 +616,7 @@ class EvictionIndex:
                     whole = False
                     break
                 victims += 1
-            right.append(Piece(offset, block[1], not block[2]))
-            cursor = offset + block[1]
-        left.reverse()
-        return [*left, Piece(entry.offset, entry.size, True), *right], len(left), whole
+            if pieces is not None:
+                pieces.append(_new_piece(Piece, (offset, block[1], not block[2])))
+            stop = offset + block[1]
+        return start, stop, whole
