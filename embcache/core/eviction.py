@@ -484,10 +484,11 @@ class EvictionIndex:
             if order[key] <= newest:
                 break
             fresh.append(key)
-        if not self._slot_at:
+        if not self._slot_at:  # the first search: the tables, and the order's stamps
             units = self._units
             self._slot_at = self._ints(units)
             self._starting, self._ending = self._ints(units + 1), self._ints(units + 1)
+            order.start_stamps()  # (every key is fresh: the loop above stopped at none)
         if not fresh:
             return
         if self._count + len(fresh) > self._width:
