@@ -359,7 +359,7 @@ class EvictionIndex:
         self._next_left = self._ints(0)  # slot -> the next slot registered at the same start
         self._next_right = self._ints(0)  # slot -> the next slot registered at the same end
         self._width = 0  # leaves of the tree: a power of two >= the slots (0: none yet)
-        self._tree = self._ints(2, _DEAD)  # max bound under each node; leaves at _width + slot
+        self._tree: list[int] = [_DEAD, _DEAD]  # max bound under each node; leaves at _width + slot
         self._slot_at = self._ints(0)  # unit -> the newest slot of a candidate starting there
         self._starting = self._ints(0)  # unit -> first slot registered to begin there
         self._ending = self._ints(0)  # unit -> first slot registered to end there
@@ -528,8 +528,8 @@ class EvictionIndex:
             width *= 2
         self._width, self._count = width, count
         self._keys = keys + [""] * (width - count)
-        self._tree = tree = self._ints(2 * width, _DEAD)
-        tree[width : width + count] = array(self._code, bounds)
+        self._tree = tree = [_DEAD] * (2 * width)  # (a list: the hottest table, read in C)
+        tree[width : width + count] = bounds
         for node in range(width - 1, 0, -1):
             a, b = tree[2 * node], tree[2 * node + 1]
             tree[node] = a if a > b else b
