@@ -79,6 +79,12 @@ WORKLOAD = {"requests": 300, "images": 500}  # 1-4 images a request, Zipf(1), 64
 # chunks of three for has_cache_item; 256 KiB items cycling through 1 MB for the worker's copy
 TINY = {"requests": 40, "images": 16, "reps": 1, "pool": 4 * MB, "chunks": (2, 3)}
 TINY_COPY = {"sizes": (256 * 1024,), "pool": 1 * MB}
+# The pool sweep (issue 56): 300 requests over 500 images, 2 admitted a step, each running 2
+# steps; pools of 2x, 1x, 0.5x and 0.25x the trace's working set (its distinct images' bytes)
+PRESSURE = {"requests": 300, "images": 500, "admit": 2, "steps": 2}
+POOLS = (2.0, 1.0, 0.5, 0.25)
+EPS = 1e-9  # two shares of one count computed two ways (1 - encoded/images, hits/total)
+TINY_PRESSURE = {"requests": 48, "images": 24}  # --tiny: the same shape, small
 
 
 def workload(requests: int, images: int) -> list[FakeRequest]:
@@ -146,37 +152,131 @@ def _replay_cpu_ns(scheduler: Any, script: list[Any], check: bool = True) -> int
     return time.thread_time_ns() - start
 
 
+def engine_run(
+    name: str, pool: int, policy: str, trace: list[FakeRequest], admit: int = 4
+) -> tuple[Any, list[Any]]:
+    """One engine run of ``trace`` through ``contender(name, pool, policy)``, ``admit``
+    requests admitted a step: its report and its scheduler-role calls (for ``replay_cpu``).
+    Ours must end with every request closed and its invariants held."""
+    scheduler, workers, running = contender(name, pool, policy)
+    record: list[Any] = []
+    eng = engine(scheduler, workers, record=record, admit=admit)
+    for request in trace:
+        eng.add(request)
+    with running:
+        report = eng.drain()
+        if name == "embcache":
+            scheduler.check_invariants()
+            assert scheduler.stats().open_requests == 0
+    return report, record
+
+
+def replay_cpu(
+    runs: dict[str, tuple[Any, list[Any]]], pool: int, reps: int, policy: str = "lru"
+) -> dict[str, list[float]]:
+    """The scheduler CPU us per image of ``runs["embcache"]`` and ``runs["eccpu"]``, each
+    replayed alone on a fresh scheduler of ``pool`` bytes (ours with ``policy``), ``reps``
+    times, alternating which goes first; less the replay loop's own time."""
+    cpu: dict[str, list[float]] = {"embcache": [], "eccpu": []}
+    for rep in range(reps):
+        for name in ("embcache", "eccpu") if rep % 2 == 0 else ("eccpu", "embcache"):
+            report, record = runs[name]
+            scheduler, _, running = contender(name, pool, policy)
+            with running:
+                spent = _replay_cpu_ns(scheduler, record)
+            spent -= _replay_cpu_ns(NullScheduler(), record, check=False)
+            cpu[name].append(spent / report.images / 1e3)
+    return cpu
+
+
 def side_by_side(requests: int, images: int, reps: int, pool: int = SBS_POOL) -> dict[str, Any]:
     """The engine runs (embcache lru, ECCPUConnector, embcache adaptive), each cache of
     ``pool`` bytes, then the scheduler-only replays of the first two, alternating; see the
     module docstring."""
     from tests.support import vllm_engine
 
-    runs: dict[str, tuple[Any, list[Any]]] = {}
     torch.set_num_threads(1)  # a 2-thread copy waits for whichever thread is descheduled
-    for name, policy in (("embcache", "lru"), ("eccpu", "lru"), ("embcache", "adaptive")):
-        scheduler, workers, running = contender(name, pool, policy)
-        record: list[Any] = []
-        eng = engine(scheduler, workers, record=record)
-        for request in workload(requests, images):
-            eng.add(request)
-        with running:
-            report = eng.drain()
-            if name == "embcache":
-                scheduler.check_invariants()
-                assert scheduler.stats().open_requests == 0
-        runs[name if policy == "lru" else f"{name} {policy}"] = (report, record)
-    cpu: dict[str, list[float]] = {"embcache": [], "eccpu": []}
-    for rep in range(reps):
-        for name in ("embcache", "eccpu") if rep % 2 == 0 else ("eccpu", "embcache"):
-            report, record = runs[name]
-            scheduler, _, running = contender(name, pool)
-            with running:
-                spent = _replay_cpu_ns(scheduler, record)
-            spent -= _replay_cpu_ns(NullScheduler(), record, check=False)
-            cpu[name].append(spent / report.images / 1e3)
-    ideal = vllm_engine.ideal_lru(workload(requests, images), pool, WIDTH_SBS)
+    trace = workload(requests, images)
+    runs = {
+        "embcache": engine_run("embcache", pool, "lru", trace),
+        "eccpu": engine_run("eccpu", pool, "lru", trace),
+        "embcache adaptive": engine_run("embcache", pool, "adaptive", trace),
+    }
+    cpu = replay_cpu(runs, pool, reps)
+    ideal = vllm_engine.ideal_lru(trace, pool, WIDTH_SBS)
     return {"runs": runs, "cpu_us": cpu, "ideal": ideal}
+
+
+def pressure_workload(requests: int, images: int) -> list[FakeRequest]:
+    """The issue's workload: ``workload``'s requests, each running ``PRESSURE["steps"]``
+    steps."""
+    from tests.support import vllm_engine
+
+    steps = PRESSURE["steps"]
+    return vllm_engine.workload(requests, images, steps=(steps, steps))
+
+
+def pressure(
+    requests: int, images: int, reps: int, pools: tuple[float, ...] = POOLS
+) -> list[dict[str, Any]]:
+    """Per pool (a share of the trace's working set): the engine runs of ours (the
+    connector's default policy, and lru), and of ECCPUConnector, ``PRESSURE["admit"]``
+    requests admitted a step; the scheduler-only replays of ours and ECCPUConnector's; the
+    ideal LRU of the same bytes. Raises ``AssertionError`` when ours declared an item a rank
+    then lacked, or the engine met an error with ours."""
+    from embcache.integrations.vllm import ConnectorOptions
+    from tests.support import vllm_engine
+
+    default = ConnectorOptions().policy  # what the connector runs unless told otherwise
+    torch.set_num_threads(1)
+    trace = pressure_workload(requests, images)
+    working = vllm_engine.working_set(trace, WIDTH_SBS)
+    out = []
+    for share in pools:
+        pool = int(working * share)
+        admit = PRESSURE["admit"]
+        runs = {
+            "embcache": engine_run("embcache", pool, default, trace, admit),
+            "eccpu": engine_run("eccpu", pool, "lru", trace, admit),
+            "embcache lru": engine_run("embcache", pool, "lru", trace, admit),
+        }
+        for name in ("embcache", "embcache lru"):
+            report = runs[name][0]
+            assert report.missing == 0 and not report.errors, (name, share, report.errors[:3])
+        out.append({
+            "share": share, "pool": pool, "runs": runs,
+            "cpu_us": replay_cpu(runs, pool, reps, default),
+            "ideal": vllm_engine.ideal_lru(trace, pool, WIDTH_SBS),
+        })  # fmt: skip
+    return out
+
+
+def pressure_rows(quick: bool, tiny: bool = False) -> list[dict[str, Any]]:
+    """The rows of the pool sweep (module docstring), per pool."""
+    if tiny:
+        got = pressure(TINY_PRESSURE["requests"], TINY_PRESSURE["images"], 1)
+    else:
+        got = pressure(PRESSURE["requests"], PRESSURE["images"], 3 if quick else 9)
+    rows = []
+    row = make_row
+    for one in got:
+        runs, cpu, ideal = one["runs"], one["cpu_us"], one["ideal"]
+        ours, theirs, lru = (runs[k][0] for k in ("embcache", "eccpu", "embcache lru"))
+        o, t = statistics.median(cpu["embcache"]), statistics.median(cpu["eccpu"])
+        name = f"vllm pool {one['share']:g}x working set:"
+        rows += [
+            row(f"{name} scheduler CPU/image vs ECCPUConnector", o, t, "us", o / t, "<= 1.0x",
+                o / t <= 1.0),
+            row(f"{name} not encoded vs ideal LRU", ours.avoided, ideal, "share",
+                ours.avoided - ideal, ">= 0", ours.avoided >= ideal - EPS),
+            row(f"{name} declared, missing vs ECCPUConnector", ours.missing, theirs.missing,
+                "items", 0.0, "0", ours.missing == 0),
+            row(f"{name} lru: not encoded vs ideal LRU", lru.avoided, ideal, "share",
+                lru.avoided - ideal, "", None),
+            row(f"{name} ECCPUConnector: not encoded vs ideal LRU", theirs.avoided, ideal,
+                "share", theirs.avoided - ideal, "", None),
+        ]  # fmt: skip
+    return rows
 
 
 def side_by_side_rows(quick: bool, tiny: bool = False) -> list[dict[str, Any]]:
@@ -362,7 +462,8 @@ def run(quick: bool = False, tiny: bool = False) -> list[dict[str, Any]]:
     except vllm_wheel.VLLMUnavailable as exc:
         return [skipped_row("vllm connector", str(exc))]
     _steady_malloc()
-    return side_by_side_rows(quick, tiny) + scheduler_rows(quick, tiny) + worker_rows(quick, tiny)
+    rows = side_by_side_rows(quick, tiny) + pressure_rows(quick, tiny)
+    return rows + scheduler_rows(quick, tiny) + worker_rows(quick, tiny)
 
 
 def _callgrind(probe: str, args: list[str]) -> list[int]:
