@@ -45,6 +45,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import json
+import pickle
 import shutil
 import statistics
 import subprocess
@@ -189,6 +190,37 @@ def replay_cpu(
     return cpu
 
 
+def by_call(
+    runs: dict[str, tuple[Any, list[Any]]], pool: int, reps: int, policy: str
+) -> dict[str, dict[str, float]]:
+    """Where the scheduler's time goes: per contender (``embcache``, ``eccpu``), per vLLM
+    method, the thread CPU us per image of its calls in a replay (``replay_cpu``'s, each call
+    timed alone: the clock's own cost is in every call), the median of ``reps``."""
+    from vllm.v1.outputs import ECConnectorOutput
+
+    spent: dict[str, dict[str, list[float]]] = {"embcache": {}, "eccpu": {}}
+    clock = time.thread_time_ns
+    for rep in range(reps):
+        for name in ("embcache", "eccpu") if rep % 2 == 0 else ("eccpu", "embcache"):
+            report, record = runs[name]
+            scheduler, _, running = contender(name, pool, policy)
+            total: dict[str, int] = {}
+            with running:
+                for method, args, _ in record:
+                    if method == "update_connector_output":
+                        args = (ECConnectorOutput(ec_connector_worker_meta=pickle.loads(args[0])),)
+                    fn = getattr(scheduler, method)
+                    start = clock()
+                    fn(*args)
+                    total[method] = total.get(method, 0) + clock() - start
+            for method, ns in total.items():
+                spent[name].setdefault(method, []).append(ns / report.images / 1e3)
+    return {
+        name: {method: statistics.median(v) for method, v in methods.items()}
+        for name, methods in spent.items()
+    }
+
+
 def side_by_side(requests: int, images: int, reps: int, pool: int = SBS_POOL) -> dict[str, Any]:
     """The engine runs (embcache lru, ECCPUConnector, embcache adaptive), each cache of
     ``pool`` bytes, then the scheduler-only replays of the first two, alternating; see the
@@ -246,6 +278,7 @@ def pressure(
         out.append({
             "share": share, "pool": pool, "runs": runs,
             "cpu_us": replay_cpu(runs, pool, reps, default),
+            "by_call": by_call(runs, pool, max(1, reps // 3), default),
             "ideal": vllm_engine.ideal_lru(trace, pool, WIDTH_SBS),
         })  # fmt: skip
     return out
@@ -276,6 +309,11 @@ def pressure_rows(quick: bool, tiny: bool = False) -> list[dict[str, Any]]:
             row(f"{name} ECCPUConnector: not encoded vs ideal LRU", theirs.avoided, ideal,
                 "share", theirs.avoided - ideal, "", None),
         ]  # fmt: skip
+        calls = one["by_call"]
+        for method, o in calls["embcache"].items():
+            t = calls["eccpu"].get(method, 0.0)
+            rows.append(row(f"{name} {method} CPU/image vs ECCPUConnector", o, t, "us",
+                            o / t if t else 0.0, "", None))  # fmt: skip
     return rows
 
 
