@@ -33,9 +33,20 @@ bytes come from memory; one intra-op thread; glibc keeps freed blocks under 32 M
 alternate; GB/s is the median; target 0.9 of raw). With CUDA the copies go to the GPU
 (synchronized); this machine has none, so the CUDA path is not measured here.
 
+The pool sweep (issue 56): the issue's workload (300 requests of 1-4 images, Zipf(1) over 500
+images of 64-2048 rows x 1024 fp16; 2 requests admitted a step, each running 2 steps) with
+pools of 2x, 1x, 0.5x and 0.25x its working set (the bytes of the distinct images it requests),
+ours with the connector's default policy. Rows per pool: the scheduler CPU time per image
+against ECCPUConnector's (as above; target <= 1.0x), and where it goes, per vLLM method (each
+call timed alone); images not encoded against an ideal LRU of the same bytes (target: at least
+it), and ours with ``lru`` and ECCPUConnector's for reference; items declared that a rank then
+lacked (target 0, and the run raises if ours declares one). ``--callgrind-pools``: the same
+pools in scheduler instructions per image, ours against ECCPUConnector's (also part of
+``--callgrind``).
+
 The machine may be shared with other jobs: read the ratios, not the absolute numbers.
-Run from the repository root: python -m benchmarks.peers.bench_vllm [--quick | --tiny | --callgrind]
-[--json OUT]
+Run from the repository root: python -m benchmarks.peers.bench_vllm [--quick | --tiny | --callgrind
+| --callgrind-pools] [--json OUT]
 """
 
 from __future__ import annotations
@@ -239,12 +250,12 @@ def side_by_side(requests: int, images: int, reps: int, pool: int = SBS_POOL) ->
     return {"runs": runs, "cpu_us": cpu, "ideal": ideal}
 
 
-def pressure_workload(requests: int, images: int) -> list[FakeRequest]:
-    """The issue's workload: ``workload``'s requests, each running ``PRESSURE["steps"]``
-    steps."""
+def pressure_workload(
+    requests: int, images: int, steps: int = PRESSURE["steps"]
+) -> list[FakeRequest]:
+    """The issue's workload: ``workload``'s requests, each running ``steps`` steps."""
     from tests.support import vllm_engine
 
-    steps = PRESSURE["steps"]
     return vllm_engine.workload(requests, images, steps=(steps, steps))
 
 
@@ -518,6 +529,30 @@ def _callgrind(probe: str, args: list[str]) -> list[int]:
         return dump_totals(out)
 
 
+def pressure_callgrind_rows(pools: tuple[float, ...] = POOLS) -> list[dict[str, Any]]:
+    """The pool sweep's scheduler instructions per image, ours (the connector's default
+    policy) against ECCPUConnector's, per pool (``vllm_engine_probe`` with the sweep's
+    workload)."""
+    vllm_wheel.install()
+    from embcache.integrations.vllm import ConnectorOptions
+    from tests.support import vllm_engine
+
+    requests, images = PRESSURE["requests"], PRESSURE["images"]
+    trace = pressure_workload(requests, images)
+    seen = sum(len(r.keys) for r in trace)
+    working = vllm_engine.working_set(trace, WIDTH_SBS)
+    sweep = [str(PRESSURE["admit"]), str(PRESSURE["steps"]), ConnectorOptions().policy]
+    rows = []
+    for share in pools:
+        probe = [str(requests), str(images), str(int(working * share)), *sweep]
+        o, t = (
+            _callgrind("vllm_engine_probe", [n, *probe])[0] / seen for n in ("embcache", "eccpu")
+        )
+        rows.append(make_row(f"vllm pool {share:g}x working set: scheduler/image vs ECCPUConnector",
+                             o, t, "instr", o / t, "<= 1.0x", o / t <= 1.0))  # fmt: skip
+    return rows
+
+
 def callgrind_rows(count: int = 20) -> list[dict[str, Any]]:
     """Instruction counts (deterministic where timings are noisy): the scheduler's per image of
     the side-by-side run, ours against ECCPUConnector's (``vllm_engine_probe``); per item of
@@ -539,6 +574,7 @@ def callgrind_rows(count: int = 20) -> list[dict[str, Any]]:
     ours, raw = (n / count for n in _callgrind("vllm_load_probe", [str(count), str(4 * MB)]))
     row = make_row
     return [
+        *pressure_callgrind_rows(),
         row("vllm vs ECCPUConnector: scheduler/image", ours_sbs, theirs_sbs, "instr",
             ours_sbs / theirs_sbs, "<= 1.0x", ours_sbs / theirs_sbs <= 1.0),
         row("vllm scheduler: has_cache_item", query, plain, "instr/item", query / plain, "<= 2x",
@@ -559,9 +595,14 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="a smoke run (TINY, TINY_COPY)")
     parser.add_argument("--callgrind", action="store_true", help="instruction counts instead")
+    parser.add_argument("--callgrind-pools", action="store_true",
+                        help="only the pool sweep's instruction counts")  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the rows as a JSON list")
     options = parser.parse_args()
-    result = callgrind_rows() if options.callgrind else run(options.quick, options.tiny)
+    if options.callgrind_pools:
+        result = pressure_callgrind_rows()
+    else:
+        result = callgrind_rows() if options.callgrind else run(options.quick, options.tiny)
     print_rows(result)
     if options.json is not None:
         options.json.write_text(json.dumps([json_row(r) for r in result], indent=1) + "\n")
