@@ -16,7 +16,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -28,6 +28,9 @@ from embcache.pipeline import FleetClaims
 from embcache.pipeline import claims as claims_module
 from tests.support.claim_store import Client, Master
 from tests.tla.tla_modules import load_claims_trace
+
+if TYPE_CHECKING:
+    from embcache.store.mooncake_master import MooncakeMaster
 
 pytestmark = [pytest.mark.tla, pytest.mark.timeout(180)]
 
@@ -162,6 +165,57 @@ def test_fleets_record_traces_the_spec_explains(fleet: Callable[..., list[Worker
                  ("Encode", "encoded")]:  # fmt: skip
         assert seen in outcomes, f"no {seen} in the fleets' traces: {sorted(outcomes)}"
     assert ("Poll", "loaded") in outcomes or ("Ask", "hit") in outcomes
+
+
+@pytest.mark.mooncake
+def test_a_fleet_on_a_real_master_records_traces_the_spec_explains(
+    mooncake_master: MooncakeMaster, key_prefix: str
+) -> None:
+    """Two workers on a real ``mooncake_master`` given the same new images at once (claims
+    with the store's lease: the master's ``--put_start_discard_timeout_sec``)."""
+    from embcache.store.mooncake import MooncakeStore
+
+    workers = []
+    for n, segment in enumerate((64 << 20, 0)):
+        store = MooncakeStore(
+            **mooncake_master.store_kwargs(), key_prefix=key_prefix, global_segment_size=segment
+        )
+        store.connect()
+        log = TraceLog()
+        cache = EmbeddingCache(4 << 20, store=store, pin_memory=False)
+        claims = FleetClaims(store, trace=log)
+        workers.append((f"w{n}", store, cache, claims, log,
+                        EncodePipeline(cache, SleepyEncoder(0.2), claims=claims)))  # fmt: skip
+    keys = ["a", "b", "c"]
+    try:
+        threads = [
+            threading.Thread(target=pipeline.encode, args=(name, [item(k) for k in keys], keys))
+            for name, *_, pipeline in workers
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for _, _, _, claims, log, _ in workers:
+            deadline = time.monotonic() + 10  # the claimer's releases, once its publish is seen
+            while claims.stats().claimed + claims.stats().taken_over > sum(
+                e["action"] in ("Release", "EncodeFails") for e in list(log.events)
+            ):
+                assert time.monotonic() < deadline, log.events
+                time.sleep(0.01)
+    finally:
+        for _, store, cache, claims, _, _ in reversed(workers):
+            claims.close()
+            cache.close()
+            store.close()
+    traces = [(name, list(log.events)) for name, _, _, _, log, _ in workers]
+    checked = trace_mod.validate(traces, workers=2)
+    rejected = [v.describe() for v in checked if not v.accepted]
+    assert not rejected, "\n".join(rejected)
+    assert len(checked) == 6
+    actions = {(e["action"], e["outcome"]) for _, events in traces for e in events}
+    assert ("Claim", "won") in actions and ("Release", "stored") in actions, actions
+    assert ("Ask", "hit") in actions or ("Poll", "loaded") in actions, actions  # one waited
 
 
 # ------------------------------------------------------------------ teeth: planted bugs
