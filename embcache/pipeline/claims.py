@@ -1,10 +1,10 @@
 """``FleetClaims``: one encode per key across encode workers that share a global store.
 
-Theory of operation. Inside one process, single flight is the cache's reservation: the request
-that reserved a miss encodes it and the process's other requests for that key wait on it.
-``FleetClaims`` carries that across processes through a ``ClaimingStore`` (Mooncake's: a claim is
-a started, never-ended put of ``key#claim``, which exactly one racing worker wins, with the
-master's put timeout as its lease; embcache/DESIGN.md, "Claims").
+Theory of operation. Inside one process, single flight is the cache's reservation (the request
+that reserved a miss encodes it; the others wait). ``FleetClaims`` carries that across processes
+through a ``ClaimingStore`` (Mooncake's: a claim is a started, never-ended put of ``key#claim``,
+which exactly one racing worker wins, with the master's put timeout as its lease;
+embcache/DESIGN.md, "Claims").
 
 1. ``claim(keys)``: the keys are misses a request reserved (in neither the pool nor the store
    at its lookup). One store call claims them all, and one asks whether the keys claimed are
@@ -27,34 +27,17 @@ master's put timeout as its lease; embcache/DESIGN.md, "Claims").
    claim is released before its publish is visible. ``release(keys)`` ends claims at once: a
    failed encode, a key the pool did not take.
 
-A claim carries no bytes and decides no bytes: a request is served what the store holds under
-the key (Mooncake keeps the first put of a key) or what its own encoder returned, so a lost,
-stale or doubled claim costs a duplicate encode, never a wrong answer. A worker holds at most one
-claim per key (the reservation makes it one request per process), only while that key's encode
-and publish are in flight; an expired claim is replaced by the next claim of its key.
+A claim carries and decides no bytes: a lost, stale or doubled claim costs a duplicate encode,
+never a wrong answer. At most one claim per key per worker, while its encode and publish are in
+flight (why, the bounds and the costs: embcache/DESIGN.md, "Claims").
 
-Trace. With ``trace=`` (a ``TraceSink``: a ``TraceLog``, a list), each step of the protocol is
-one event ``{"seq", "action", "key", "outcome", "t"}`` (``t``: the clock, seconds), named as
-``tla/FleetClaims.tla`` names the worker's action; ``tla/claims_trace.py`` checks a worker's
-trace against that spec. The first event is ``Init`` (``lease_s``, ``poll_s`` and the store's
-``claim_lease_s``, the lease the spec counts). A key this
-worker claims enters it as ``Ask`` ``miss`` and ``Claim`` ``won`` (stamped just before the
-claim was asked: its lease counts from there); a key claimed by another enters it at its
-wait's first ask (which asks again): ``Ask`` ``hit`` (loaded), or ``Ask`` ``miss`` then
-``Claim`` ``won`` or ``taken``. Each later ask of a wait is a ``Poll``: ``taken``, ``loaded``,
-``won`` (a takeover), ``extended`` (taken at the deadline: one more lease), ``fallback`` (taken
-after ``CLAIMS_WAITED`` claims: encoded here, no claim), ``none`` (no answer) or
-``load_failed``. ``Encode``: ``encoded`` (``published``: encoded, its publish started) or
-``loaded`` (a claim won on a key stored by then). ``EncodeFails``: ``release``. ``Release``:
-``stored``, ``lease`` (the releaser), ``late`` (after ``Encode`` ``loaded``) or ``closed``. A
-claim won on a key found stored at once (in ``claim``) is not traced: it ends before anything
-depends on it. The sink is called with no lock held, from the request threads and the
-releaser; ``seq`` orders the events.
+Trace. With ``trace=`` (a ``TraceSink``, called with no lock held), each protocol step is one
+event ``{"seq", "action", "key", "outcome", "t"}``, as ``tla/FleetClaims.tla`` names it and
+``tla/claims_trace.py`` checks it (the events: tla/README.md, "Trace validation").
 
-Threads and locks. ``claim`` and ``wait`` run on the request's thread; a wait sleeps between
-polls holding no lock. The releaser is one daemon thread, started at the first
-``published``. ``_lock`` guards its queue, the counters and the trace's ``seq`` and is never
-held across a store call or the trace sink.
+Threads and locks. ``claim`` and ``wait`` run on the request's thread (a wait sleeps holding
+no lock); the releaser is one daemon thread, started at the first ``published``. ``_lock``
+guards its queue, the counters and ``seq``, never across a store call or the trace sink.
 """
 
 from __future__ import annotations
