@@ -31,9 +31,8 @@ A claim carries and decides no bytes: a lost, stale or doubled claim costs a dup
 never a wrong answer. At most one claim per key per worker, while its encode and publish are in
 flight (why, the bounds and the costs: embcache/DESIGN.md, "Claims").
 
-Trace. With ``trace=`` (a ``TraceSink``, called with no lock held), each protocol step is one
-event ``{"seq", "action", "key", "outcome", "t"}``, as ``tla/FleetClaims.tla`` names it and
-``tla/claims_trace.py`` checks it (the events: tla/README.md, "Trace validation").
+Trace. With ``trace=`` (a ``TraceSink``, called with no lock held), each step is one event, as
+``tla/FleetClaims.tla`` names it (checked by ``tla/claims_trace.py``; tla/README.md lists them).
 
 Threads and locks. ``claim`` and ``wait`` run on the request's thread (a wait sleeps holding
 no lock); the releaser is one daemon thread, started at the first ``published``. ``_lock``
