@@ -269,6 +269,11 @@ CATALOGUE: dict[str, Row | Any] = {  # Any: a pytest.param row carrying a bug ma
         InvalidTypeError,
         "key must be a str, got bytes",
     ),
+    "cache.entry_states: bytes key after a good one": (
+        lambda w: w.cache.entry_states(["idle", b"idle"]),  # type: ignore[list-item]
+        InvalidTypeError,
+        "key must be a str, got bytes",
+    ),
     "closed cache: request": (
         lambda w: w.closed_cache.request("x"),
         ClosedError,
@@ -418,6 +423,26 @@ CATALOGUE: dict[str, Row | Any] = {  # Any: a pytest.param row carrying a bug ma
     ),
     "Item: str dtype": (
         lambda w: Item("k", (4,), "float32"),  # type: ignore[arg-type]
+        InvalidTypeError,
+        "dtype must be a torch.dtype, got 'float32'",
+    ),
+    "Item.rows: int key": (
+        lambda w: Item.rows(7, 4, 4, torch.float32),  # type: ignore[arg-type]
+        InvalidTypeError,
+        "key must be a str, got int",
+    ),
+    "Item.rows: zero rows": (
+        lambda w: Item.rows("k", 0, 4, torch.float32),
+        InvalidArgumentError,
+        "shape dims must be > 0, got (0, 4)",
+    ),
+    "Item.rows: bool width": (
+        lambda w: Item.rows("k", 4, True, torch.float32),
+        InvalidTypeError,
+        "shape dims must be ints",
+    ),
+    "Item.rows: str dtype": (
+        lambda w: Item.rows("k", 4, 4, "float32"),  # type: ignore[arg-type]
         InvalidTypeError,
         "dtype must be a torch.dtype, got 'float32'",
     ),

@@ -35,6 +35,27 @@ class Item:
         _set(self, "nbytes", math.prod(self.shape) * self.dtype.itemsize)
 
     @classmethod
+    def rows(cls, key: str, rows: int, width: int, dtype: torch.dtype) -> Item:
+        """``Item(key, (rows, width), dtype)``: the same checks and errors, without the
+        per-field loop where every field is plainly valid (one per hash of an SGLang call)."""
+        if (
+            type(key) is str
+            and key
+            and type(rows) is int
+            and type(width) is int
+            and rows > 0
+            and width > 0
+            and isinstance(dtype, torch.dtype)
+        ):
+            item = _new(cls)
+            _set(item, "key", key)
+            _set(item, "shape", (rows, width))
+            _set(item, "dtype", dtype)
+            _set(item, "nbytes", rows * width * dtype.itemsize)
+            return item
+        return cls(key, (rows, width), dtype)  # raises what the checks say
+
+    @classmethod
     def of(cls, key: str, tensor: torch.Tensor) -> Item:
         """The item describing ``tensor`` under ``key``; raises as ``Item(...)`` does for a
         bad key, and ``InvalidTypeError`` for a ``tensor`` that is not a tensor."""
