@@ -227,7 +227,10 @@ class ControllerBase:
     async def batch_is_exist(self, mm_hashes: list[str]) -> list[bool]:
         """Per hash: READY in the pool, or stored in the global store. A store that cannot
         answer (a dead master) makes its hashes misses; the local hits stay hits (SGLang's
-        controller raises, and MMEncoder then encodes every item)."""
+        controller raises, and MMEncoder then encodes every item). The event loop runs only
+        the local check (one hold of the cache's lock); the hashes not READY are asked of the
+        store on a worker thread (``asyncio.to_thread``), so the loop serves other tasks while
+        the store answers."""
         ready = EntryState.READY
         found = [state is ready for state in self.cache.entry_states(mm_hashes)]
         missing = [i for i, hit in enumerate(found) if not hit]
