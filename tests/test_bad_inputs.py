@@ -269,6 +269,11 @@ CATALOGUE: dict[str, Row | Any] = {  # Any: a pytest.param row carrying a bug ma
         InvalidTypeError,
         "key must be a str, got bytes",
     ),
+    "cache.entry_states: bytes key after a good one": (
+        lambda w: w.cache.entry_states(["idle", b"idle"]),  # type: ignore[list-item]
+        InvalidTypeError,
+        "key must be a str, got bytes",
+    ),
     "closed cache: request": (
         lambda w: w.closed_cache.request("x"),
         ClosedError,
@@ -420,6 +425,31 @@ CATALOGUE: dict[str, Row | Any] = {  # Any: a pytest.param row carrying a bug ma
         lambda w: Item("k", (4,), "float32"),  # type: ignore[arg-type]
         InvalidTypeError,
         "dtype must be a torch.dtype, got 'float32'",
+    ),
+    "Item.of_matrix: int key": (
+        lambda w: Item.of_matrix(7, 4, 4, torch.float32),  # type: ignore[arg-type]
+        InvalidTypeError,
+        "key must be a str, got int",
+    ),
+    "Item.of_matrix: empty key": (
+        lambda w: Item.of_matrix("", 4, 8, torch.float16),
+        InvalidArgumentError,
+        "key must be a non-empty str",
+    ),
+    "Item.of_matrix: zero rows": (
+        lambda w: Item.of_matrix("k", 0, 8, torch.float16),
+        InvalidArgumentError,
+        "shape dims must be > 0, got (0, 8)",
+    ),
+    "Item.of_matrix: bool width": (
+        lambda w: Item.of_matrix("k", 4, True, torch.float16),
+        InvalidTypeError,
+        "shape dims must be ints",
+    ),
+    "Item.of_matrix: str dtype": (
+        lambda w: Item.of_matrix("k", 4, 8, "float16"),  # type: ignore[arg-type]
+        InvalidTypeError,
+        "dtype must be a torch.dtype, got 'float16'",
     ),
     "Item.of: not a tensor": (
         lambda w: Item.of("k", [1.0]),  # type: ignore[arg-type]

@@ -44,7 +44,8 @@ def contenders(best_policy: str) -> set[str]:
     return {
         "no cache",
         SGLANG,
-        "original PR",
+        "original PR in MMEncoder",
+        "original PR direct",
         "embcache adapter lru",
         f"embcache adapter {best_policy}",
         f"embcache pipeline {best_policy}",
@@ -103,7 +104,9 @@ def test_every_contender_answers_with_the_encoders_bytes(tiny_run: dict[str, Any
         assert counts["differ"] == 0 and counts["bad_times"] == 0, (name, counts)
         assert counts["failed_inserts"] >= 0
     failed = {name for name, counts in verified.items() if counts["failed"]}
-    assert failed <= {SGLANG}, failed  # SGLang's: a hit evicted before its read
+    # SGLang's and the original PR's in MMEncoder's sequence: neither pins a hit between
+    # has_local_embedding and the read, so the background insert can evict it first
+    assert failed <= {SGLANG, "original PR in MMEncoder"}, failed
     saved = [n for n, c in verified.items() if n != "no cache" and c["read_bytes"] > 0]
     assert len(saved) == len(verified) - 1, "every cache served hits on the second pass"
 

@@ -191,6 +191,26 @@ def test_loading_from_the_store_then_ready(
     assert_clean(cache)
 
 
+def test_entry_states_reads_each_keys_state_and_item_of_matrix_is_a_2d_item(
+    store: FaultInjectingStore, make_cache: Callable[..., EmbeddingCache]
+) -> None:
+    cache = make_cache()
+    data = payload((16, 16), torch.float32, seed=3)
+    assert Item.of_matrix("img", 16, 16, torch.float32) == item_of("img", data)
+    assert Item.of_matrix("img", 16, 16, torch.float32).nbytes == data.nbytes
+    store.put_object("img", raw(data))
+    store.inject("img", Fault.HOLD)
+    with cache.request("r") as request:
+        found = request.lookup([Item.of_matrix("img", 16, 16, torch.float32)])
+        assert found == [ItemStatus(Status.LOADING)]
+        assert cache.entry_states(["img", "nope", "img"]) == [LOADING, ABSENT, LOADING]
+        store.release_holds()
+        assert request.wait(timeout=WAIT_S)
+    assert cache.entry_states(["nope", "img"]) == [ABSENT, READY]
+    assert cache.entry_states([]) == []
+    assert_clean(cache)
+
+
 def test_reserved_then_insert_fills_it(make_cache: Callable[..., EmbeddingCache]) -> None:
     cache = make_cache()
     data = payload((4, 64), torch.bfloat16, seed=3)

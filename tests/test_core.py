@@ -20,6 +20,7 @@ from embcache.core import request_bodies as bodies
 from embcache.core.cache_core import CacheCore
 from embcache.core.entries import RequestState
 from embcache.core.lifecycle import ABSENT, LOADING, QUARANTINED, READY
+from embcache.core.lookup_flags import LookupFlags
 from embcache.core.outcomes import ItemStatus, Reason, Status, TransferOutcome
 from embcache.core.queries import StateQueries
 from embcache.core.state import CoreState
@@ -288,7 +289,7 @@ def test_request_steps_plan_an_insert_and_reject_a_mismatched_reservation() -> N
     core = CacheCore(4 * ALIGN, ALIGN, 4, trace=True)
     state = core.queries
     looked = core.begin_lookup(
-        "r1", [Thing("a", ALIGN)], ask_store=False, reserve=True, serve=True
+        "r1", [Thing("a", ALIGN)], LookupFlags(ask_store=False, reserve=True, serve=True)
     ).result
     r1 = looked.request  # opened by the lookup's own step
     assert looked.ask == [] and looked.statuses[0].status is Status.RESERVED

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from embcache import EmbeddingCache, Item
 from embcache.core.cache_core import CacheCore
+from embcache.core.lookup_flags import LookupFlags
 from embcache.core.outcomes import Status, TransferOutcome
 from embcache.core.policy import (
     POLICIES,
@@ -659,7 +660,7 @@ def test_the_core_keeps_a_policy_within_its_bound() -> None:
         keys = [f"{n // 2:064x}", f"hot{n % 3}"]
         items = [_Thing(key, align) for key in keys]
         looked = core.begin_lookup(
-            f"r{n}", items, ask_store=False, reserve=True, serve=False
+            f"r{n}", items, LookupFlags(ask_store=False, reserve=True, serve=False)
         ).result
         rs, fills = looked.request, looked.fills  # the reservations, filled in one step
         assert len(fills) == sum(s.status is Status.RESERVED for s in looked.statuses)
@@ -683,7 +684,7 @@ def drive_work_through_core(policy: Any) -> int:
         keys = [f"{n:064x}", f"hot{n % 3}"]
         items = [_Thing(key, align) for key in keys]
         looked = core.begin_lookup(
-            f"r{n}", items, ask_store=False, reserve=True, serve=False
+            f"r{n}", items, LookupFlags(ask_store=False, reserve=True, serve=False)
         ).result
         rs, fills = looked.request, looked.fills
         ok = [TransferOutcome.OK] * len(fills)
@@ -738,7 +739,7 @@ def test_the_core_skips_note_work_for_a_policy_that_keeps_no_work() -> None:
     for policy in (make_policy("lru"), make_policy("tinylfu"), Refuses()):
         core = CacheCore(4 * 256, 256, 4, policy=policy)
         looked = core.begin_lookup(
-            "r", [_Thing("k", 256)], ask_store=False, reserve=True, serve=False
+            "r", [_Thing("k", 256)], LookupFlags(ask_store=False, reserve=True, serve=False)
         ).result
         fx = core.end_inserts(
             looked.request, looked.fills, [TransferOutcome.OK], count=1, publish=False,

@@ -361,7 +361,8 @@ def test_a_planted_untyped_funnel_is_found(signature: str) -> None:
 
 def test_mypy_rejects_a_step_given_the_wrong_arguments(tmp_path: Path) -> None:
     """What the typing buys: a step run with an argument of the wrong type, one too many, a
-    flag given by position or a keyword of the wrong type fails mypy; the right ones pass."""
+    flag given by position, a keyword of the wrong type or a bare flag where a parameter
+    object goes fails mypy; the right ones pass."""
     wrong = tmp_path / "wrong_step.py"
     wrong.write_text(
         "from embcache import EmbeddingCache\n"
@@ -373,13 +374,14 @@ def test_mypy_rejects_a_step_given_the_wrong_arguments(tmp_path: Path) -> None:
         "runner.run(runner.core.publish, [], None, True)\n"  # flags by position
         "runner.run(runner.core.publish, [], request=None, store='yes')\n"  # a str for a bool
         "runner.run(runner.core.publish, [], request=None, store=True)\n"  # right
+        "runner.run(runner.core.begin_lookup, 'r2', [], True)\n"  # a bool for the flags
     )
     done = subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", str(wrong)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     errors = [line for line in done.stdout.splitlines() if ": error:" in line]
-    assert sorted({int(line.split(":")[1]) for line in errors}) == [5, 6, 7, 8], done.stdout
+    assert sorted({int(line.split(":")[1]) for line in errors}) == [5, 6, 7, 8, 10], done.stdout
 
 
 # ---------------------------------------------------------------------------- named flags

@@ -6,7 +6,9 @@ with Zipf reuse look their items up, reserve and insert the misses, and stay ope
 while the next few requests run, as concurrent requests do in a server.
 
 Ours is a real ``EmbeddingCache`` (1 GiB pool, real copies of real-sized tensors, one source
-tensor per dtype sliced per size). Its trace feeds a shadow of the pool layout so that every
+tensor per dtype sliced per size) under ``lru``, the baselines' order: what is compared is where
+eviction makes room, and a frequency policy's refused admissions would count as failed inserts.
+Its trace feeds a shadow of the pool layout so that every
 failed allocation can be checked against an independent oracle. The baselines replay the same
 requests over ``tests.support.baselines.NaiveAllocator`` (first fit) with plain LRU eviction:
 - ``LRU-to-fit``: evict the oldest idle entry until the allocation succeeds or none is left;
@@ -196,6 +198,7 @@ def run_ours(workload: Workload) -> Tally:
         pin_memory=False,
         io_workers=1,
         trace=trace,
+        policy="lru",  # the baselines' eviction order; a refused admission is no failed allocation
     ) as cache:
         open_requests: deque[Request] = deque()
         for n, indices in enumerate(workload.requests):

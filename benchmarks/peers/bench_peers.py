@@ -139,6 +139,7 @@ class OursReplay(Replay):
             pin_memory=False,
             io_workers=1,
             trace=trace,
+            policy="lru",  # like for like with SGLang's LRU: every fresh output is inserted
         )
         self.items = [Item(key, shape, dtype) for key, shape, dtype in specs]
         self.sources = sources

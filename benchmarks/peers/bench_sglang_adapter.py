@@ -190,9 +190,17 @@ class SGLangSide:
         self.putter.join()
 
 
+class LRUController(EmbeddingCacheController):
+    """The adapter with ``lru``, like for like with SGLang's LRU controller: the default policy
+    (``adaptive-work``) may refuse to keep a fresh output, and this run's hit requests read the
+    previous request's fresh outputs (a refused one made a hit request find a miss)."""
+
+    cache_policy = "lru"
+
+
 def ours(size: Size) -> EmbeddingCacheController:
     nbytes = size.tokens * size.dim * DTYPE.itemsize
-    return EmbeddingCacheController(
+    return LRUController(
         NullGlobalStore(),
         max_pool_size_gb=size.pool_items * nbytes / (1 << 30),
         hidden_dims={"IMAGE": size.dim},

@@ -33,9 +33,20 @@ bytes come from memory; one intra-op thread; glibc keeps freed blocks under 32 M
 alternate; GB/s is the median; target 0.9 of raw). With CUDA the copies go to the GPU
 (synchronized); this machine has none, so the CUDA path is not measured here.
 
+The pool sweep (issue 56): the issue's workload (300 requests of 1-4 images, Zipf(1) over 500
+images of 64-2048 rows x 1024 fp16; 2 requests admitted a step, each running 2 steps) with
+pools of 2x, 1x, 0.5x and 0.25x its working set (the bytes of the distinct images it requests),
+ours with the connector's default policy. Rows per pool: the scheduler CPU time per image
+against ECCPUConnector's (as above; target <= 1.0x), and where it goes, per vLLM method (each
+call timed alone); images not encoded against an ideal LRU of the same bytes (target: at least
+it), and ours with ``lru`` and ECCPUConnector's for reference; items declared that a rank then
+lacked (target 0, and the run raises if ours declares one). ``--callgrind-pools``: the same
+pools in scheduler instructions per image, ours against ECCPUConnector's (also part of
+``--callgrind``).
+
 The machine may be shared with other jobs: read the ratios, not the absolute numbers.
-Run from the repository root: python -m benchmarks.peers.bench_vllm [--quick | --tiny | --callgrind]
-[--json OUT]
+Run from the repository root: python -m benchmarks.peers.bench_vllm [--quick | --tiny | --callgrind
+| --callgrind-pools] [--json OUT]
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import json
+import pickle
 import shutil
 import statistics
 import subprocess
@@ -79,6 +91,12 @@ WORKLOAD = {"requests": 300, "images": 500}  # 1-4 images a request, Zipf(1), 64
 # chunks of three for has_cache_item; 256 KiB items cycling through 1 MB for the worker's copy
 TINY = {"requests": 40, "images": 16, "reps": 1, "pool": 4 * MB, "chunks": (2, 3)}
 TINY_COPY = {"sizes": (256 * 1024,), "pool": 1 * MB}
+# The pool sweep (issue 56): 300 requests over 500 images, 2 admitted a step, each running 2
+# steps; pools of 2x, 1x, 0.5x and 0.25x the trace's working set (its distinct images' bytes)
+PRESSURE = {"requests": 300, "images": 500, "admit": 2, "steps": 2}
+POOLS = (2.0, 1.0, 0.5, 0.25)
+EPS = 1e-9  # two shares of one count computed two ways (1 - encoded/images, hits/total)
+TINY_PRESSURE = {"requests": 48, "images": 24}  # --tiny: the same shape, small
 
 
 def workload(requests: int, images: int) -> list[FakeRequest]:
@@ -146,37 +164,168 @@ def _replay_cpu_ns(scheduler: Any, script: list[Any], check: bool = True) -> int
     return time.thread_time_ns() - start
 
 
+def engine_run(
+    name: str, pool: int, policy: str, trace: list[FakeRequest], admit: int = 4
+) -> tuple[Any, list[Any]]:
+    """One engine run of ``trace`` through ``contender(name, pool, policy)``, ``admit``
+    requests admitted a step: its report and its scheduler-role calls (for ``replay_cpu``).
+    Ours must end with every request closed and its invariants held."""
+    scheduler, workers, running = contender(name, pool, policy)
+    record: list[Any] = []
+    eng = engine(scheduler, workers, record=record, admit=admit)
+    for request in trace:
+        eng.add(request)
+    with running:
+        report = eng.drain()
+        if name == "embcache":
+            scheduler.check_invariants()
+            assert scheduler.stats().open_requests == 0
+    return report, record
+
+
+def replay_cpu(
+    runs: dict[str, tuple[Any, list[Any]]], pool: int, reps: int, policy: str = "lru"
+) -> dict[str, list[float]]:
+    """The scheduler CPU us per image of ``runs["embcache"]`` and ``runs["eccpu"]``, each
+    replayed alone on a fresh scheduler of ``pool`` bytes (ours with ``policy``), ``reps``
+    times, alternating which goes first; less the replay loop's own time."""
+    cpu: dict[str, list[float]] = {"embcache": [], "eccpu": []}
+    for rep in range(reps):
+        for name in ("embcache", "eccpu") if rep % 2 == 0 else ("eccpu", "embcache"):
+            report, record = runs[name]
+            scheduler, _, running = contender(name, pool, policy)
+            with running:
+                spent = _replay_cpu_ns(scheduler, record)
+            spent -= _replay_cpu_ns(NullScheduler(), record, check=False)
+            cpu[name].append(spent / report.images / 1e3)
+    return cpu
+
+
+def by_call(
+    runs: dict[str, tuple[Any, list[Any]]], pool: int, reps: int, policy: str
+) -> dict[str, dict[str, float]]:
+    """Where the scheduler's time goes: per contender (``embcache``, ``eccpu``), per vLLM
+    method, the thread CPU us per image of its calls in a replay (``replay_cpu``'s, each call
+    timed alone: the clock's own cost is in every call), the median of ``reps``."""
+    from vllm.v1.outputs import ECConnectorOutput
+
+    spent: dict[str, dict[str, list[float]]] = {"embcache": {}, "eccpu": {}}
+    clock = time.thread_time_ns
+    for rep in range(reps):
+        for name in ("embcache", "eccpu") if rep % 2 == 0 else ("eccpu", "embcache"):
+            report, record = runs[name]
+            scheduler, _, running = contender(name, pool, policy)
+            total: dict[str, int] = {}
+            with running:
+                for method, args, _ in record:
+                    if method == "update_connector_output":
+                        args = (ECConnectorOutput(ec_connector_worker_meta=pickle.loads(args[0])),)
+                    fn = getattr(scheduler, method)
+                    start = clock()
+                    fn(*args)
+                    total[method] = total.get(method, 0) + clock() - start
+            for method, ns in total.items():
+                spent[name].setdefault(method, []).append(ns / report.images / 1e3)
+    return {
+        name: {method: statistics.median(v) for method, v in methods.items()}
+        for name, methods in spent.items()
+    }
+
+
 def side_by_side(requests: int, images: int, reps: int, pool: int = SBS_POOL) -> dict[str, Any]:
     """The engine runs (embcache lru, ECCPUConnector, embcache adaptive), each cache of
     ``pool`` bytes, then the scheduler-only replays of the first two, alternating; see the
     module docstring."""
     from tests.support import vllm_engine
 
-    runs: dict[str, tuple[Any, list[Any]]] = {}
     torch.set_num_threads(1)  # a 2-thread copy waits for whichever thread is descheduled
-    for name, policy in (("embcache", "lru"), ("eccpu", "lru"), ("embcache", "adaptive")):
-        scheduler, workers, running = contender(name, pool, policy)
-        record: list[Any] = []
-        eng = engine(scheduler, workers, record=record)
-        for request in workload(requests, images):
-            eng.add(request)
-        with running:
-            report = eng.drain()
-            if name == "embcache":
-                scheduler.check_invariants()
-                assert scheduler.stats().open_requests == 0
-        runs[name if policy == "lru" else f"{name} {policy}"] = (report, record)
-    cpu: dict[str, list[float]] = {"embcache": [], "eccpu": []}
-    for rep in range(reps):
-        for name in ("embcache", "eccpu") if rep % 2 == 0 else ("eccpu", "embcache"):
-            report, record = runs[name]
-            scheduler, _, running = contender(name, pool)
-            with running:
-                spent = _replay_cpu_ns(scheduler, record)
-            spent -= _replay_cpu_ns(NullScheduler(), record, check=False)
-            cpu[name].append(spent / report.images / 1e3)
-    ideal = vllm_engine.ideal_lru(workload(requests, images), pool, WIDTH_SBS)
+    trace = workload(requests, images)
+    runs = {
+        "embcache": engine_run("embcache", pool, "lru", trace),
+        "eccpu": engine_run("eccpu", pool, "lru", trace),
+        "embcache adaptive": engine_run("embcache", pool, "adaptive", trace),
+    }
+    cpu = replay_cpu(runs, pool, reps)
+    ideal = vllm_engine.ideal_lru(trace, pool, WIDTH_SBS)
     return {"runs": runs, "cpu_us": cpu, "ideal": ideal}
+
+
+def pressure_workload(
+    requests: int, images: int, steps: int = PRESSURE["steps"]
+) -> list[FakeRequest]:
+    """The issue's workload: ``workload``'s requests, each running ``steps`` steps."""
+    from tests.support import vllm_engine
+
+    return vllm_engine.workload(requests, images, steps=(steps, steps))
+
+
+def pressure(
+    requests: int, images: int, reps: int, pools: tuple[float, ...] = POOLS
+) -> list[dict[str, Any]]:
+    """Per pool (a share of the trace's working set): the engine runs of ours (the
+    connector's default policy, and lru), and of ECCPUConnector, ``PRESSURE["admit"]``
+    requests admitted a step; the scheduler-only replays of ours and ECCPUConnector's; the
+    ideal LRU of the same bytes. Raises ``AssertionError`` when ours declared an item a rank
+    then lacked, or the engine met an error with ours."""
+    from embcache.integrations.vllm import ConnectorOptions
+    from tests.support import vllm_engine
+
+    default = ConnectorOptions().policy  # what the connector runs unless told otherwise
+    torch.set_num_threads(1)
+    trace = pressure_workload(requests, images)
+    working = vllm_engine.working_set(trace, WIDTH_SBS)
+    out = []
+    for share in pools:
+        pool = int(working * share)
+        admit = PRESSURE["admit"]
+        runs = {
+            "embcache": engine_run("embcache", pool, default, trace, admit),
+            "eccpu": engine_run("eccpu", pool, "lru", trace, admit),
+            "embcache lru": engine_run("embcache", pool, "lru", trace, admit),
+        }
+        for name in ("embcache", "embcache lru"):
+            report = runs[name][0]
+            assert report.missing == 0 and not report.errors, (name, share, report.errors[:3])
+        out.append({
+            "share": share, "pool": pool, "runs": runs,
+            "cpu_us": replay_cpu(runs, pool, reps, default),
+            "by_call": by_call(runs, pool, max(1, reps // 3), default),
+            "ideal": vllm_engine.ideal_lru(trace, pool, WIDTH_SBS),
+        })  # fmt: skip
+    return out
+
+
+def pressure_rows(quick: bool, tiny: bool = False) -> list[dict[str, Any]]:
+    """The rows of the pool sweep (module docstring), per pool."""
+    if tiny:
+        got = pressure(TINY_PRESSURE["requests"], TINY_PRESSURE["images"], 1)
+    else:
+        got = pressure(PRESSURE["requests"], PRESSURE["images"], 3 if quick else 9)
+    rows = []
+    row = make_row
+    for one in got:
+        runs, cpu, ideal = one["runs"], one["cpu_us"], one["ideal"]
+        ours, theirs, lru = (runs[k][0] for k in ("embcache", "eccpu", "embcache lru"))
+        o, t = statistics.median(cpu["embcache"]), statistics.median(cpu["eccpu"])
+        name = f"vllm pool {one['share']:g}x working set:"
+        rows += [
+            row(f"{name} scheduler CPU/image vs ECCPUConnector", o, t, "us", o / t, "<= 1.0x",
+                o / t <= 1.0),
+            row(f"{name} not encoded vs ideal LRU", ours.avoided, ideal, "share",
+                ours.avoided - ideal, ">= 0", ours.avoided >= ideal - EPS),
+            row(f"{name} declared, missing vs ECCPUConnector", ours.missing, theirs.missing,
+                "items", 0.0, "0", ours.missing == 0),
+            row(f"{name} lru: not encoded vs ideal LRU", lru.avoided, ideal, "share",
+                lru.avoided - ideal, "", None),
+            row(f"{name} ECCPUConnector: not encoded vs ideal LRU", theirs.avoided, ideal,
+                "share", theirs.avoided - ideal, "", None),
+        ]  # fmt: skip
+        calls = one["by_call"]
+        for method, o in calls["embcache"].items():
+            t = calls["eccpu"].get(method, 0.0)
+            rows.append(row(f"{name} {method} CPU/image vs ECCPUConnector", o, t, "us",
+                            o / t if t else 0.0, "", None))  # fmt: skip
+    return rows
 
 
 def side_by_side_rows(quick: bool, tiny: bool = False) -> list[dict[str, Any]]:
@@ -362,7 +511,8 @@ def run(quick: bool = False, tiny: bool = False) -> list[dict[str, Any]]:
     except vllm_wheel.VLLMUnavailable as exc:
         return [skipped_row("vllm connector", str(exc))]
     _steady_malloc()
-    return side_by_side_rows(quick, tiny) + scheduler_rows(quick, tiny) + worker_rows(quick, tiny)
+    rows = side_by_side_rows(quick, tiny) + pressure_rows(quick, tiny)
+    return rows + scheduler_rows(quick, tiny) + worker_rows(quick, tiny)
 
 
 def _callgrind(probe: str, args: list[str]) -> list[int]:
@@ -377,6 +527,30 @@ def _callgrind(probe: str, args: list[str]) -> list[int]:
             timeout=3600,
         )
         return dump_totals(out)
+
+
+def pressure_callgrind_rows(pools: tuple[float, ...] = POOLS) -> list[dict[str, Any]]:
+    """The pool sweep's scheduler instructions per image, ours (the connector's default
+    policy) against ECCPUConnector's, per pool (``vllm_engine_probe`` with the sweep's
+    workload)."""
+    vllm_wheel.install()
+    from embcache.integrations.vllm import ConnectorOptions
+    from tests.support import vllm_engine
+
+    requests, images = PRESSURE["requests"], PRESSURE["images"]
+    trace = pressure_workload(requests, images)
+    seen = sum(len(r.keys) for r in trace)
+    working = vllm_engine.working_set(trace, WIDTH_SBS)
+    sweep = [str(PRESSURE["admit"]), str(PRESSURE["steps"]), ConnectorOptions().policy]
+    rows = []
+    for share in pools:
+        probe = [str(requests), str(images), str(int(working * share)), *sweep]
+        o, t = (
+            _callgrind("vllm_engine_probe", [n, *probe])[0] / seen for n in ("embcache", "eccpu")
+        )
+        rows.append(make_row(f"vllm pool {share:g}x working set: scheduler/image vs ECCPUConnector",
+                             o, t, "instr", o / t, "<= 1.0x", o / t <= 1.0))  # fmt: skip
+    return rows
 
 
 def callgrind_rows(count: int = 20) -> list[dict[str, Any]]:
@@ -400,6 +574,7 @@ def callgrind_rows(count: int = 20) -> list[dict[str, Any]]:
     ours, raw = (n / count for n in _callgrind("vllm_load_probe", [str(count), str(4 * MB)]))
     row = make_row
     return [
+        *pressure_callgrind_rows(),
         row("vllm vs ECCPUConnector: scheduler/image", ours_sbs, theirs_sbs, "instr",
             ours_sbs / theirs_sbs, "<= 1.0x", ours_sbs / theirs_sbs <= 1.0),
         row("vllm scheduler: has_cache_item", query, plain, "instr/item", query / plain, "<= 2x",
@@ -420,9 +595,14 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="a smoke run (TINY, TINY_COPY)")
     parser.add_argument("--callgrind", action="store_true", help="instruction counts instead")
+    parser.add_argument("--callgrind-pools", action="store_true",
+                        help="only the pool sweep's instruction counts")  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the rows as a JSON list")
     options = parser.parse_args()
-    result = callgrind_rows() if options.callgrind else run(options.quick, options.tiny)
+    if options.callgrind_pools:
+        result = pressure_callgrind_rows()
+    else:
+        result = callgrind_rows() if options.callgrind else run(options.quick, options.tiny)
     print_rows(result)
     if options.json is not None:
         options.json.write_text(json.dumps([json_row(r) for r in result], indent=1) + "\n")

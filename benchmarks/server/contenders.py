@@ -10,8 +10,14 @@ Every contender gets the same images and its own ``MeteredEncoder`` around one s
   ``release_pool_views``; ``wait_store_to_pool`` + ``insert_batch`` on a background thread), on
   SGLang's own controller (from the wheel, its CPU store step as in
   ``benchmarks.peers.bench_sglang_adapter``) or on embcache's (``embcache.integrations.sglang``);
-- ``OriginalPRServer``: the same lookup and reads on the original PR's controller
-  (``tests.support.baselines.OriginalPRController``), fresh outputs inserted one by one;
+- ``OriginalPRServer`` (``original PR direct``): the same lookup and reads on the original PR's
+  controller (``tests.support.baselines.OriginalPRController``) called directly, fresh outputs
+  inserted one by one on the request's thread: no asyncio hop, no background insert;
+- ``original_pr_server`` (``original PR in MMEncoder``): the same controller behind SGLang's
+  method names (``OriginalPRSequence``), driven through MMEncoder's sequence above like the
+  other two: the same event-loop hop for ``batch_is_exist`` (its misses asked of a null global
+  store off the loop, as SGLang's and embcache's controllers ask theirs), and its inserts on
+  the background thread (``wait_store_to_pool``);
 - ``PipelineServer``: ``EncodePipeline.encode`` on an ``EmbeddingCache``.
 
 A request that fails (SGLang's controller can evict a hit between ``has_local_embedding`` and
@@ -43,6 +49,8 @@ from tests.support.breakdown import Profiles
 from tests.support.server_workload import Image
 
 POLL_S = 0.005  # MMEncoder's prefetch polling
+ORIGINAL_PR_DIRECT = "original PR direct"
+ORIGINAL_PR_MMENCODER = "original PR in MMEncoder"
 
 
 @dataclass(frozen=True)
@@ -312,10 +320,116 @@ def adapter_server(encoder: MeteredEncoder, pool_bytes: int, policy: str) -> MME
     )
 
 
-class OriginalPRServer(Contender):
-    """The original PR's controller: lookup, prefetch, views of the hits, inserts one by one."""
+class OriginalPRSequence:
+    """The original PR's controller (``OriginalPRController``) behind the SGLang 0.5.23 methods
+    that ``MMEncoderServer`` calls, each mapped onto its own call: ``batch_is_exist`` (the
+    misses then asked of a global store that holds nothing, on a worker thread, as SGLang's
+    controller asks its store), ``prefetch``, ``check_prefetch_progress``,
+    ``has_local_embedding`` (the key is cached; not pinned, as in SGLang, so a read can still
+    find it evicted), ``get_pool_views`` (one view per hash) and ``release_pool_views``.
+    ``store_to_pool_async`` stages the fresh tensors of absent keys; ``wait_store_to_pool``
+    inserts them one by one (on MMEncoder's background thread); ``insert_batch`` has no store to
+    publish to. Failed inserts (no space) are counted as ``allocation_failures``.
 
-    name = "original PR"
+    The original PR's entry exists from its allocation on, before its bytes are copied in (its
+    inserts ran on the request's thread). With the inserts on the background thread, a key
+    staged and not yet inserted counts as absent here (SGLang's FILLING): every answer says
+    False for it, and a view taken of it is given back and answered None. Without that, a
+    request read another's half-copied entry (the verify part's answers differed)."""
+
+    def __init__(self, pool_bytes: int) -> None:
+        self.controller = OriginalPRController(pool_bytes)
+        self._lock = threading.Lock()
+        self._failed = 0
+        self._filling: Counter[str] = Counter()  # staged, not yet inserted (all copies done)
+
+    async def batch_is_exist(self, keys: list[str]) -> list[bool]:
+        found = self._ready(keys, self.controller.batch_is_exist(keys))
+        missing = [n for n, hit in enumerate(found) if not hit]
+        if missing:
+            stored = await asyncio.to_thread(_stored_nowhere, [keys[n] for n in missing])
+            for n, exists in zip(missing, stored, strict=True):
+                found[n] = exists
+        return found
+
+    def prefetch(self, req_id: str, keys: list[str], tokens: list[int], modality: Any) -> None:
+        self.controller.prefetch(req_id, keys)
+
+    def check_prefetch_progress(self, req_id: str) -> bool:
+        return self.controller.check_prefetch_progress(req_id)
+
+    def has_local_embedding(self, key: str) -> bool:
+        controller = self.controller
+        with controller.lock:
+            present = key in controller.entries
+        return self._ready([key], [present])[0]
+
+    def get_pool_views(self, keys: list[str]) -> list[list[torch.Tensor] | None]:
+        views = self.controller.get_pool_views(keys)  # pinned first, then checked
+        ready = self._ready(keys, [v is not None for v in views])
+        unready = [
+            k for k, v, ok in zip(keys, views, ready, strict=True) if v is not None and not ok
+        ]
+        if unready:
+            self.controller.release_pool_views(unready)
+        return [[v] if ok and v is not None else None for v, ok in zip(views, ready, strict=True)]
+
+    def release_pool_views(self, keys: list[str]) -> None:
+        self.controller.release_pool_views(keys)
+
+    def store_to_pool_async(
+        self, keys: list[str], tensors: list[torch.Tensor], modality: Any
+    ) -> list[tuple[str, torch.Tensor]]:
+        controller = self.controller
+        with controller.lock:
+            absent = [k not in controller.entries for k in keys]
+        staged = [(k, t) for k, t, new in zip(keys, tensors, absent, strict=True) if new]
+        with self._lock:
+            self._filling.update(k for k, _ in staged)
+        return staged
+
+    def wait_store_to_pool(self, handles: list[tuple[str, torch.Tensor]]) -> None:
+        controller = self.controller
+        failed = 0
+        for key, tensor in handles:
+            failed += not controller.insert(key, tensor) and key not in controller.entries
+        with self._lock:
+            self._failed += failed
+            self._filling.subtract(k for k, _ in handles)
+            for key, _ in handles:
+                if self._filling[key] <= 0:
+                    del self._filling[key]
+
+    def insert_batch(self, keys: list[str], modality: Any) -> None:
+        """No global store: nothing to publish."""
+
+    def get_stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"allocation_failures": self._failed}
+
+    def _ready(self, keys: list[str], present: list[bool]) -> list[bool]:
+        """``present``, False where the key is staged and not yet inserted."""
+        with self._lock:
+            filling = self._filling
+            return [p and k not in filling for k, p in zip(keys, present, strict=True)]
+
+
+def _stored_nowhere(keys: list[str]) -> list[bool]:
+    """A global store that holds nothing (``NullGlobalStore.exists``, SGLang's ``NullStore``)."""
+    return [False] * len(keys)
+
+
+def original_pr_server(encoder: MeteredEncoder, pool_bytes: int) -> MMEncoderServer:
+    """The original PR's controller driven through MMEncoder's sequence (``OriginalPRSequence``)."""
+    controller = OriginalPRSequence(pool_bytes)
+    return MMEncoderServer(ORIGINAL_PR_MMENCODER, encoder, controller, "IMAGE", lambda: None)
+
+
+class OriginalPRServer(Contender):
+    """The original PR's controller called directly: lookup, prefetch, views of the hits,
+    inserts one by one on the request's thread."""
+
+    name = ORIGINAL_PR_DIRECT
 
     def __init__(self, encoder: MeteredEncoder, pool_bytes: int) -> None:
         super().__init__(encoder)

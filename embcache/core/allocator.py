@@ -18,9 +18,9 @@ same allocator behind its own lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
+from mypy_extensions import mypyc_attr
 from sortedcontainers import SortedList
 
 from embcache.errors import (
@@ -29,15 +29,6 @@ from embcache.errors import (
     InvariantError,
     NotAllocatedError,
 )
-
-_T = TypeVar("_T")
-
-try:
-    from mypy_extensions import mypyc_attr
-except ImportError:  # installed with mypy; only the compiled build (mypyc) reads the decorator
-
-    def mypyc_attr(*attrs: str, **kwattrs: object) -> Callable[[_T], _T]:
-        return lambda cls: cls
 
 
 class Block(NamedTuple):

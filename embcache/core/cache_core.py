@@ -33,6 +33,7 @@ from typing import TypeVar
 from embcache.core import entry_actions, publishing, request_bodies
 from embcache.core.effects import Effects, Fill, Looked, writes_of
 from embcache.core.entries import Entry, FenceSnapshot, ItemLike, RequestState
+from embcache.core.lookup_flags import LookupFlags
 from embcache.core.outcomes import TransferOutcome
 from embcache.core.policy import Policy
 from embcache.core.queries import StateQueries
@@ -78,15 +79,16 @@ class CacheCore:
         return self._taken(fx) if self._buffered else fx  # (``_done``, inlined: a hot step)
 
     def begin_lookup(
-        self, request: RequestState | str, items: Sequence[ItemLike], *, ask_store: bool,
-        reserve: bool, serve: bool,
-    ) -> Effects[Looked]:  # fmt: skip
+        self, request: RequestState | str, items: Sequence[ItemLike], flags: LookupFlags
+    ) -> Effects[Looked]:
         """Lookup every item of ``request`` (an id: OpenRequest first, raising
         ``RequestError`` if it is open, as ``open_request``). A miss larger than the pool is
-        TOO_LARGE. When misses remain and the store is to be asked (``ask_store``), the result
-        names their keys: call ``finish_lookup`` next. Else the lookup is over: misses reserved
-        when ``reserve`` (the result's fills), and, when ``serve`` and nothing is pending,
-        what the request may read. O(len(items))."""
+        TOO_LARGE. When misses remain and the store is to be asked (``flags.ask_store``), the
+        result names their keys: call ``finish_lookup`` next. Else the lookup is over: misses
+        reserved when ``flags.reserve`` (the result's fills), and, when ``flags.serve`` and
+        nothing is pending, what the request may read. The flags are one shared object of
+        ``embcache.core.lookup_flags.LOOKUP_FLAGS``. O(len(items))."""
+        ask_store, reserve, serve = flags.ask_store, flags.reserve, flags.serve
         st = self._state
         if isinstance(request, RequestState):
             rs = request

@@ -16,21 +16,13 @@ docs/policies.md, "adaptive" and "The doorkeeper".
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
+
+from mypy_extensions import mypyc_attr
 
 from embcache.core.policy_tinylfu import TinyLfuPolicy
 from embcache.core.sketch import Footprint
 from embcache.errors import InvalidArgumentError, InvalidTypeError
-
-_T = TypeVar("_T")
-
-try:
-    from mypy_extensions import mypyc_attr
-except ImportError:  # installed with mypy; only the compiled build (mypyc) reads the decorator
-
-    def mypyc_attr(*attrs: str, **kwattrs: object) -> Callable[[_T], _T]:
-        return lambda cls: cls
 
 
 def _open_fraction_knob(name: str, value: object) -> float:

@@ -15,20 +15,12 @@ The cost model and what was measured: docs/policies.md, "adaptive-work".
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
+
+from mypy_extensions import mypyc_attr
 
 from embcache.core.policy_adaptive import AdaptivePolicy
 from embcache.core.sketch import Footprint
-
-_T = TypeVar("_T")
-
-try:
-    from mypy_extensions import mypyc_attr
-except ImportError:  # installed with mypy; only the compiled build (mypyc) reads the decorator
-
-    def mypyc_attr(*attrs: str, **kwattrs: object) -> Callable[[_T], _T]:
-        return lambda cls: cls
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # compiled: the tests' planted bugs extend it

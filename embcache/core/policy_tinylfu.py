@@ -17,21 +17,13 @@ Why each rule, and what was measured and rejected: docs/policies.md, "tinylfu".
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
+
+from mypy_extensions import mypyc_attr
 
 from embcache.core.recency import RecencyOrder, ResidentOrder
 from embcache.core.sketch import DEPTH, MAX_COUNTER, Footprint, FrequencySketch, next_power_of_two
 from embcache.errors import InvalidArgumentError, InvalidTypeError
-
-_T = TypeVar("_T")
-
-try:
-    from mypy_extensions import mypyc_attr
-except ImportError:  # installed with mypy; only the compiled build (mypyc) reads the decorator
-
-    def mypyc_attr(*attrs: str, **kwattrs: object) -> Callable[[_T], _T]:
-        return lambda cls: cls
 
 
 def _int_knob(name: str, value: object) -> int:

@@ -319,6 +319,15 @@ class EmbeddingCache:
         with runner.lock:
             return runner.core.queries.entry_state(key)
 
+    def entry_states(self, keys: Sequence[str]) -> list[EntryState]:
+        """``entry_state`` of each of ``keys``, read under one hold of the lock. O(keys)."""
+        for key in keys:
+            check_key(key)
+        runner = self.runner
+        with runner.lock:
+            state = runner.core.queries.entry_state
+            return [state(key) for key in keys]
+
     def stats(self) -> CacheStats:
         """A consistent snapshot. O(entries)."""
         runner = self.runner

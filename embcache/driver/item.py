@@ -52,6 +52,27 @@ class Item:
             return item
         return cls(key, shape, tensor.dtype)  # raises what the checks say
 
+    @classmethod
+    def of_matrix(cls, key: str, rows: int, width: int, dtype: torch.dtype) -> Item:
+        """The item of a ``rows`` x ``width`` embedding of ``dtype`` under ``key`` (what an
+        engine's connector knows of a multimodal item); raises as ``Item(...)`` does."""
+        if (
+            type(key) is str
+            and key
+            and type(rows) is int
+            and type(width) is int
+            and rows > 0
+            and width > 0
+            and isinstance(dtype, torch.dtype)
+        ):  # what __post_init__ checks
+            item = _new(cls)
+            _set(item, "key", key)
+            _set(item, "shape", (rows, width))
+            _set(item, "dtype", dtype)
+            _set(item, "nbytes", rows * width * dtype.itemsize)
+            return item
+        return cls(key, (rows, width), dtype)  # raises what the checks say
+
 
 _new = object.__new__
 _set = object.__setattr__  # (the dataclass is frozen)

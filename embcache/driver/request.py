@@ -40,6 +40,7 @@ import torch
 
 from embcache.core.effects import Fill, Looked, Served
 from embcache.core.entries import Entry, RequestState
+from embcache.core.lookup_flags import LOOKUP_FLAGS
 from embcache.core.outcomes import ItemStatus, Reason, TransferOutcome
 from embcache.core.policy import checked_work
 from embcache.driver.item import Item, check_key
@@ -47,16 +48,23 @@ from embcache.driver.locks import assert_unlocked
 from embcache.driver.runner import StepRunner
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 
+SERVE = True  # a request's lookups always say what it may read (``LookupFlags.serve``)
+
 
 class Request:
     """Handle returned by ``EmbeddingCache.request`` and ``EmbeddingCache.lookup``."""
 
-    def __init__(self, runner: StepRunner, state: RequestState) -> None:
+    def __init__(
+        self, runner: StepRunner, state: RequestState, items: list[Item] | None = None,
+        served: Served | None = None,
+    ) -> None:  # fmt: skip
+        """A handle on ``state``, run by ``runner``; ``items`` and ``served``: what its first
+        lookup found, when that lookup ran before the handle existed (``open``)."""
         self._runner = runner
         self._state = state
         # What it keeps of its steps' results.
-        self._items: list[Item] | None = None  # what it looked up, in order
-        self._served: Served | None = None  # what it may read, from its last step; None: ask
+        self._items = items  # what it looked up, in order
+        self._served = served  # what it may read, from its last step (final); None: ask
         self._reserved: dict[str, Entry] | None = None  # the ranges its lookups reserved
         self._handed: dict[str, Entry] | None = None  # the ranges begin_fill handed out
 
@@ -69,13 +77,13 @@ class Request:
         step when no store is asked (``EmbeddingCache.lookup``); the request and the
         statuses."""
         checked = check_items(items)
-        looked = runner.run(
-            runner.core.begin_lookup, request_id, checked,
-            ask_store=prefetch and runner.store is not None and bool(checked), reserve=reserve,
-            serve=True,
-        )  # fmt: skip
-        request = cls(runner, looked.request)
-        return request, cls._looked(request, checked, looked)
+        ask_store = bool(prefetch) and runner.store is not None and bool(checked)
+        flags = LOOKUP_FLAGS[ask_store, bool(reserve), SERVE]
+        looked = runner.run(runner.core.begin_lookup, request_id, checked, flags)
+        if looked.ask or looked.fills:
+            request = cls(runner, looked.request)
+            return request, cls._looked(request, checked, looked)
+        return cls(runner, looked.request, checked, looked.served), looked.statuses  # (final)
 
     @property
     def request_id(self) -> str:
@@ -103,10 +111,9 @@ class Request:
         if checked is None or not all(map(isinstance, checked, repeat(Item))):  # no frame per item
             raise InvalidTypeError("lookup takes a sequence of Item")
         runner = self._runner
-        looked = runner.run(
-            runner.core.begin_lookup, self._state, checked,
-            ask_store=prefetch and runner.store is not None, reserve=reserve_misses, serve=True,
-        )  # fmt: skip
+        ask_store = bool(prefetch) and runner.store is not None
+        flags = LOOKUP_FLAGS[ask_store, bool(reserve_misses), SERVE]
+        looked = runner.run(runner.core.begin_lookup, self._state, checked, flags)
         if looked.ask or looked.fills or self._items is not None:
             return self._looked(checked, looked)
         self._items, self._served = checked, looked.served  # (``_looked``'s common case)

@@ -196,14 +196,16 @@ class ControllerBase:
             return
         _check_lengths("expected_tokens", mm_hashes, expected_tokens)
         self._expire()
+        row, dtype = Item.of_matrix, self.dtype
         tokens = map(int, expected_tokens)
-        items = [Item(h, (n, dim), self.dtype) for h, n in zip(mm_hashes, tokens, strict=True)]
+        items = [row(h, n, dim, dtype) for h, n in zip(mm_hashes, tokens, strict=True)]
         request, statuses = self._lookup(req_id, items)  # one step: open and look up
         prefetch = Prefetch(request, req_id, items)
-        closing = self._holds.start(prefetch, time.monotonic() + self.hold_timeout_s)
-        if not any(s.status is Status.LOADING for s in statuses):  # no load to wait for
-            closing += self._holds.finish(prefetch, [s.status is Status.HIT for s in statuses])
-        self._close(closing)
+        loading, hit = Status.LOADING, Status.HIT
+        served = None  # loads to wait for: finished by check_prefetch_progress
+        if not any(s.status is loading for s in statuses):
+            served = [s.status is hit for s in statuses]
+        self._close(self._holds.start(prefetch, time.monotonic() + self.hold_timeout_s, served))
 
     def check_prefetch_progress(self, req_id: str) -> bool:
         """Whether ``req_id``'s loads have ended (True for an unknown ``req_id``); never waits."""
@@ -225,9 +227,12 @@ class ControllerBase:
     async def batch_is_exist(self, mm_hashes: list[str]) -> list[bool]:
         """Per hash: READY in the pool, or stored in the global store. A store that cannot
         answer (a dead master) makes its hashes misses; the local hits stay hits (SGLang's
-        controller raises, and MMEncoder then encodes every item)."""
-        state, ready = self.cache.entry_state, EntryState.READY
-        found = [state(h) is ready for h in mm_hashes]
+        controller raises, and MMEncoder then encodes every item). The event loop runs only
+        the local check (one hold of the cache's lock); the hashes not READY are asked of the
+        store on a worker thread (``asyncio.to_thread``), so the loop serves other tasks while
+        the store answers."""
+        ready = EntryState.READY
+        found = [state is ready for state in self.cache.entry_states(mm_hashes)]
         missing = [i for i, hit in enumerate(found) if not hit]
         store = self.cache.store
         if missing and store is not None:

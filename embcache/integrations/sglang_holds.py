@@ -108,15 +108,25 @@ class Holds:
         self._readers: dict[str, int] = {}  # hash -> how many reads are open
         self._backing: dict[str, list[Prefetch]] = {}  # hash -> the prefetches those pin it
         self._live: OrderedDict[Prefetch | Staged, float] = OrderedDict()  # -> deadline
+        # At most every deadline in _live: lowered as one is added, recomputed by expire
+        # (a hold that ends otherwise only raises the true minimum).
+        self._earliest = float("inf")
 
-    def start(self, prefetch: Prefetch, deadline: float) -> list[Request]:
-        """Register a new prefetch; an unfinished one with the same req_id is closed."""
+    def start(
+        self, prefetch: Prefetch, deadline: float, served: Sequence[bool] | None = None
+    ) -> list[Request]:
+        """Register a new prefetch; an unfinished one with the same req_id is closed. With
+        ``served`` (no load to wait for), ``finish`` it too, under the same hold of the lock."""
         _mine.set(prefetch)
         with self._lock:
             old = self._running.pop(prefetch.req_id, None)
             self._running[prefetch.req_id] = prefetch
             self._live[prefetch] = deadline
-            return [] if old is None else self._close(old)
+            self._earliest = min(self._earliest, deadline)
+            closing = [] if old is None else self._close(old)
+            if served is not None:
+                closing += self._finish(prefetch, served)
+            return closing
 
     def sizes(self) -> dict[str, int]:
         """How many entries each container holds now (the memory bounds: all empty once
@@ -138,21 +148,24 @@ class Holds:
     def finish(self, prefetch: Prefetch, served: Sequence[bool]) -> list[Request]:
         """End ``prefetch``'s loads: ``served[i]`` is True where item i is pinned for it."""
         with self._lock:
-            if prefetch.closed or prefetch.finished:
-                return []
-            prefetch.finished = True
-            self._running.pop(prefetch.req_id, None)
-            serves, tickets = prefetch.serves, self._tickets
-            for i, (item, ok) in enumerate(zip(prefetch.items, served, strict=True)):
-                key = item.key
-                if ok and key not in serves:
-                    serves[key] = i
-                    if key in tickets:
-                        tickets[key].append(prefetch)
-                    else:
-                        tickets[key] = [prefetch]
-            prefetch.kept.update(serves)
-            return [] if serves else self._close(prefetch)
+            return self._finish(prefetch, served)
+
+    def _finish(self, prefetch: Prefetch, served: Sequence[bool]) -> list[Request]:
+        if prefetch.closed or prefetch.finished:
+            return []
+        prefetch.finished = True
+        self._running.pop(prefetch.req_id, None)
+        serves, tickets = prefetch.serves, self._tickets
+        for i, (item, ok) in enumerate(zip(prefetch.items, served, strict=True)):
+            key = item.key
+            if ok and key not in serves:
+                serves[key] = i
+                if key in tickets:
+                    tickets[key].append(prefetch)
+                else:
+                    tickets[key] = [prefetch]
+        prefetch.kept.update(serves)
+        return [] if serves else self._close(prefetch)
 
     def has(self, key: str) -> bool:
         """Whether the caller's own prefetch (module docstring) finished and still keeps
@@ -212,6 +225,7 @@ class Holds:
         """Register a staged store until ``claim`` or expiry."""
         with self._lock:
             self._live[staged] = deadline
+            self._earliest = min(self._earliest, deadline)
 
     def claim(self, staged: Staged) -> bool:
         """Take ``staged`` for its wait; False if it was claimed or expired already."""
@@ -223,8 +237,11 @@ class Holds:
             return True
 
     def expire(self, now: float) -> list[Request]:
-        """Expire what started before its deadline (module docstring); the requests to close."""
+        """Expire what started before its deadline (module docstring); the requests to close.
+        Before the earliest deadline it returns at once, without the lock."""
         closing: list[Request] = []
+        if now < self._earliest:  # a float read: atomic; a lower bound of every deadline
+            return closing
         with self._lock:
             while self._live:
                 held, deadline = next(iter(self._live.items()))
@@ -247,6 +264,7 @@ class Holds:
                         if not tickets:
                             del self._tickets[key]
                         closing += self._drop(held, key)
+            self._earliest = next(iter(self._live.values()), float("inf"))
         return closing
 
     def _drop(self, prefetch: Prefetch, key: str) -> list[Request]:

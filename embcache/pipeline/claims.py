@@ -1,10 +1,10 @@
 """``FleetClaims``: one encode per key across encode workers that share a global store.
 
-Theory of operation. Inside one process, single flight is the cache's reservation: the request
-that reserved a miss encodes it and the process's other requests for that key wait on it.
-``FleetClaims`` carries that across processes through a ``ClaimingStore`` (Mooncake's: a claim is
-a started, never-ended put of ``key#claim``, which exactly one racing worker wins, with the
-master's put timeout as its lease; embcache/DESIGN.md, "Claims").
+Theory of operation. Inside one process, single flight is the cache's reservation (the request
+that reserved a miss encodes it; the others wait). ``FleetClaims`` carries that across processes
+through a ``ClaimingStore`` (Mooncake's: a claim is a started, never-ended put of ``key#claim``,
+which exactly one racing worker wins, with the master's put timeout as its lease;
+embcache/DESIGN.md, "Claims").
 
 1. ``claim(keys)``: the keys are misses a request reserved (in neither the pool nor the store
    at its lookup). One store call claims them all, and one asks whether the keys claimed are
@@ -27,16 +27,16 @@ master's put timeout as its lease; embcache/DESIGN.md, "Claims").
    claim is released before its publish is visible. ``release(keys)`` ends claims at once: a
    failed encode, a key the pool did not take.
 
-A claim carries no bytes and decides no bytes: a request is served what the store holds under
-the key (Mooncake keeps the first put of a key) or what its own encoder returned, so a lost,
-stale or doubled claim costs a duplicate encode, never a wrong answer. A worker holds at most one
-claim per key (the reservation makes it one request per process), only while that key's encode
-and publish are in flight; an expired claim is replaced by the next claim of its key.
+A claim carries and decides no bytes: a lost, stale or doubled claim costs a duplicate encode,
+never a wrong answer. At most one claim per key per worker, while its encode and publish are in
+flight (why, the bounds and the costs: embcache/DESIGN.md, "Claims").
 
-Threads and locks. ``claim`` and ``wait`` run on the request's thread; a wait sleeps between
-polls holding no lock. The releaser is one daemon thread, started at the first
-``published``. ``_lock`` guards its queue and the counters and is never held across a store
-call.
+Trace. With ``trace=`` (a ``TraceSink``, called with no lock held), each step is one event, as
+``tla/FleetClaims.tla`` names it (checked by ``tla/claims_trace.py``; tla/README.md lists them).
+
+Threads and locks. ``claim`` and ``wait`` run on the request's thread (a wait sleeps holding
+no lock); the releaser is one daemon thread, started at the first ``published``. ``_lock``
+guards its queue, the counters and ``seq``, never across a store call or the trace sink.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from embcache.driver.global_store import CLAIM_EXPIRED, CLAIM_TAKEN, ClaimingSto
 from embcache.driver.item import Item
 from embcache.driver.locks import assert_unlocked
 from embcache.driver.request import Request
+from embcache.driver.trace import TraceSink
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["ClaimStats", "FleetClaims", "Settled"]
@@ -102,6 +103,7 @@ class FleetClaims:
 
     ``lease_s`` (default: the store's ``claim_lease_s``) bounds every wait; ``poll_s`` spaces
     the store calls of a wait and of the releaser. ``clock`` is a monotonic clock in seconds.
+    ``trace`` receives the protocol's events (module docstring, "Trace").
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class FleetClaims:
         lease_s: float | None = None,
         poll_s: float = DEFAULT_POLL_S,
         clock: Callable[[], float] = time.monotonic,
+        trace: TraceSink | None = None,
     ) -> None:
         if not isinstance(store, ClaimingStore):
             raise InvalidTypeError(
@@ -134,6 +137,10 @@ class FleetClaims:
         self._publishing: set[str] = set()  # held keys whose publish has started
         self._releaser: threading.Thread | None = None
         self._closed = False
+        self._trace = trace
+        self._seq = 0  # the last trace event's
+        self._emit("Init", "", "", self._clock(), lease_s=self._lease_s, poll_s=self._poll_s,
+                   claim_lease_s=float(store.claim_lease_s))
 
     @property
     def lease_s(self) -> float:
@@ -157,7 +164,8 @@ class FleetClaims:
         waiting: list[str] = []
         if not keys:
             return mine, waiting
-        for key, code in zip(keys, self._claim(list(keys)), strict=True):
+        asked, codes = self._claim(list(keys))
+        for key, code in zip(keys, codes, strict=True):
             if code == 0:
                 mine.append(key)
             elif code == CLAIM_TAKEN:
@@ -167,9 +175,12 @@ class FleetClaims:
             stored = self._stored(mine)
             late = [key for key in mine if stored[key]]
             if late:
-                self.release(late)
+                self._end(late)
                 mine = [key for key in mine if not stored[key]]
                 waiting += late  # (``wait`` loads them at its first ask)
+        for key in mine:
+            self._emit("Ask", key, "miss", asked)
+            self._emit("Claim", key, "won", asked)
         self._count(claimed=len(mine), waited=len(waiting), unclaimed=unclaimed)
         return mine, waiting
 
@@ -193,43 +204,64 @@ class FleetClaims:
         self, request: Request, by_key: dict[str, Item], keys: list[str]
     ) -> tuple[list[str], list[str]]:
         """Wait on other workers' claims of ``keys``: (loaded, claimed here)."""
-        deadline = self._clock() + self._lease_s
+        at = self._clock()
+        deadline = at + self._lease_s
         rounds = 1
         loaded: list[str] = []
         mine: list[str] = []
         pending = keys
         first = True  # (the first ask at once: the caller has encoded its own keys since)
         while pending:
-            left = deadline - self._clock()
-            last = left <= 0  # one more ask at the deadline: the claim's lease has ended
-            if not (first or last):
-                time.sleep(min(self._poll_s, left))
-            first = False
+            if not first:
+                time.sleep(max(0.0, min(self._poll_s, deadline - self._clock())))
+                at = self._clock()
+            last = at >= deadline  # one more ask at the deadline: the claim's lease has ended
+            ask = "Ask" if first else "Poll"
             stored = self._stored(pending)
-            loaded += self._load(request, [by_key[k] for k in pending if stored[k]])
+            got = self._load(request, [by_key[k] for k in pending if stored[k]])
+            held = set(got)
+            for key in pending:
+                if stored[key]:
+                    self._emit(ask, key, ("hit" if first else "loaded") if key in held
+                               else "load_failed", at)  # fmt: skip
+            loaded += got
             rest = [k for k in pending if not stored[k]]
             pending = []
             taken: list[str] = []
-            for key, code in zip(rest, self._claim(rest) if rest else [], strict=True):
+            _, codes = self._claim(rest) if rest else (at, [])
+            for key, code in zip(rest, codes, strict=True):
+                if first:
+                    self._emit("Ask", key, "miss", at)
+                outcome = "taken" if code == CLAIM_TAKEN else "won" if code == 0 else "none"
+                if not (last and code == CLAIM_TAKEN):  # (at the deadline: extended or not)
+                    self._emit("Claim" if first else "Poll", key, outcome, at)
                 if code == CLAIM_TAKEN:
                     pending.append(key)
                 elif code == 0:
                     taken.append(key)
                 else:
                     self._count(unclaimed=1)
+            first = False
             if taken:
                 stored = self._stored(taken)
                 late = [k for k in taken if stored[k]]  # published just before its release
-                self.release(late)
+                for key in late:
+                    self._emit("Encode", key, "loaded", at)
+                self._release(late, "late")
                 loaded += self._load(request, [by_key[k] for k in late])
                 mine += [k for k in taken if not stored[k]]
                 self._count(taken_over=len(taken) - len(late))
             if last and pending:
                 if rounds == CLAIMS_WAITED:
+                    for key in pending:
+                        self._emit("Poll", key, "fallback", at)
                     self._count(lease_ended=len(pending))
                     break
                 rounds += 1  # taken again at the old claim's lease end: a newer claim
-                deadline = self._clock() + self._lease_s
+                extended = self._clock()
+                deadline = extended + self._lease_s
+                for key in pending:
+                    self._emit("Poll", key, "extended", extended)
         return loaded, mine
 
     def _load(self, request: Request, items: list[Item]) -> list[str]:
@@ -257,6 +289,9 @@ class FleetClaims:
         worker's clock (a publish that failed)."""
         if not keys:
             return
+        now = self._clock()
+        for key in keys:
+            self._emit("Encode", key, "encoded", now)
         with self._lock:
             if self._closed:
                 closed = list(keys)
@@ -269,13 +304,28 @@ class FleetClaims:
                     )
                     self._releaser.start()
                 self._work.notify()
-        self.release(closed)
+        self._release(closed, "closed")
 
     def release(self, keys: Sequence[str]) -> None:
-        """End these claims now; never raises for a store failure. A claim whose lease ended
-        by this worker's clock, or that the store says another took, counts ``expired``: it
-        was no longer this worker's, whatever the revoke answers (Mooncake answers 0 when the
-        claimer that took it over has already released it)."""
+        """End these claims now, with nothing published (a failed encode, a key the pool did
+        not take); never raises for a store failure."""
+        now = self._clock()
+        for key in keys:
+            self._emit("EncodeFails", key, "", now)
+        self._end(keys)
+
+    def _release(self, keys: Sequence[str], why: str) -> None:
+        """End these claims now (``why``: the trace's outcome)."""
+        now = self._clock()
+        for key in keys:
+            self._emit("Release", key, why, now)
+        self._end(keys)
+
+    def _end(self, keys: Sequence[str]) -> None:
+        """Revoke these claims. A claim whose lease ended by this worker's clock, or that the
+        store says another took, counts ``expired``: it was no longer this worker's, whatever
+        the revoke answers (Mooncake answers 0 when the claimer that took it over has already
+        released it)."""
         if not keys:
             return
         assert_unlocked("FleetClaims.release")
@@ -305,7 +355,9 @@ class FleetClaims:
             done = [k for k, ends in due.items() if stored[k] or now >= ends]
             with self._lock:
                 self._publishing.difference_update(done)
-            self.release(done)
+            for key in done:
+                self._emit("Release", key, "stored" if stored[key] else "lease", now)
+            self._end(done)
             time.sleep(self._poll_s)
 
     def close(self) -> None:
@@ -318,25 +370,27 @@ class FleetClaims:
             self._work.notify_all()
         if releaser is not None:
             releaser.join()
-        self.release(left)
+        self._release(left, "closed")
 
     # -- store calls ---------------------------------------------------------------------
 
-    def _claim(self, keys: list[str]) -> list[int]:
-        """Claim ``keys``; each claim won is held until the lease from just before the ask
-        (the store's lease began after it, so this worker's end comes first)."""
-        ends = self._clock() + self._lease_s
+    def _claim(self, keys: list[str]) -> tuple[float, list[int]]:
+        """Claim ``keys``: (when asked, the answers). Each claim won is held until the lease
+        from just before the ask (the store's lease began after it, so this worker's end
+        comes first)."""
+        asked = self._clock()
+        ends = asked + self._lease_s
         try:
             codes = self._store.claim(keys)
         except Exception:
-            return [-1] * len(keys)  # no claim: encode here
+            return asked, [-1] * len(keys)  # no claim: encode here
         if len(codes) != len(keys):
-            return [-1] * len(keys)
+            return asked, [-1] * len(keys)
         with self._lock:
             for key, code in zip(keys, codes, strict=True):
                 if code == 0:
                     self._held[key] = ends
-        return codes
+        return asked, codes
 
     def _stored(self, keys: list[str]) -> dict[str, bool]:
         """Whether each key is stored; a store that fails says none is (claims then decide)."""
@@ -349,3 +403,13 @@ class FleetClaims:
     def _count(self, **counts: int) -> None:
         with self._lock:
             self._counts.update(counts)
+
+    def _emit(self, action: str, key: str, outcome: str, at: float, **fields: float) -> None:
+        """One trace event (none without a trace), handed to the sink with no lock held."""
+        if self._trace is None:
+            return
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        event = {"seq": seq, "action": action, "key": key, "outcome": outcome, "t": at, **fields}
+        self._trace.append(event)

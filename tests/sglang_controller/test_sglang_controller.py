@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -396,3 +397,49 @@ def test_a_reader_takes_its_own_prefetchs_pin_first(ctl: EmbeddingCacheControlle
     assert views is not None and raw(views[0]) == raw(embedding("k", 3))
     first.run(ctl.release_pool_views, ["k"])
     idle(ctl)
+
+
+class GatedStore(FaultInjectingStore):
+    """A store whose ``exists`` waits (10 s at most) until ``gate`` is set, and records the keys
+    asked and whether it was let go (True) or gave up (False)."""
+
+    def __init__(self) -> None:
+        super().__init__(delay_seconds=0.005)
+        self.asked = threading.Event()
+        self.gate = threading.Event()
+        self.let_go: list[bool] = []
+        self.asked_keys: list[list[str]] = []
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        self.asked_keys.append(list(keys))
+        self.asked.set()
+        self.let_go.append(self.gate.wait(10))
+        return super().exists(keys)
+
+
+def test_batch_is_exist_asks_the_store_off_the_event_loop() -> None:
+    """While the global store answers ``exists``, the event loop that awaits ``batch_is_exist``
+    runs other tasks: here the store's answer waits for a task on that loop to let it go. A
+    query run on the loop's thread would block the loop until the store gave up (10 s), the
+    task would not run in time, and ``let_go`` would read [False]."""
+    store = GatedStore()
+    ctl = EmbeddingCacheController(
+        store, max_pool_size_gb=(64 << 10) / (1 << 30), hidden_dims={IMAGE: DIM}, dtype=DTYPE
+    )
+    try:
+        insert(ctl, ["a"], [3])
+        store.put_object("g", raw(embedding("g", 2)))
+
+        async def query() -> list[bool]:
+            asking = asyncio.ensure_future(ctl.batch_is_exist(["a", "g", "zz"]))
+            while not store.asked.is_set():  # runs only while the loop is free
+                await asyncio.sleep(0.001)
+            store.gate.set()
+            return await asking
+
+        assert asyncio.run(query()) == [True, True, False]
+        assert store.let_go == [True], "the store's call blocked the event loop"
+        assert store.asked_keys == [["g", "zz"]], "the local hit is not asked of the store"
+        idle(ctl)
+    finally:
+        ctl.close()

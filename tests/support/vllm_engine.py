@@ -303,6 +303,12 @@ def workload(
     return out
 
 
+def working_set(requests: list[FakeRequest], width: int) -> int:
+    """The bytes of the distinct items ``requests`` name (each as large as its bytes)."""
+    rows = {key: request.rows[key] for request in requests for key in request.keys}
+    return sum(rows.values()) * width * DTYPE.itemsize
+
+
 def ideal_lru(requests: list[FakeRequest], capacity: int, width: int) -> float:
     """The share of item occurrences an LRU of ``capacity`` bytes (no fragmentation, no pins,
     items only as large as their bytes) would serve, over the requests in order."""

@@ -41,14 +41,22 @@ def test_the_benchmark_measures_both_sides(vllm_base: Any, tmp_path: Path) -> No
     assert (bare["ours"], bare["baseline"]) == (scheduler["ours"], floor["ours"])
     assert floor["baseline"] == scheduler["baseline"]
 
-    def side(name: str) -> tuple[float, float]:  # (ours, ECCPUConnector's) of a row
-        row = by_name[f"vllm vs ECCPUConnector: {name}"]
+    def side_of(row: dict[str, Any]) -> tuple[float, float]:  # (ours, ECCPUConnector's)
         return row["ours"], row["baseline"]
+
+    def side(name: str) -> tuple[float, float]:
+        return side_of(by_name[f"vllm vs ECCPUConnector: {name}"])
 
     images, errors = side("images"), side("engine errors")
     assert images[0] == images[1] > 40 and side("declared, missing")[0] == 0 and errors[0] == 0
     assert side("declared present")[0] == side("loaded")[0] > 0
     assert all(v > 0 for v in side("scheduler CPU/image"))
+    for share in ("2", "1", "0.5", "0.25"):  # the pool sweep: ours declared nothing missing
+        prefix = f"vllm pool {share}x working set:"
+        assert by_name[f"{prefix} declared, missing vs ECCPUConnector"]["ours"] == 0
+        cpu = by_name[f"{prefix} scheduler CPU/image vs ECCPUConnector"]
+        assert all(v > 0 for v in side_of(cpu))
+        assert 0 < by_name[f"{prefix} not encoded vs ideal LRU"]["baseline"] < 1
     (load,) = [r for r in rows if r["name"].startswith("vllm worker: load 0.25 MB items to ")]
     assert load["ours"] > 0 and load["baseline"] > 0
 

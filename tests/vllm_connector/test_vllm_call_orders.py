@@ -303,3 +303,41 @@ def test_the_scheduler_copies_no_payload_byte(
     stats = sched.stats()
     assert replay.report.errors == [] and stats.inserts > 20 and stats.loads > 20
     assert copies == []
+
+
+@pytest.mark.parametrize("contender", ["embcache", "eccpu"])
+def test_the_issue_workload_small_at_every_pool_size_declares_nothing_a_rank_lacks(
+    vllm_base: Any, contender: str
+) -> None:
+    """Issue 56's workload, small (48 requests of 1-4 images over 24, Zipf(1), 64-2048 rows of
+    width 1024; 2 admitted a step, each running 2 steps), in vLLM's call order, with pools of
+    2x, 1x, 0.5x and 0.25x its working set: ours (its default policy, invariants checked after
+    every step) never declares an item a rank then lacks, meets no engine error and ends with
+    every request closed. ECCPUConnector, run the same way, does declare such items under
+    pressure (vLLM's "Encoder cache miss"): what the test would catch."""
+    from embcache.integrations.vllm import ConnectorOptions
+    from tests.support.vllm_engine import working_set, workload
+
+    width, policy = 1024, ConnectorOptions().policy
+    trace = workload(48, 24, steps=(2, 2))
+    missing = {}
+    for share in (2.0, 1.0, 0.5, 0.25):
+        pool = int(working_set(trace, width) * share)
+        sched, workers, running = vllm_cpu_connector.contender(
+            contender, pool, policy=policy, width=width
+        )
+        check = sched.check_invariants if contender == "embcache" else None
+        engine = VLLMEngine(sched, workers, width, admit=2, after_each_step=check)
+        for request in workload(48, 24, steps=(2, 2)):
+            engine.add(request)
+        with running:
+            report = engine.drain()
+            if contender == "embcache":
+                assert closed(sched)
+        assert report.images == sum(len(r.keys) for r in trace)
+        missing[share] = report.missing
+        if contender == "embcache":
+            assert report.missing == 0 and report.errors == [], (share, report.errors[:3])
+            assert report.loaded == report.declared
+    if contender == "eccpu":
+        assert missing[2.0] == missing[1.0] == 0 and sum(missing.values()) > 0, missing

@@ -302,3 +302,14 @@ def test_ensure_cache_available_is_one_funnel_call_and_has_cache_item_none(
     assert sched.has_cache_item("a") and not sched.has_cache_item("b")
     assert sched.ensure_cache_available(request, 8)  # the next step: known, nothing to do
     assert len(steps) == 1, steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_item_of_matrix_is_the_item_of_its_shape(dtype: torch.dtype) -> None:
+    """``Item.of_matrix`` (how the connector names a multimodal item, without re-checking
+    vLLM's ints field by field) builds exactly what ``Item(key, (rows, width), dtype)`` does."""
+    from embcache import Item
+
+    made, plain = Item.of_matrix("img-1", 37, 128, dtype), Item("img-1", (37, 128), dtype)
+    assert made == plain and made.nbytes == plain.nbytes == 37 * 128 * dtype.itemsize
+    assert type(made.shape) is tuple and made.shape == (37, 128)

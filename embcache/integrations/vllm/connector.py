@@ -25,10 +25,11 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorWorkerMetadata,
 )
 
+from embcache import Item
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 from embcache.integrations.vllm.options import parse_options
 from embcache.integrations.vllm.protocol import EmbcacheECMetadata, EmbcacheECWorkerMetadata
-from embcache.integrations.vllm.scheduler import Feature, SchedulerSide, SchedulerStats
+from embcache.integrations.vllm.scheduler import SchedulerSide, SchedulerStats
 from embcache.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
         side = self._scheduler_side("ensure_cache_available")
         ready = side.ensure_known(request.request_id, len(request.mm_features))
         if ready is None:
-            ready = side.ensure(request.request_id, self._features(request), self._dtype)
+            ready = side.ensure(request.request_id, self._items(request))
         self.has_cache_item = side.has_item
         return ready
 
@@ -174,13 +175,15 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
             self._scheduler.close()
 
     # -- helpers -------------------------------------------------------------------------
-    def _features(self, request: Request) -> list[Feature]:
-        widths = self._width_by_modality
+    def _items(self, request: Request) -> list[Item]:
+        """The request's items by vLLM item index: rows x width of the model's dtype."""
+        widths, dtype, item = self._width_by_modality, self._dtype, Item.of_matrix
         return [
-            (
+            item(
                 f.identifier,
                 request.get_num_encoder_embeds(i),
                 widths.get(f.modality) or self._width_of(f.modality),
+                dtype,
             )
             for i, f in enumerate(request.mm_features)
         ]

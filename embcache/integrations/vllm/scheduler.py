@@ -33,8 +33,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from embcache import (
     EmbeddingCache,
     EntryState,
@@ -55,10 +53,9 @@ from embcache.integrations.vllm.protocol import (
 from embcache.integrations.vllm.ranks import RankWatch
 from embcache.integrations.vllm.shm import SharedPool
 
-__all__ = ["Feature", "RankDeath", "SchedulerSide", "SchedulerStats"]
+__all__ = ["RankDeath", "SchedulerSide", "SchedulerStats"]
 log = logging.getLogger(__name__)
 
-Feature = tuple[str, int, int]  # (identifier, rows, width) of one multimodal item
 NOTHING: frozenset[str] = frozenset()
 OK, FAILED, UNKNOWN = TransferOutcome.OK, TransferOutcome.FAILED, TransferOutcome.UNKNOWN
 
@@ -185,23 +182,21 @@ class SchedulerSide:
             return None
         return self._settle(held) if held.present is None else self._make_current(held)
 
-    def ensure(self, request_id: str, features: Sequence[Feature], dtype: torch.dtype) -> bool:
-        """``ensure_cache_available``: open and look up on first sight, and look up the items
-        that arrived since the last call; False (defer) while a store read for one of its
-        items runs. O(items)."""
+    def ensure(self, request_id: str, items: Sequence[Item]) -> bool:
+        """``ensure_cache_available`` for the request's ``items`` (by vLLM item index): open
+        and look up on first sight, and look up the items that arrived since the last call;
+        False (defer) while a store read for one of its items runs. O(items)."""
         held = self._held.get(request_id)
         if held is None or held.finished_at is not None:
             if held is not None:  # vLLM reuses the id of a request it finished: a new one
                 self._rename(held)
-            items = [Item(key, (rows, width), dtype) for key, rows, width in features]
-            unique = list({it.key: it for it in items}.values())
+            unique = list({it.key: it for it in items}.values()) if len(items) > 1 else items
             request, offsets = self._cache.open_lookup(request_id, unique, prefetch=self._consumer)
-            held = _Held(request, items, [it.key for it in unique])
+            held = _Held(request, list(items), [it.key for it in unique])
             self._held[request_id] = held
             self._note_present(held, offsets)
-        elif len(features) > len(held.items):  # media that arrived after its first lookup
-            start = len(held.items)
-            new = [Item(key, (rows, width), dtype) for key, rows, width in features[start:]]
+        elif len(items) > len(held.items):  # media that arrived after its first lookup
+            new = list(items[len(held.items) :])
             held.items.extend(new)
             self._look_up(held, new)
         self._current = None
@@ -541,10 +536,13 @@ class SchedulerSide:
         """Quarantine the finished requests whose acks are overdue (oldest first): their pins
         and fills stay (a slow rank is not a dead one); then end what the ranks whose worker
         process exited owed (``rank_died``)."""
-        now = self._clock()
-        for request_id, finished_at in list(self._finishing.items()):
-            if now - finished_at < self._hold_timeout:
+        now, timeout = self._clock(), self._hold_timeout
+        overdue = []  # oldest first; the rest finished later
+        for request_id, finished_at in self._finishing.items():
+            if now - finished_at < timeout:
                 break
+            overdue.append(request_id)
+        for request_id in overdue:
             del self._finishing[request_id]
             held = self._held[request_id]
             unknown = []
