@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from embcache.core.allocator import BestFitAllocator, Block
 from embcache.core.entries import Entry
@@ -289,8 +289,27 @@ def _window_in(pieces: list[Piece], need: int, max_batch: int, must: int) -> Win
 # first search, so a pool that never holds this many candidates never pays for them).
 INDEX_FROM = 512
 
-_DEAD = -1  # a slot whose candidate left the order, or one a search has set aside
-_NONE = -1  # no slot, no list, no registered edge
+_NONE: Final = -1  # no slot, no list, no registered edge
+# A slot's bound is kept as a code, one byte (the tree's nodes: small ints, which CPython
+# shares, so no table of codes holds an int of its own on either build) that never falls as
+# the bound rises. Bounds below _EXACT units are their own code (a bound is at least the
+# candidate's unit); above, eight codes an octave. A code at least the need's is a bound that
+# may reach it: the search then compares the bound itself (the registered edges), so the
+# choices are the rule's exactly.
+_EXACT: Final = 64
+_UNKNOWN: Final = 255  # the code of a bound not measured (or forgotten): above every need's code
+_DEAD: Final = 0  # the code of a slot whose candidate left the order, or one a search set aside
+_BLOCK: Final = 16  # slots a leaf of the tree covers: the tree keeps each block's largest code
+
+
+def _code(units: int) -> int:
+    """The code of a bound of ``units`` alignment units (``_EXACT`` and up: eight an octave,
+    at most 254). Monotone: a larger bound never has a smaller code."""
+    if units < _EXACT:
+        return units
+    bits = units.bit_length()
+    code = _EXACT + 8 * (bits - 7) + (units >> (bits - 4)) - 8
+    return code if code < _UNKNOWN else _UNKNOWN - 1
 
 
 class EvictionIndex:
@@ -298,18 +317,19 @@ class EvictionIndex:
     for the next: ``search(need)`` chooses exactly what ``VictimSearch`` fed the whole order
     chooses, examining O(log n) candidates in the usual case instead of the order's first k.
 
-    Theory. Rank the candidates by their stamps (``RecencyOrder``'s values: the order is by
-    stamp). For a candidate c, its *component* is the stretch of free blocks and of candidates
-    ranked below c around it, up to the first other allocated block on each side (a
-    *barrier*) or the pool's edge; the windows whose newest victim is c lie inside it, so a
-    component that spans less than ``need`` has no window for ``need``. The rule's k is the rank
-    of the first candidate with a window of its own. Each candidate keeps an upper bound on its
-    component's span (unknown until measured) in a max tree over the candidates in rank order:
-    a search descends to the first candidate whose bound reaches ``need``, walks the blocks
-    around it (as ``neighbourhood``), and either finds the rule's window there
-    (``best_window``) or keeps the measured bound and descends again.
+    Theory. Rank the candidates by their place in the order (a slot each, in order: a key
+    added again gets a new slot). For a candidate c, its *component* is the stretch of free
+    blocks and of candidates ranked below c around it, up to the first other allocated block
+    on each side (a *barrier*) or the pool's edge; the windows whose newest victim is c lie
+    inside it, so a component that spans less than ``need`` has no window for ``need``. The
+    rule's k is the rank of the first candidate with a window of its own. Each candidate keeps
+    an upper bound on its component's span (unknown until measured), its code (``_code``) in
+    a max tree over the candidates in rank order: a search descends to the first candidate
+    whose code reaches the need's, compares its bound with ``need``, walks the blocks around
+    it (as ``neighbourhood``) when the bound is unknown or reaches ``need``, and either finds
+    the rule's window there (``best_window``) or keeps the measured bound and descends again.
 
-    Why the bounds stay bounds. While c stays in the order with the same stamp, its component
+    Why the bounds stay bounds. While c stays in the order in the same place, its component
     only grows when one of the barriers it had when measured is freed: a pin or an allocation
     adds barriers; a candidate added later ranks above c and is a barrier to it, as it was
     while pinned. So a measured candidate *registers* its two edges (the barriers' inner
@@ -321,16 +341,20 @@ class EvictionIndex:
     made is found stale when a search reaches it (its key is out of the order, or its offset
     points to a newer slot), and dropped.
 
-    Memory: flat arrays, nothing per candidate but a slot. Per slot (one for each key taken
-    into the order since the last compaction): its key, two tree nodes, its registered edges
-    and one list link per edge (4-byte ints). Per alignment unit of the pool, made at the first
-    search: the slot of the candidate starting there and the heads of the two lists of slots
-    whose registered component begins or ends there. Spans and edges are in alignment units.
+    Memory: flat tables, nothing per candidate but a slot, and no int object of its own (the
+    order's values are two shared bools; codes are small ints; the rest are arrays). Per slot
+    (one for each key taken into the order since the last compaction, a quarter more for
+    room): its key (a reference), its code (a list item), its registered edges and one list
+    link per edge (arrays of the narrowest ints), and an eighth of a list item for the tree
+    over its block. Per alignment unit of the pool, made at the first search: the slot of the
+    candidate starting there and the heads of the two lists of slots whose registered
+    component begins or ends there. Spans and edges are in alignment units.
 
     Cost. A search takes in the candidates added since the last one (O(log n) each), descends
-    the tree (O(log n)) once per candidate it measures, and walks each measured component (at
-    most ``max_batch - 1`` candidates on each side). ``examined`` counts the candidates a
-    search measured or dropped, ``walked`` the blocks its walks read.
+    the tree (O(log n), then at most ``_BLOCK`` codes) once per candidate it examines, and
+    walks each candidate whose bound may reach ``need`` (at most ``max_batch - 1`` candidates
+    on each side). ``examined`` counts the candidates a search examined (measured, dropped or
+    found short by their bound), ``walked`` the blocks its walks read.
     """
 
     def __init__(
@@ -349,17 +373,19 @@ class EvictionIndex:
         # The narrowest ints that hold every unit, span and slot (slots: fewer than 5 units
         # a pool; see _compact), and the bound "not measured (or forgotten)": their largest.
         units = self._units
-        self._code = "h" if units <= 4096 else "i" if units < 1 << 28 else "q"
-        self._unknown = (1 << 8 * array(self._code).itemsize - 1) - 1
-        self._newest = 0  # the highest stamp taken in
+        self._typecode = "h" if units <= 4096 else "i" if units < 1 << 28 else "q"
+        self._unknown = (1 << 8 * array(self._typecode).itemsize - 1) - 1
         self._keys: list[str] = []  # slot -> key; slots in rank order
-        self._count = 0  # slots in use (the tables below have room for _width)
+        self._count = 0  # slots in use (the tables below have room for _room)
+        self._room = 0  # slots the tables have room for: whole blocks
+        self._codes = bytearray()  # slot -> the code of its bound, or _DEAD
         self._left = self._ints(0)  # slot -> registered start of its component, or _NONE
         self._right = self._ints(0)  # slot -> registered end of its component, or _NONE
         self._next_left = self._ints(0)  # slot -> the next slot registered at the same start
         self._next_right = self._ints(0)  # slot -> the next slot registered at the same end
-        self._width = 0  # leaves of the tree: a power of two >= the slots (0: none yet)
-        self._tree: list[int] = [_DEAD, _DEAD]  # max bound under each node; leaves at _width + slot
+        self._width = 1  # leaves of the tree: a power of two >= the blocks
+        # The tree: the largest code under each node; block b's at _width + b.
+        self._tree: list[int] = [_DEAD, _DEAD]
         self._slot_at = self._ints(0)  # unit -> the newest slot of a candidate starting there
         self._starting = self._ints(0)  # unit -> first slot registered to begin there
         self._ending = self._ints(0)  # unit -> first slot registered to end there
@@ -368,7 +394,7 @@ class EvictionIndex:
         self.walked = 0
 
     def _ints(self, length: int, value: int = _NONE) -> array[int]:
-        return array(self._code, [value]) * length
+        return array(self._typecode, [value]) * length
 
     def gone(self, offset: int, size: int, kept: bool) -> None:
         """The core freed the entry at ``offset`` (``size`` bytes): its slot, if it has one,
@@ -412,23 +438,30 @@ class EvictionIndex:
         blocks holds ``need``."""
         self.searches += 1
         self._take_in()
-        tree, keys, entries, order = self._tree, self._keys, self._entries, self._order
+        tree, codes, keys, entries, order = (
+            self._tree, self._codes, self._keys, self._entries, self._order
+        )  # fmt: skip
         shift, slot_at = self._shift, self._slot_at
         units = need >> shift
-        lowered: list[int] = []  # slots whose bound reaches need but that had no window
+        wanted = _code(units)
+        lowered: list[int] = []  # slots whose code reaches the need's but that had no window
         found: tuple[Window, list[Entry]] | None = None
-        while tree[1] >= units:
-            slot = self._first_at_least(units)
+        while tree[1] >= wanted:
+            slot = self._first_at_least(wanted)
             self.examined += 1
             key = keys[slot]
             entry = entries.get(key)
             if entry is None or key not in order or slot_at[entry.offset >> shift] != slot:
                 self._set(slot, _DEAD)
                 continue
-            start, stop, whole = self._walk(entry, slot, None)
             bound = self._unknown
-            if whole:
-                bound = self._register(slot, start, stop)
+            if codes[slot] == _UNKNOWN:
+                start, stop, whole = self._walk(entry, slot, None)
+                if whole:
+                    bound = self._register(slot, start, stop)
+            else:  # measured: its registered edges
+                start, stop = self._left[slot] << shift, self._right[slot] << shift
+                bound = (stop - start) >> shift
             if bound >= units:
                 window = None
                 if stop - start >= need:  # (else no window: the component spans too little)
@@ -442,21 +475,24 @@ class EvictionIndex:
                     break
                 lowered.append(slot)
                 self._set(slot, _DEAD)
+            elif _code(bound) >= wanted:  # short of need by less than its code tells
+                lowered.append(slot)
+                self._set(slot, _DEAD)
             else:
-                self._set(slot, bound)
+                self._set(slot, _code(bound))
         for slot in lowered:
-            self._set(slot, self._bound(slot))
+            self._set(slot, self._code_of(slot))
         return found
 
     # ------------------------------------------------------------------ helpers
-    def _bound(self, slot: int) -> int:
-        """The slot's bound: the span of its registered component, else unknown."""
+    def _code_of(self, slot: int) -> int:
+        """The code of the slot's bound: the span of its registered component, else unknown."""
         left, right = self._left[slot], self._right[slot]
-        return self._unknown if left == _NONE or right == _NONE else right - left
+        return _UNKNOWN if left == _NONE or right == _NONE else _code(right - left)
 
     def _forget(self, slot: int) -> None:
-        if self._tree[self._width + slot] != _DEAD:
-            self._set(slot, self._unknown)
+        if self._codes[slot] != _DEAD:
+            self._set(slot, _UNKNOWN)
 
     def _register(self, slot: int, start: int, stop: int) -> int:
         """Register the edges of the component ``[start, stop)`` where the slot has none; its
@@ -477,32 +513,32 @@ class EvictionIndex:
         return self._right[slot] - self._left[slot]
 
     def _take_in(self) -> None:
-        """Give a slot to each candidate added to the order since the last search."""
-        order, newest = self._order, self._newest
+        """Give a slot to each candidate added to the order since the last search (the
+        order's tail of keys marked new), and mark them taken in."""
+        order = self._order
         fresh: list[str] = []
         for key in reversed(order.keys()):
-            if order[key] <= newest:
+            if not order[key]:
                 break
             fresh.append(key)
-        if not self._slot_at:  # the first search: the tables, and the order's stamps
+        if not self._slot_at:  # the first search: the per-unit tables
             units = self._units
             self._slot_at = self._ints(units)
             self._starting, self._ending = self._ints(units + 1), self._ints(units + 1)
-            order.start_stamps()  # (every key is fresh: the loop above stopped at none)
         if not fresh:
             return
-        if self._count + len(fresh) > self._width:
+        for key in fresh:
+            order[key] = False
+        if self._count + len(fresh) > self._room:
             self._compact(len(fresh))
         keys, slot_at, entries, shift = self._keys, self._slot_at, self._entries, self._shift
-        unknown = self._unknown
         for index in range(len(fresh) - 1, -1, -1):
             key = fresh[index]
             slot = self._count
             self._count = slot + 1
             keys[slot] = key
             slot_at[entries[key].offset >> shift] = slot
-            self._set(slot, unknown)
-        self._newest = order[fresh[0]]
+            self._set(slot, _UNKNOWN)
 
     def _live(self, slot: int) -> bool:
         key = self._keys[slot]
@@ -514,28 +550,37 @@ class EvictionIndex:
         )
 
     def _compact(self, more: int) -> None:
-        """Renumber the slots of the candidates still in the order, with room for ``more``;
-        the tree and the registration lists are rebuilt, keeping every bound. Every per-slot
-        table is made at its final length (no growth by appends, no slack but the room)."""
+        """Renumber the slots of the candidates still in the order, with room for ``more``
+        and a quarter again, in whole blocks; the tree and the registration lists are rebuilt,
+        keeping every bound. Every per-slot table is made at its final length (no growth by
+        appends, no slack but the room)."""
         live = [slot for slot in range(self._count) if self._live(slot)]
-        tree, width, count = self._tree, self._width, len(live)
-        bounds = [tree[width + slot] for slot in live]
+        count = len(live)
+        kept = bytearray(self._codes[slot] for slot in live)
         left = [self._left[slot] for slot in live]
         right = [self._right[slot] for slot in live]
         keys = [self._keys[slot] for slot in live]
+        room = count + more + (count + more) // 4
+        blocks = (room + _BLOCK - 1) // _BLOCK
+        room = blocks * _BLOCK
         width = 1
-        while width < count + more + (count + more) // 4:
+        while width < blocks:
             width *= 2
-        self._width, self._count = width, count
-        self._keys = keys + [""] * (width - count)
-        self._tree = tree = [_DEAD] * (2 * width)  # (a list: the hottest table, read in C)
-        tree[width : width + count] = bounds
+        self._room, self._width, self._count = room, width, count
+        self._keys = keys + [""] * (room - count)
+        self._codes = codes = kept + bytes(room - count)  # (zeros: _DEAD)
+        self._tree = tree = [_DEAD] * (2 * width)  # (a list: its reads the fastest)
+        for block in range(blocks):
+            tree[width + block] = max(codes[block * _BLOCK : (block + 1) * _BLOCK])
         for node in range(width - 1, 0, -1):
             a, b = tree[2 * node], tree[2 * node + 1]
             tree[node] = a if a > b else b
-        units, spare = self._units, self._ints(width - count)
-        self._left, self._right = array(self._code, left) + spare, array(self._code, right) + spare
-        self._next_left, self._next_right = self._ints(width), self._ints(width)
+        units, spare = self._units, self._ints(room - count)
+        self._left, self._right = (
+            array(self._typecode, left) + spare,
+            array(self._typecode, right) + spare,
+        )
+        self._next_left, self._next_right = self._ints(room), self._ints(room)
         self._starting, self._ending = self._ints(units + 1), self._ints(units + 1)
         self._slot_at = slot_at = self._ints(units)  # (no stale slot numbers left behind)
         entries, shift = self._entries, self._shift
@@ -550,10 +595,24 @@ class EvictionIndex:
                 self._next_right[slot] = self._ending[at]
                 self._ending[at] = slot
 
-    def _set(self, slot: int, bound: int) -> None:
-        tree = self._tree
-        node = self._width + slot
-        tree[node] = bound
+    def _set(self, slot: int, code: int) -> None:
+        """The slot's code is ``code``: its block's largest code and the tree above it follow."""
+        codes, tree = self._codes, self._tree
+        old = codes[slot]
+        codes[slot] = code
+        node = self._width + slot // _BLOCK
+        top = tree[node]
+        if code >= top:
+            if code == top:
+                return
+        elif old < top:  # (the block's largest code is another slot's, and stays)
+            return
+        else:
+            first = slot - slot % _BLOCK
+            code = max(codes[first : first + _BLOCK])
+            if code == top:
+                return
+        tree[node] = code
         node >>= 1
         while node:
             a, b = tree[2 * node], tree[2 * node + 1]
@@ -563,13 +622,16 @@ class EvictionIndex:
             tree[node] = top
             node >>= 1
 
-    def _first_at_least(self, units: int) -> int:
+    def _first_at_least(self, code: int) -> int:
         tree, width, node = self._tree, self._width, 1
         while node < width:
             node *= 2
-            if tree[node] < units:
+            if tree[node] < code:
                 node += 1
-        return node - width
+        codes, slot = self._codes, (node - width) * _BLOCK
+        while codes[slot] < code:
+            slot += 1
+        return slot
 
     def _walk(self, entry: Entry, slot: int, pieces: list[Piece] | None) -> tuple[int, int, bool]:
         """The component of the candidate ``entry`` (slot ``slot``), cut at ``max_batch - 1``
