@@ -454,14 +454,14 @@ class EvictionIndex:
             if entry is None or key not in order or slot_at[entry.offset >> shift] != slot:
                 self._set(slot, _DEAD)
                 continue
+            if codes[slot] != _UNKNOWN and self._right[slot] - self._left[slot] < units:
+                lowered.append(slot)  # (measured short of need by less than its code tells)
+                self._set(slot, _DEAD)
+                continue
+            start, stop, whole = self._walk(entry, slot, None)
             bound = self._unknown
-            if codes[slot] == _UNKNOWN:
-                start, stop, whole = self._walk(entry, slot, None)
-                if whole:
-                    bound = self._register(slot, start, stop)
-            else:  # measured: its registered edges
-                start, stop = self._left[slot] << shift, self._right[slot] << shift
-                bound = (stop - start) >> shift
+            if whole:
+                bound = self._register(slot, start, stop)
             if bound >= units:
                 window = None
                 if stop - start >= need:  # (else no window: the component spans too little)
@@ -560,6 +560,18 @@ class EvictionIndex:
         left = [self._left[slot] for slot in live]
         right = [self._right[slot] for slot in live]
         keys = [self._keys[slot] for slot in live]
+        # The per-unit tables are cleared where the old slots wrote, so that no stale slot
+        # number is left behind: O(slots), not O(units).
+        entries, shift, slot_at = self._entries, self._shift, self._slot_at
+        starting, ending = self._starting, self._ending
+        for slot in range(self._count):
+            entry = entries.get(self._keys[slot])
+            if entry is not None:
+                slot_at[entry.offset >> shift] = _NONE
+            if self._left[slot] != _NONE:
+                starting[self._left[slot]] = _NONE
+            if self._right[slot] != _NONE:
+                ending[self._right[slot]] = _NONE
         room = count + more + (count + more) // 4
         blocks = (room + _BLOCK - 1) // _BLOCK
         room = blocks * _BLOCK
@@ -581,19 +593,16 @@ class EvictionIndex:
             array(self._typecode, right) + spare,
         )
         self._next_left, self._next_right = self._ints(room), self._ints(room)
-        self._starting, self._ending = self._ints(units + 1), self._ints(units + 1)
-        self._slot_at = slot_at = self._ints(units)  # (no stale slot numbers left behind)
-        entries, shift = self._entries, self._shift
         for slot, key in enumerate(keys):
             slot_at[entries[key].offset >> shift] = slot
             at = left[slot]
             if at > 0:
-                self._next_left[slot] = self._starting[at]
-                self._starting[at] = slot
+                self._next_left[slot] = starting[at]
+                starting[at] = slot
             at = right[slot]
             if at != _NONE and at < units:
-                self._next_right[slot] = self._ending[at]
-                self._ending[at] = slot
+                self._next_right[slot] = ending[at]
+                ending[at] = slot
 
     def _set(self, slot: int, code: int) -> None:
         """The slot's code is ``code``: its block's largest code and the tree above it follow."""
@@ -608,8 +617,10 @@ class EvictionIndex:
         elif old < top:  # (the block's largest code is another slot's, and stays)
             return
         else:
-            first = slot - slot % _BLOCK
-            code = max(codes[first : first + _BLOCK])
+            code = _DEAD
+            for at in range(slot - slot % _BLOCK, slot - slot % _BLOCK + _BLOCK):
+                if codes[at] > code:
+                    code = codes[at]
             if code == top:
                 return
         tree[node] = code
