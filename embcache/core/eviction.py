@@ -290,12 +290,12 @@ def _window_in(pieces: list[Piece], need: int, max_batch: int, must: int) -> Win
 INDEX_FROM = 512
 
 _NONE: Final = -1  # no slot, no list, no registered edge
-# A slot's bound is kept as a code, one byte (the tree's nodes: small ints, which CPython
-# shares, so no table of codes holds an int of its own on either build) that never falls as
-# the bound rises. Bounds below _EXACT units are their own code (a bound is at least the
-# candidate's unit); above, eight codes an octave. A code at least the need's is a bound that
-# may reach it: the search then compares the bound itself (the registered edges), so the
-# choices are the rule's exactly.
+# A slot's bound is kept as a code: a small int (0 to 255, which CPython shares, so the lists
+# of codes and of the tree's nodes hold no int of their own on either build; lists, as the
+# compiled build reads and writes them fastest) that never falls as the bound rises. Bounds
+# below _EXACT units are their own code (a bound is at least the candidate's unit); above,
+# eight codes an octave. A code at least the need's is a bound that may reach it: the search
+# then compares the bound itself (the registered edges), so the choices are the rule's exactly.
 _EXACT: Final = 64
 _UNKNOWN: Final = 255  # the code of a bound not measured (or forgotten): above every need's code
 _DEAD: Final = 0  # the code of a slot whose candidate left the order, or one a search set aside
@@ -378,7 +378,7 @@ class EvictionIndex:
         self._keys: list[str] = []  # slot -> key; slots in rank order
         self._count = 0  # slots in use (the tables below have room for _room)
         self._room = 0  # slots the tables have room for: whole blocks
-        self._codes = bytearray()  # slot -> the code of its bound, or _DEAD
+        self._codes: list[int] = []  # slot -> the code of its bound, or _DEAD
         self._left = self._ints(0)  # slot -> registered start of its component, or _NONE
         self._right = self._ints(0)  # slot -> registered end of its component, or _NONE
         self._next_left = self._ints(0)  # slot -> the next slot registered at the same start
@@ -556,7 +556,7 @@ class EvictionIndex:
         appends, no slack but the room)."""
         live = [slot for slot in range(self._count) if self._live(slot)]
         count = len(live)
-        kept = bytearray(self._codes[slot] for slot in live)
+        kept = [self._codes[slot] for slot in live]
         left = [self._left[slot] for slot in live]
         right = [self._right[slot] for slot in live]
         keys = [self._keys[slot] for slot in live]
@@ -580,7 +580,7 @@ class EvictionIndex:
             width *= 2
         self._room, self._width, self._count = room, width, count
         self._keys = keys + [""] * (room - count)
-        self._codes = codes = kept + bytes(room - count)  # (zeros: _DEAD)
+        self._codes = codes = kept + [_DEAD] * (room - count)
         self._tree = tree = [_DEAD] * (2 * width)  # (a list: its reads the fastest)
         for block in range(blocks):
             tree[width + block] = max(codes[block * _BLOCK : (block + 1) * _BLOCK])
