@@ -183,6 +183,7 @@ def test_metadata_per_entry_the_pool_can_hold_with_the_eviction_index_in_use() -
             push_units(cache, units, 0)
             gc.collect()
             held = tracemalloc.get_traced_memory()[0] - before
+            # private: the core's index and order, to show the index was in use (no public count)
             st = cache.runner.core._state
             index, entries = st.index, cache.stats().entries
             assert len(st.order) == entries >= 2 * INDEX_FROM, entries
