@@ -24,13 +24,13 @@ step with no request: the same Lookup, Publish, Release and EndPublish actions a
 request's publish, under an internal request, only for keys still READY and neither doomed
 nor tainted: an entry evicted, removed or quarantined since is dropped from the
 backlog unpublished (``stale``). One retry is in flight at a time (``take`` gives nothing
-until it ended), so the backlog stays in age order. A publish ending UNKNOWN never joins, a
-retry's included: its
-entry is quarantined. A key published OK (by a request) while it waits leaves the backlog: the
-store holds it. Retries that fail together go back to the oldest end in their age order, so the
-bound still drops the oldest failure first. An OK publish while retries are in flight (none
-waiting, so nothing to retry yet) is remembered: those retries that then come back FAILED are
-retried at once, not at the next interval.
+until it ended, dropped by the bound or not), so the backlog stays in age order. A publish
+ending UNKNOWN never joins, a retry's included: its entry is quarantined. A key published OK
+(by a request) while it waits leaves the backlog: the store holds it. Each waiting publish has
+an age (when it first failed): failed retries go back in their age order, older than all that
+failed since, so the bound still drops the oldest failure first. An OK publish while retries
+are in flight (none waiting, so nothing to retry yet) is remembered: those retries that then
+come back FAILED are retried at once, not at the next interval.
 
 Bounded: at most ``max_entries`` wait; one more drops the oldest (``dropped``). The counters
 are in ``EmbeddingCache.stats()`` (``publish_backlog``, ``publish_backlog_dropped``,
@@ -186,10 +186,11 @@ class PublishBacklog:
     def take(self, limit: int | None = None) -> list[Entry]:
         """The ``limit`` oldest waiting entries (None: all), oldest first, now being retried
         (each then ends in ``note``, ``skipped`` or ``requeue``); none while a retry is still
-        in flight: one retry at a time, so those that fail go back older than every waiting
-        entry and the bound drops them first, the oldest first. O(taken)."""
+        in flight, the bound's dropped ones included: one retry at a time, so those that fail
+        go back older than every waiting entry and the bound drops them first, the oldest
+        first, and ``marks`` stays at most ``max_entries``. O(taken)."""
         with self._lock:
-            if self._retrying:
+            if self._retrying or self._forgotten:
                 return []
             waiting = self._waiting
             n = len(waiting) if limit is None else min(limit, len(waiting))
