@@ -19,7 +19,10 @@ Theory of operation. One call, ``encode(request_id, items, inputs)``, runs these
    a group, the ranks then agree (an all-reduce) on whether every encoder call succeeded.
 5. Rank 0 inserts the fresh outputs (while the request still holds its reservations, or their
    waiters would fall back) with ``publish=True``: the write to the global store runs on the
-   cache's I/O pool. The request then ends, releasing every pin, wait and reservation.
+   cache's I/O pool. With ``claims``, an output of a key claimed here that the pool did not
+   take is still published, as a copy put into the store on this thread (other workers wait
+   on that claim); without claims it is not (the pool's admission decides, as with no store).
+   The request then ends, releasing every pin, wait and reservation.
 6. Every rank copies the fresh outputs into the rest of its answer (rows in item order).
 
 The result has the encoder's dtype and device whether an item came from the cache or the
@@ -69,6 +72,9 @@ from embcache.pipeline.tp_channel import GroupChannel
 __all__ = ["EncodePipeline", "Encoder", "PipelineStats", "TensorParallelError"]
 
 T = TypeVar("T")
+#: Miss reasons of a key the pool refused (its fleet claim is still worth taking: another
+#: worker, or this one's copy, can publish it without the pool).
+REFUSED = frozenset({Reason.NOT_ADMITTED, Reason.NO_SPACE})
 logger = logging.getLogger(__name__)
 
 
@@ -353,14 +359,16 @@ class EncodePipeline:
     def _encode_claimed(
         self, claims: FleetClaims, request: Request, plan: Plan, local: _Local
     ) -> tuple[_Local, dict[str, torch.Tensor]]:
-        """With fleet claims (no group): claim the misses this request reserved; encode and
-        insert what it claimed and every other miss first; then wait for the keys other
-        workers claimed, load what they publish and encode what the wait leaves. The snapshot
-        (its answer holding the loaded rows, its mask every item encoded) and the outputs."""
+        """With fleet claims (no group): claim the misses this request reserved and those its
+        pool refused (``REFUSED``: the store may hold them, the pool cannot take them); encode
+        and insert what it claimed and every other miss first; then wait for the keys other
+        workers claimed, load what they publish (a key the pool does not take, as a copy) and
+        encode what the wait leaves. The snapshot (its answer holding the loaded rows, its
+        mask every item encoded) and the outputs."""
         reserved = {
             item.key: item
             for item, status, masked in zip(plan.items, local.statuses, local.mask, strict=True)
-            if masked and status.status is Status.RESERVED
+            if masked and (status.status is Status.RESERVED or status.reason in REFUSED)
         }
         mine, waiting = claims.claim(list(reserved))
         later = set(waiting)
@@ -375,8 +383,13 @@ class EncodePipeline:
         loaded = set(settled.loaded)
         second = [it.key in later and it.key not in loaded for it in plan.items]
         answer = local.answer
-        if loaded:
+        if len(loaded) > len(settled.copies):
             answer = self._collect(request, plan, local.statuses).answer
+        at = plan.offsets
+        for n, it in enumerate(plan.items):
+            data = settled.copies.get(it.key)
+            if data is not None:  # the object's bytes, as the item (the pool never saw them)
+                copy_rows(answer[at[n] : at[n + 1]], data.view(it.dtype).view(it.shape))
         fresh |= self._encode_under(claims, request, plan, second, settled.mine)
         mask = [a or b for a, b in zip(first, second, strict=True)]
         return _Local(local.statuses, mask, local.reasons, answer), fresh
@@ -384,8 +397,10 @@ class EncodePipeline:
     def _encode_under(
         self, claims: FleetClaims, request: Request, plan: Plan, mask: list[bool], mine: list[str]
     ) -> dict[str, torch.Tensor]:
-        """Encode and insert the masked items; end the claims ``mine`` (after their publish
-        for the keys the pool took, else now, and now if the encoder raised)."""
+        """Encode and insert the masked items; end the claims ``mine`` after their publish:
+        the pool's for the keys it took, a copy of the output into the store for the others
+        (``FleetClaims.publish_copies``; released now where the copy fails); now if the
+        encoder raised."""
         try:
             fresh, seconds = self._encode_fallbacks(plan, mask)
             cached = set(self._insert(request, fresh, seconds))
@@ -393,7 +408,7 @@ class EncodePipeline:
             claims.release(mine)
             raise
         claims.published([key for key in mine if key in cached])
-        claims.release([key for key in mine if key not in cached])
+        claims.publish_copies({key: fresh[key] for key in mine if key not in cached})
         return fresh
 
     def _insert(

@@ -27,7 +27,9 @@ it has no client (the master was down at the first call, or a ``fence`` could no
 Claims (the optional ``ClaimingStore`` methods): a claim on ``key`` is a put of ``key#claim``
 started (``batch_put_session_start``: Mooncake's one atomic create) and never ended; ``release``
 revokes it; its lease is the master's ``--put_start_discard_timeout_sec``, which
-``claim_lease_s`` must equal (embcache/DESIGN.md, "Claims": what was measured).
+``claim_lease_s`` must equal (embcache/DESIGN.md, "Claims": what was measured). ``put_copies``
+and ``get_copies`` (the optional ``CopyingStore`` methods) publish and load a claimed key that a
+pool did not take: ``put_batch`` and ``get_batch`` copy host bytes, no registered memory needed.
 
 Threads. The cache calls in from several I/O threads at once; Mooncake's client is
 thread-safe and releases the GIL. ``_lock`` guards the current session and the in-flight
@@ -69,6 +71,7 @@ from embcache.store.mooncake_native import (
     _get_into,
     _in_pool,
     _load_binding,
+    _put_copies,
     _put_missing,
     close_client,
     quiet_native_logging,
@@ -333,6 +336,49 @@ class MooncakeStore:
             self._warn_no_space()
         return codes
 
+    def put_copies(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[int]:
+        """``put_batch`` of copies of ``values`` (``CopyingStore``: contiguous CPU tensors, no
+        registered memory needed); a stored key keeps its object (0). Per key 0 or a code < 0;
+        an empty value or key is BAD_ITEM. One put (two master RPCs and the copy), plus one
+        ``batch_is_exist`` when the batch fails. Raises only for a malformed call."""
+        assert_unlocked("MooncakeStore.put_copies")
+        if isinstance(keys, str) or isinstance(values, torch.Tensor) or len(keys) != len(values):
+            raise InvalidArgumentError("put_copies takes a list of keys and as many tensors")
+        buffers = [_host_bytes(value) for value in values]
+        valid, names = self._names(
+            [key if value.nbytes else None for key, value in zip(keys, values, strict=True)]
+        )
+        codes = [StoreCode.BAD_ITEM] * len(keys)
+        if valid:
+            mine = [buffers[i] for i in valid]
+            got = self._call(len(valid), lambda c: _put_copies(c, names, mine))
+            for i, code in zip(valid, got, strict=True):
+                codes[i] = code
+        if _NO_AVAILABLE_HANDLE in codes:
+            self._warn_no_space()
+        return codes
+
+    def get_copies(self, keys: Sequence[str], sizes: Sequence[int]) -> list[torch.Tensor | None]:
+        """``get_batch`` (``CopyingStore``): a new CPU uint8 tensor of each object stored with
+        exactly ``size`` bytes, else None (Mooncake answers empty bytes for a key not stored,
+        a put in progress or a failure). One read; raises only for a malformed call."""
+        assert_unlocked("MooncakeStore.get_copies")
+        if isinstance(keys, str) or len(keys) != len(sizes):
+            raise InvalidArgumentError("get_copies takes a list of keys and as many sizes")
+        valid, names = self._names(keys)
+        got: list[bytes] = []
+
+        def read(client: _Client) -> list[int]:
+            got.extend(client.get_batch(names))
+            return [len(data) for data in got]
+
+        lengths = self._call(len(valid), read) if valid else []
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        for n, (i, length) in enumerate(zip(valid, lengths, strict=True)):
+            if length == sizes[i] and length > 0:
+                out[i] = torch.frombuffer(bytearray(got[n]), dtype=torch.uint8)
+        return out
+
     def _warn_no_space(self) -> None:
         """Log the first put that found no space in the global store, once per store."""
         with self._lock:
@@ -559,3 +605,15 @@ class MooncakeStore:
         if old is not None:
             with self._lock:
                 self._drained.wait_for(lambda: old.inflight == 0)
+
+
+def _host_bytes(value: object) -> object:
+    """The bytes of a contiguous CPU tensor as a buffer, without a copy (for ``put_copies``)."""
+    if not isinstance(value, torch.Tensor):
+        raise InvalidTypeError(f"put_copies takes tensors, got {type(value).__name__}")
+    if value.device.type != "cpu" or not value.is_contiguous():
+        raise InvalidArgumentError(
+            f"put_copies takes contiguous CPU tensors, got one on {value.device} "
+            f"(contiguous={value.is_contiguous()}): copy it to the host first"
+        )
+    return value.detach().reshape(-1).view(torch.uint8).numpy()
