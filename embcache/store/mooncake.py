@@ -348,12 +348,15 @@ class MooncakeStore:
         valid, names = self._names(
             [key if value.nbytes else None for key, value in zip(keys, values, strict=True)]
         )
+        first = {name: i for i, name in reversed(list(zip(valid, names, strict=True)))}
         codes = [StoreCode.BAD_ITEM] * len(keys)
-        if valid:
-            mine = [buffers[i] for i in valid]
-            got = self._call(len(valid), lambda c: _put_copies(c, names, mine))
-            for i, code in zip(valid, got, strict=True):
-                codes[i] = code
+        if first:  # (each key once, its first value: the first put of a key stays)
+            unique = list(first)
+            mine = [buffers[first[name]] for name in unique]
+            got = dict(zip(unique, self._call(len(unique), lambda c: _put_copies(c, unique, mine)),
+                           strict=True))  # fmt: skip
+            for i, name in zip(valid, names, strict=True):
+                codes[i] = got[name]
         if _NO_AVAILABLE_HANDLE in codes:
             self._warn_no_space()
         return codes
@@ -366,16 +369,20 @@ class MooncakeStore:
         if isinstance(keys, str) or len(keys) != len(sizes):
             raise InvalidArgumentError("get_copies takes a list of keys and as many sizes")
         valid, names = self._names(keys)
+        unique = list(dict.fromkeys(names))  # (0.3.13's get_batch misorders a repeated key)
         got: list[bytes] = []
 
         def read(client: _Client) -> list[int]:
-            got.extend(client.get_batch(names))
+            got.extend(client.get_batch(unique))
             return [len(data) for data in got]
 
-        lengths = self._call(len(valid), read) if valid else []
+        lengths = self._call(len(unique), read) if unique else []
+        found = {name: n for n, (name, length) in enumerate(zip(unique, lengths, strict=True))
+                 if length > 0}  # fmt: skip
         out: list[torch.Tensor | None] = [None] * len(keys)
-        for n, (i, length) in enumerate(zip(valid, lengths, strict=True)):
-            if length == sizes[i] and length > 0:
+        for i, name in zip(valid, names, strict=True):
+            n = found.get(name)
+            if n is not None and len(got[n]) == sizes[i]:
                 out[i] = torch.frombuffer(bytearray(got[n]), dtype=torch.uint8)
         return out
 
