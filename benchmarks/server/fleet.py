@@ -71,7 +71,7 @@ class FleetConfig:
     workers: tuple[int, ...] = (2, 4)
     hidden: int = 64  # the row width (bf16): 128 bytes a token
     hot: int = 300  # Zipf catalog images
-    requests: int = 160  # per mix
+    requests: int = 320  # per mix (160 left rows a few duplicates apart: noise)
     clients: int = 2  # client threads per worker
     per_token_s: float = 20e-6  # the encoder's time per token (slept: no CPU)
     zipf_s: float = 0.9
@@ -163,6 +163,18 @@ class CountingStore:
 
     def claim(self, keys: Sequence[str]) -> list[int]:
         return list(self.store.claim(keys))
+
+    def put_copies(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[int]:
+        codes: list[int] = self.store.put_copies(keys, values)
+        with self._lock:
+            self.offered += sum(v.nbytes for c, v in zip(codes, values, strict=True) if c == 0)
+        return codes
+
+    def get_copies(self, keys: Sequence[str], sizes: Sequence[int]) -> list[torch.Tensor | None]:
+        got: list[torch.Tensor | None] = self.store.get_copies(keys, sizes)
+        with self._lock:
+            self.read += sum(t.nbytes for t in got if t is not None)
+        return got
 
     def release(self, keys: Sequence[str]) -> list[int]:
         return list(self.store.release(keys))

@@ -6,30 +6,26 @@ through a ``ClaimingStore`` (Mooncake's: a claim is a started, never-ended put o
 which exactly one racing worker wins, with the master's put timeout as its lease;
 embcache/DESIGN.md, "Claims").
 
-1. ``claim(keys)``: the keys are misses a request reserved (in neither the pool nor the store
-   at its lookup). One store call claims them all, and one asks whether the keys claimed are
-   stored after all (another worker published and released one since the lookup: it is
-   released and waited on, which loads it). A key claimed is this worker's to encode.
+1. ``claim(keys)``: misses a request reserved (in neither the pool nor the store at its
+   lookup) or that its pool refused. One store call claims them all, one asks whether the
+   keys won are stored after all (published and released since the lookup: released and
+   waited on, which loads it). A key claimed is this worker's to encode.
    ``wait(request, items)``: a key another worker holds a live claim on (``CLAIM_TAKEN``) is
    waited for, with no lock held (the pipeline encodes its own claimed keys first): at once,
    then every ``poll_s``, the waiter asks the store whether the key is stored (the claimer's
-   publish is visible) and claims the rest again. Stored: it is read from the store into the
-   request's own reserved range (``begin_fill``, ``get_into``, ``end_fill``) and served like
-   a load. Claimed now (released, or its lease ended): asked once more whether it is stored,
-   else encoded under the new claim. A key still taken at ``lease_s`` after the wait began has
-   a newer claim: one more lease. Anything else (no master, a refusal), a failed read, or a key
-   still taken after ``CLAIMS_WAITED`` claims: encoded here, without a claim. A waiter waits at
-   most one lease per claim it waits on and never fails: it falls back item by item.
+   publish is visible) and claims the rest again. Stored: read into the request's reserved
+   range (``begin_fill``, ``get_into``, ``end_fill``) or, if the pool will not take it, as a
+   copy (``get_copies``). Claimed now (released, or its lease ended): asked once more whether
+   it is stored, else encoded under the new claim. Still taken at ``lease_s`` after the wait
+   began: a newer claim, one more lease. Anything else (no master, a refusal), a failed read,
+   or a key taken after ``CLAIMS_WAITED`` claims: encoded here, without a claim. A wait lasts
+   at most one lease per claim it waits on and never fails: it falls back item by item.
 2. The caller encodes what it claimed and what ``wait`` did not load, inserts it with
-   ``publish=True`` and calls ``published(keys)`` for the claimed keys the pool took (their
-   publish has started): a background thread releases each of those claims once the key is
-   stored, or at the claim's lease end by this worker's clock (a publish that failed). The
-   claimed keys the pool did not take (not admitted, no space) go to ``publish_copies``: a
-   host copy of each output is put into the store (a ``CopyingStore``'s ``put_copies``; the
-   store's copy, not the pool's bytes), on the caller's thread, and each key stored is then
-   ``published`` too, so a waiter loads it instead of encoding it again. No claim is released
-   before its publish is visible. ``release(keys)`` ends claims at once: a failed encode; in
-   ``publish_copies``, a copy the store did not take (or a store that cannot copy).
+   ``publish=True`` and calls ``published(keys)`` for the claimed keys the pool took: a
+   background thread releases each claim once the key is stored, or at its lease end by this
+   worker's clock (a publish that failed); ``publish_copies(outputs)`` the others: a host copy
+   put into the store (``put_copies``), then ``published``. No claim is released before its
+   publish is visible. ``release(keys)``: at once (a failed encode, a copy not stored).
 
 A claim carries and decides no bytes: a lost, stale or doubled claim costs a duplicate encode,
 never a wrong answer. At most one claim per key per worker, while its encode and publish are in

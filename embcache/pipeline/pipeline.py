@@ -19,10 +19,7 @@ Theory of operation. One call, ``encode(request_id, items, inputs)``, runs these
    a group, the ranks then agree (an all-reduce) on whether every encoder call succeeded.
 5. Rank 0 inserts the fresh outputs (while the request still holds its reservations, or their
    waiters would fall back) with ``publish=True``: the write to the global store runs on the
-   cache's I/O pool. With ``claims``, an output of a key claimed here that the pool did not
-   take is still published, as a copy put into the store on this thread (other workers wait
-   on that claim); without claims it is not (the pool's admission decides, as with no store).
-   The request then ends, releasing every pin, wait and reservation.
+   cache's I/O pool. The request then ends, releasing every pin, wait and reservation.
 6. Every rank copies the fresh outputs into the rest of its answer (rows in item order).
 
 The result has the encoder's dtype and device whether an item came from the cache or the
@@ -142,8 +139,11 @@ class EncodePipeline:
     rank 0 after each insert of fresh outputs (how many, how long the copy into the pool took),
     with no lock held, e.g. ``CacheMetrics.observe_insert``; what it raises is logged, never
     raised. ``claims`` (opt-in; not with ``tp_group``) claims misses fleet-wide before
-    encoding them, on the cache's global store (``FleetClaims``). See the module docstring for
-    the protocol.
+    encoding them, on the cache's global store (``FleetClaims``), those the pool refused too:
+    their outputs are published as copies put into the store on the calling thread, and a
+    key another worker published that the pool refuses is read as a copy (a
+    ``CopyingStore``). Without claims a refused output is not published. See the module
+    docstring for the protocol.
     """
 
     def __init__(

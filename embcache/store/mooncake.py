@@ -24,12 +24,10 @@ per ``reconnect_interval_s``) reaches the master again. Mooncake's client reconn
 restarted master and remounts its segment by itself; the store reconnects on its own only when
 it has no client (the master was down at the first call, or a ``fence`` could not set up).
 
-Claims (the optional ``ClaimingStore`` methods): a claim on ``key`` is a put of ``key#claim``
-started (``batch_put_session_start``: Mooncake's one atomic create) and never ended; ``release``
-revokes it; its lease is the master's ``--put_start_discard_timeout_sec``, which
-``claim_lease_s`` must equal (embcache/DESIGN.md, "Claims": what was measured). ``put_copies``
-and ``get_copies`` (the optional ``CopyingStore`` methods) publish and load a claimed key that a
-pool did not take: ``put_batch`` and ``get_batch`` copy host bytes, no registered memory needed.
+Claims (``ClaimingStore``): a claim on ``key`` is a started (``batch_put_session_start``: the
+one atomic create), never-ended put of ``key#claim``; ``release`` revokes it; its lease is the
+master's ``--put_start_discard_timeout_sec`` = ``claim_lease_s`` (embcache/DESIGN.md, "Claims").
+``put_copies``/``get_copies`` (``CopyingStore``) are ``put_batch``/``get_batch``: host copies.
 
 Threads. The cache calls in from several I/O threads at once; Mooncake's client is
 thread-safe and releases the GIL. ``_lock`` guards the current session and the in-flight
