@@ -27,6 +27,7 @@ from embcache.pipeline import FleetClaims
 from embcache.store.mooncake import MooncakeStore
 from embcache.testing import Fault, FaultInjectingStore
 from tests.support.claim_store import Client, Master
+from tests.support.helpers import DEVICES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,11 +51,11 @@ class NoAdmit(LruPolicy):
 
 
 class Encoder:
-    """Each key's ``value``; counts what it encodes; ``gate`` (if set) holds each call."""
+    """Each key's ``value`` on ``device``; counts what it encodes; ``gate`` (if set) holds each
+    call."""
 
-    device = torch.device("cpu")
-
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
         self.encoded: list[str] = []
         self.entered = threading.Event()
         self.gate: threading.Event | None = None
@@ -64,7 +65,7 @@ class Encoder:
         if self.gate is not None:
             assert self.gate.wait(10)
         self.encoded += keys
-        return [value(k) for k in keys]
+        return [value(k).to(self.device) for k in keys]
 
 
 class NoCopies(Client):
@@ -81,13 +82,13 @@ class FailingCopies(Client):
 
 
 class Worker:
-    def __init__(self, store: Client, *, refuses: bool = False) -> None:
+    def __init__(self, store: Client, *, refuses: bool = False, device: str = "cpu") -> None:
         self.store = store
         policy: Any = NoAdmit() if refuses else "lru"
         self.cache = EmbeddingCache(256 if refuses else 1 << 20, store=store, pin_memory=False,
                                     policy=policy)  # fmt: skip
         self.claims = FleetClaims(store, lease_s=LEASE_S, poll_s=0.005)  # type: ignore[arg-type]
-        self.encoder = Encoder()
+        self.encoder = Encoder(device)
         self.pipeline = EncodePipeline(self.cache, self.encoder, claims=self.claims)
         if refuses:  # the one entry its pool holds: every later insert must evict, refused
             self.encode("filler")
@@ -195,6 +196,21 @@ def test_a_stored_key_the_pool_refuses_is_served_from_a_copy_not_encoded(
     assert b.claims.stats().read_copies == 1
     assert b.pipeline.stats().waited == 1, "served like a load"
     until(lambda: "s" not in master.claims, "the claim won before the second look ends")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_outputs_on_the_encoders_device_are_published_and_read_back_as_copies(
+    make_worker: Callable[..., Worker], device: str
+) -> None:
+    master = Master(LEASE_S)
+    a = make_worker(Client(master, "a"), refuses=True, device=device)
+    b = make_worker(Client(master, "b"), refuses=True, device=device)
+    out = a.encode("gpu-key")
+    assert out.device.type == device and torch.equal(out.cpu(), value("gpu-key"))
+    assert master.objects["gpu-key"] == value("gpu-key").numpy().tobytes(), "copied to host"
+    got = b.encode("gpu-key")
+    assert got.device.type == device and torch.equal(got.cpu(), value("gpu-key"))
+    assert b.encoder.encoded == [] and b.claims.stats().read_copies == 1
 
 
 @pytest.mark.parametrize("store", [NoCopies, FailingCopies])
