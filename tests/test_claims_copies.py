@@ -198,6 +198,20 @@ def test_a_stored_key_the_pool_refuses_is_served_from_a_copy_not_encoded(
     until(lambda: "s" not in master.claims, "the claim won before the second look ends")
 
 
+def test_copies_land_in_their_own_rows_of_a_request_of_several_items(
+    make_worker: Callable[..., Worker],
+) -> None:
+    master = Master(LEASE_S)
+    for key in ("s1", "s333"):
+        master.objects[key] = value(key).numpy().tobytes()
+    b = make_worker(Client(master, "b"), refuses=True)
+    keys = ["new22", "s1", "filler", "s333", "new4444"]
+    out = b.pipeline.encode("several", [item(k) for k in keys], keys)
+    assert torch.equal(out, torch.cat([value(k) for k in keys]))
+    assert sorted(b.encoder.encoded) == ["new22", "new4444"], "the stored ones read as copies"
+    assert b.claims.stats().read_copies == 2 and b.claims.stats().copied == 2
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_outputs_on_the_encoders_device_are_published_and_read_back_as_copies(
     make_worker: Callable[..., Worker], device: str

@@ -388,8 +388,8 @@ class EncodePipeline:
         at = plan.offsets
         for n, it in enumerate(plan.items):
             data = settled.copies.get(it.key)
-            if data is not None:  # the object's bytes, as the item (the pool never saw them)
-                copy_rows(answer[at[n] : at[n + 1]], data.view(it.dtype).view(it.shape))
+            if data is not None:  # the object's bytes into the item's rows (contiguous)
+                answer[at[n] : at[n + 1]].view(torch.uint8).view(-1).copy_(data)
         fresh |= self._encode_under(claims, request, plan, second, settled.mine)
         mask = [a or b for a, b in zip(first, second, strict=True)]
         return _Local(local.statuses, mask, local.reasons, answer), fresh
