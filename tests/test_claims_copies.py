@@ -20,14 +20,13 @@ import torch
 
 from embcache import EmbeddingCache, EncodePipeline, Item
 from embcache.core.lifecycle import EntryState
-from embcache.core.policy_lru import LruPolicy
 from embcache.driver.global_store import CopyingStore
 from embcache.errors import InvalidArgumentError, InvalidTypeError
 from embcache.pipeline import FleetClaims
 from embcache.store.mooncake import MooncakeStore
 from embcache.testing import Fault, FaultInjectingStore
 from tests.support.claim_store import Client, Master
-from tests.support.helpers import DEVICES
+from tests.support.helpers import DEVICES, AdmitsNothing
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,12 +41,6 @@ def item(key: str) -> Item:
 def value(key: str) -> torch.Tensor:
     return torch.full(SHAPE, float(len(key)))
 
-
-class NoAdmit(LruPolicy):
-    """``lru`` that admits no insert that must evict."""
-
-    def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
-        return False
 
 
 class Encoder:
@@ -84,7 +77,7 @@ class FailingCopies(Client):
 class Worker:
     def __init__(self, store: Client, *, refuses: bool = False, device: str = "cpu") -> None:
         self.store = store
-        policy: Any = NoAdmit() if refuses else "lru"
+        policy: Any = AdmitsNothing() if refuses else "lru"
         self.cache = EmbeddingCache(256 if refuses else 1 << 20, store=store, pin_memory=False,
                                     policy=policy)  # fmt: skip
         self.claims = FleetClaims(store, lease_s=LEASE_S, poll_s=0.005)  # type: ignore[arg-type]

@@ -17,9 +17,9 @@ import torch
 
 from embcache import EmbeddingCache, EncodePipeline, Item
 from embcache.core.lifecycle import EntryState
-from embcache.core.policy_lru import LruPolicy
 from embcache.pipeline import FleetClaims
 from embcache.store.mooncake import MooncakeStore
+from tests.support.helpers import AdmitsNothing
 
 if TYPE_CHECKING:
     from embcache.store.mooncake_master import MooncakeMaster
@@ -105,12 +105,6 @@ class Encoder:
         return [torch.full(SHAPE, float(len(k))) for k in keys]
 
 
-class NoAdmit(LruPolicy):
-    """``lru`` that admits no insert that must evict."""
-
-    def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
-        return False
-
 
 class Worker:
     """``refuses``: a pool of one entry, holding ``filler``, whose policy admits nothing that
@@ -123,7 +117,7 @@ class Worker:
             MooncakeStore(**master.store_kwargs(), key_prefix=prefix, global_segment_size=segment)
         )
         self.store.store.connect()
-        policy: Any = NoAdmit() if refuses else "adaptive-work"
+        policy: Any = AdmitsNothing() if refuses else "adaptive-work"
         self.cache = EmbeddingCache(256 if refuses else 4 << 20, store=self.store,
                                     pin_memory=False, policy=policy)  # fmt: skip
         self.claims = FleetClaims(self.store, lease_s=5.0, poll_s=0.005)  # type: ignore[arg-type]

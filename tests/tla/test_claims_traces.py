@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache, EncodePipeline, Item
-from embcache.core.policy_lru import LruPolicy
 from embcache.driver.global_store import CLAIM_TAKEN
 from embcache.driver.trace import TraceLog
 from embcache.pipeline import FleetClaims
 from embcache.pipeline import claims as claims_module
 from tests.support.claim_store import Client, Master
+from tests.support.helpers import AdmitsNothing
 from tests.tla.tla_modules import load_claims_trace
 
 if TYPE_CHECKING:
@@ -60,12 +60,6 @@ class SleepyEncoder:
         return [torch.full(SHAPE, float(sum(str(k).encode()) % 97)) for k in inputs]
 
 
-class NoAdmit(LruPolicy):
-    """``lru`` that admits no insert that must evict."""
-
-    def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
-        return False
-
 
 class Worker:
     """One encode worker: a client of the master, its cache, claims (traced) and pipeline.
@@ -79,7 +73,7 @@ class Worker:
         self.name = name
         self.log = TraceLog()
         self.store = store(master, name)
-        policy: Any = NoAdmit() if refusing else "adaptive-work"
+        policy: Any = AdmitsNothing() if refusing else "adaptive-work"
         self.cache = EmbeddingCache(256 if refusing else 1 << 16, store=self.store,
                                     pin_memory=False, policy=policy)  # fmt: skip
         self.claims = FleetClaims(self.store, trace=self.log, **options)
