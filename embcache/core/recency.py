@@ -36,17 +36,17 @@ class ResidentOrder(RecencyOrder):
 
     def __init__(self, aside: set[str]) -> None:
         super().__init__()
-        self._aside = aside
+        self._set_aside, self._take_back = aside.add, aside.discard  # bound once: every hit
 
     def add(self, key: str) -> None:
         """Put ``key`` at the tail (out of ``aside``). O(1)."""
-        self._aside.discard(key)
+        self._take_back(key)
         self[key] = True
         self.move_to_end(key)
 
     def discard(self, key: str) -> bool:
         """Take ``key`` out, into ``aside``; whether it was there. O(1)."""
         if self.pop(key, False):
-            self._aside.add(key)
+            self._set_aside(key)
             return True
         return False
