@@ -55,7 +55,10 @@ class FaultInjectingStore:
         self._idle = threading.Condition(self._lock)
         self._pool: torch.Tensor | None = None
         self._closed = False
-        self.calls: dict[str, int] = {"exists": 0, "get_into": 0, "put_from": 0, "fence": 0}
+        self.calls: dict[str, int] = {
+            "exists": 0, "get_into": 0, "put_from": 0, "put_copies": 0, "get_copies": 0,
+            "fence": 0,
+        }
 
     # -- fault injection (tests) --
     def inject(self, key: str, fault: Fault | None) -> None:
@@ -122,6 +125,36 @@ class FaultInjectingStore:
     ) -> list[int]:
         """Copy each pool range into an object; 0 on success."""
         return self._transfer("put_from", keys, offsets, sizes, self._put_one)
+
+    def put_copies(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[int]:
+        """Store a copy of each contiguous CPU tensor's bytes (``CopyingStore``); faults as
+        for ``put_from``; 0 on success (a stored key keeps its object)."""
+        if len(keys) != len(values):
+            raise InvalidArgumentError("keys and values must have the same length")
+        copies = [v.detach().reshape(-1).view(torch.uint8).numpy().tobytes() for v in values]
+
+        def put(key: str, n: int, _: int) -> int:
+            with self._lock:
+                self._objects.setdefault(key, copies[n])
+            return 0
+
+        return self._transfer("put_copies", keys, range(len(keys)), [len(c) for c in copies], put)
+
+    def get_copies(self, keys: Sequence[str], sizes: Sequence[int]) -> list[torch.Tensor | None]:
+        """A new uint8 tensor of each object stored with exactly ``size`` bytes, else None
+        (``CopyingStore``); faults as for ``get_into`` (a code: None)."""
+        got: list[torch.Tensor | None] = [None] * len(keys)
+
+        def get(key: str, n: int, size: int) -> int:
+            with self._lock:
+                payload = self._objects.get(key)
+            if payload is None or len(payload) != size:
+                return NOT_FOUND
+            got[n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            return size
+
+        self._transfer("get_copies", keys, range(len(keys)), sizes, get)
+        return got
 
     def classify(self, code: int) -> TransferOutcome:
         """``NOT_FOUND``, ``BUFFER_TOO_SMALL`` and ``CLOSED`` are FAILED; anything else UNKNOWN."""

@@ -3,9 +3,9 @@
 Failed publishes wait for the store, each with its age (when it first failed; a retry that
 fails again keeps it), at most ``max_entries``: one more drops the oldest, waiting or being
 retried, and counts it. A retry dropped while in flight is forgotten when it ends. One retry
-at a time: nothing is taken while one is in flight. An OK publish takes its key out; an
-UNKNOWN one never waits. A retry whose entry is gone (evicted, removed, quarantined, busy)
-is stale. Dicts and ``min`` over ages: O(n) everywhere, obvious.
+at a time: nothing is taken while one is in flight, dropped or not. An OK publish takes its
+key out; an UNKNOWN one never waits. A retry whose entry is gone (evicted, removed,
+quarantined, busy) is stale. Dicts and ``min`` over ages: O(n) everywhere, obvious.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class ModelBacklog:
 
     def take(self, limit: int | None) -> list[str]:
         """The ``limit`` oldest waiting keys (None: all), oldest first; none while a retry is
-        in flight."""
-        if self.flight:
+        in flight (one the bound dropped included)."""
+        if self.flight or self.gone:
             return []
         keys = sorted(self.waiting, key=self.waiting.__getitem__)[:limit]
         for key in keys:

@@ -9,11 +9,14 @@ quarantined since is never written; bad settings raise a specific error.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from embcache import EmbeddingCache
 from embcache.core.entries import Entry
@@ -22,7 +25,7 @@ from embcache.core.outcomes import TransferOutcome
 from embcache.driver.backlog import PublishBacklog, RepublishPolicy
 from embcache.driver.item import Item
 from embcache.driver.trace import TraceLog
-from embcache.errors import InvalidArgumentError, InvalidTypeError
+from embcache.errors import ClosedError, InvalidArgumentError, InvalidTypeError
 from embcache.testing import Fault, FaultInjectingStore
 from tests.support.helpers import ManualExecutor, payload, raw, wait_until
 
@@ -430,6 +433,7 @@ def test_one_retry_at_a_time_so_a_failed_probe_is_dropped_before_a_newer_entry()
         ({"retry_interval_s": -1.0}, InvalidArgumentError),
         ({"retry_interval_s": float("inf")}, InvalidArgumentError),
         ({"retry_interval_s": float("nan")}, InvalidArgumentError),
+        ({"retry_interval_s": 1e10}, InvalidArgumentError),  # past threading.TIMEOUT_MAX
         ({"retry_interval_s": "1"}, InvalidTypeError),
     ],
 )
@@ -438,6 +442,66 @@ def test_bad_backlog_settings_raise_a_specific_error(
 ) -> None:
     with pytest.raises(error):
         RepublishPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_longest_retry_interval_keeps_the_retry_thread_alive() -> None:
+    """``threading.TIMEOUT_MAX`` is the longest wait a thread can make: the retry thread of a
+    policy at that bound lives (one past it is refused above; before, the thread died at its
+    first wait with OverflowError and no failed publish was ever retried)."""
+    policy = RepublishPolicy(retry_interval_s=threading.TIMEOUT_MAX)
+    with EmbeddingCache(64 << 10, store=FaultInjectingStore(), pin_memory=False, republish=policy):
+        time.sleep(0.2)
+        assert "embcache-republish" in {t.name for t in threading.enumerate()}
+    assert "embcache-republish" not in {t.name for t in threading.enumerate()}
+
+
+@pytest.mark.parametrize(
+    ("limit", "error"),
+    [(-1, InvalidArgumentError), (1.5, InvalidTypeError), (True, InvalidTypeError),
+     ("1", InvalidTypeError)],
+)  # fmt: skip
+def test_a_bad_retry_limit_raises_a_specific_error_and_takes_nothing(
+    limit: object, error: type[Exception]
+) -> None:
+    store = FaultInjectingStore()
+    outage(store, ["a"], down=True)
+    manual = RepublishPolicy(background=False)
+    with EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=manual) as cache:
+        insert(cache, ["a"])
+        wait_until(settled(cache, 1), "the failed publish")
+        with pytest.raises(error, match="limit"):
+            cache.retry_publishes(limit)  # type: ignore[arg-type]
+        assert cache.stats().publish_backlog == 1
+        assert cache.retry_publishes(0) == 0  # none asked: nothing taken
+        outage(store, ["a"], down=False)
+        assert cache.retry_publishes(1) == 1  # still waiting: the retry writes it
+        wait_until(lambda: cache.stats().publish_backlog == 0, "the retry")
+
+
+def test_retrying_after_close_raises_with_or_without_a_backlog(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A closed cache retries nothing: ClosedError whether or not publishes wait (an empty
+    backlog used to answer 0 as if open), and the close says how many were never written."""
+    store = FaultInjectingStore()
+    outage(store, ["a"], down=True)
+    manual = RepublishPolicy(background=False)
+    cache = EmbeddingCache(64 << 10, store=store, pin_memory=False, republish=manual)
+    insert(cache, ["a"])
+    wait_until(settled(cache, 1), "the failed publish")
+    with caplog.at_level("WARNING", logger="embcache.driver.cache"):
+        cache.close()
+    assert "closed with 1 failed publishes never written" in caplog.text
+    assert cache.stats().publish_backlog == 1
+    for closed in (
+        cache,
+        EmbeddingCache(64 << 10, store=FaultInjectingStore(), pin_memory=False),
+        EmbeddingCache(64 << 10, pin_memory=False),  # no store: no backlog
+    ):
+        closed.close()
+        with pytest.raises(ClosedError):
+            closed.retry_publishes()
+    assert cache.stats().publish_backlog == 1, "nothing taken"
 
 
 def test_a_cache_refuses_a_republish_that_is_not_a_policy() -> None:
@@ -551,3 +615,58 @@ def test_a_full_backlog_drops_the_oldest_even_while_it_is_being_retried() -> Non
     backlog.skipped([e["b"], e["c"]], [False, False])  # c is gone from the cache: stale
     assert (len(backlog), backlog.dropped, backlog.stale) == (1, 2, 1)
     assert backlog.take() == [e["d"]]
+
+
+_OUTCOMES = {o.name: o for o in TransferOutcome}
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.integers(1, 4),
+    st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("note"),
+                st.lists(st.tuples(st.sampled_from("abcdef"), st.sampled_from(list(_OUTCOMES)))),
+            ),
+            st.tuples(st.just("take"), st.sampled_from([None, 0, 1, 2])),
+            st.tuples(st.just("skip"), st.lists(st.sampled_from("abcdef"))),
+        ),
+        max_size=40,
+    ),
+)
+@example(  # a dropped retry still in flight: before, the next take started a second retry
+    1, [("note", [("a", "FAILED")]), ("take", None), ("note", [("b", "FAILED")]),
+        ("take", None), ("note", [("c", "FAILED")])],
+)  # fmt: skip
+def test_the_backlog_follows_its_model_however_outcomes_arrive(
+    max_entries: int, ops: list[tuple[str, object]]
+) -> None:
+    """``PublishBacklog`` against ``models.backlog.ModelBacklog`` on any sequence of ended
+    publishes, takes and skipped retries: a retry's outcomes in several pieces, mixed with
+    other keys' (the cache ends a retry in one piece; a backlog must not rely on it). The
+    order taken, the size and the counters agree. (The first form put each piece of failed
+    retries at the oldest end and dropped retries in flight before older waiting entries; and
+    it took a new retry while a dropped one was still in flight, so ``marks`` passed
+    ``max_entries``.)"""
+    from models.backlog import ModelBacklog
+
+    model, backlog = ModelBacklog(max_entries), PublishBacklog(max_entries)
+    entries = {k: Entry(k, (1,), "u8", 0, 1) for k in "abcdef"}
+    for op, arg in ops:
+        if op == "note":
+            pairs = arg if isinstance(arg, list) else []
+            model.note([k for k, _ in pairs], [o for _, o in pairs])
+            backlog.note([entries[k] for k, _ in pairs], [_OUTCOMES[o] for _, o in pairs])
+        elif op == "take":
+            limit = arg if isinstance(arg, int) else None
+            assert [e.key for e in backlog.take(limit)] == model.take(limit)
+        else:
+            keys = list(dict.fromkeys(arg if isinstance(arg, list) else []))
+            for key in keys:
+                model.skipped(key)
+            backlog.skipped([entries[k] for k in keys], [False] * len(keys))
+        assert (len(backlog), backlog.dropped, backlog.stale) == (
+            len(model), model.dropped, model.stale,
+        )  # fmt: skip
+        assert backlog.marks == len(model.gone) <= max_entries

@@ -20,16 +20,22 @@ Requests. The server benchmark's three mixes (``steady``, ``drifting``, ``scan``
 mixes of ``tests/support/server_workload.py``) and ``burst``: rounds of 2·W requests that each
 carry one image never seen before, first, plus up to two Zipf catalog images, so each new image
 reaches several workers within one encode time. Contenders:
-- ``no claims``: requests spread at random over the workers (seeded), no claims (today);
-- ``claims``: the same spread, ``EncodePipeline(claims=FleetClaims(store))``;
+- ``no claims``: requests spread at random over the workers (seeded), no claims: an image a
+  worker's pool refuses is encoded there every time and never published;
+- ``claims``: the same spread, ``EncodePipeline(claims=FleetClaims(store))``: refused images
+  are claimed too, published as copies and read as copies (``copied``, ``read_copies``);
 - ``hash routing``: each request to the worker ``crc32(first image key) % W``, no claims.
 
 Rows, per W, contender and mix: encodes per distinct image (1.0 is the floor), duplicate
 encodes (encodes beyond the first of each key, fleet-wide), cross-worker duplicates (per key,
 the workers that encoded it beyond the first: what claims remove; the rest are re-encodes in one
-worker of images its pool did not keep, so nobody published them), requests/s (all requests over the
-slowest worker's time), p50 and p99 latency (ms, every request of the fleet), bytes through the
-store (read by loads and offered by publishes), wrong answers, and the claim counters.
+worker of images its pool refused or dropped, that nobody published), requests/s (all requests
+over the slowest worker's time), p50 and p99 latency (ms, every request of the fleet), bytes
+through the store (read by loads and copies, offered by publishes and copies), wrong answers,
+and the claim counters.
+
+Size. ``full`` sends 320 requests per mix (160 left rows a few duplicates apart); it takes
+about 3.5 minutes (206 s at load 2.5-7 on the 2-core machine).
 
     python -m benchmarks.server.fleet [--size quick|tiny] [--out FILE]
     python -m benchmarks.server.fleet --table FILE    # a result's rows as markdown
@@ -71,7 +77,7 @@ class FleetConfig:
     workers: tuple[int, ...] = (2, 4)
     hidden: int = 64  # the row width (bf16): 128 bytes a token
     hot: int = 300  # Zipf catalog images
-    requests: int = 160  # per mix
+    requests: int = 320  # per mix (160 left rows a few duplicates apart: noise)
     clients: int = 2  # client threads per worker
     per_token_s: float = 20e-6  # the encoder's time per token (slept: no CPU)
     zipf_s: float = 0.9
@@ -163,6 +169,18 @@ class CountingStore:
 
     def claim(self, keys: Sequence[str]) -> list[int]:
         return list(self.store.claim(keys))
+
+    def put_copies(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[int]:
+        codes: list[int] = self.store.put_copies(keys, values)
+        with self._lock:
+            self.offered += sum(v.nbytes for c, v in zip(codes, values, strict=True) if c == 0)
+        return codes
+
+    def get_copies(self, keys: Sequence[str], sizes: Sequence[int]) -> list[torch.Tensor | None]:
+        got: list[torch.Tensor | None] = self.store.get_copies(keys, sizes)
+        with self._lock:
+            self.read += sum(t.nbytes for t in got if t is not None)
+        return got
 
     def release(self, keys: Sequence[str]) -> list[int]:
         return list(self.store.release(keys))

@@ -103,7 +103,7 @@ class AdaptivePolicy(TinyLfuPolicy):
         every hit), play it in both shadows, and follow the shadow with more hits."""
         count = self._counts.get(key)
         if count is None:
-            count = self._count_resident(key) if key in self._resident else self._sketch.add(key)
+            count = self._count_resident(key) if self._is_resident(key) else self._sketch.add(key)
         elif count < self._max_count:
             self._counts[key] = count + 1
         if count:
@@ -112,15 +112,18 @@ class AdaptivePolicy(TinyLfuPolicy):
         self._left -= 1
         if not self._left:
             self._tick()
-        try:  # a hit in the shadow (the common case: no membership test first)
-            self._lru_shadow.move_to_end(key)
+        # A membership test first, not a KeyError caught: a miss raised two exceptions (a cache
+        # of 100k entries looked up at random: mostly shadow misses, 6k of 13k instructions).
+        lru, shadow = self._lru_shadow, self._filter_shadow
+        if key in lru:
+            lru.move_to_end(key)
             self._lru_hits += 1.0
-        except KeyError:
+        else:
             self._enter_lru_shadow(key)
-        try:
-            self._filter_shadow.move_to_end(key)
+        if key in shadow:
+            shadow.move_to_end(key)
             self._filter_hits += 1.0
-        except KeyError:
+        else:
             self._enter_filter_shadow(key)
         self._period_left -= 1
         if not self._period_left:
@@ -180,7 +183,7 @@ class AdaptivePolicy(TinyLfuPolicy):
         """What this policy keeps now, each container counted (ghosts: both shadows' keys).
         O(1)."""
         ghosts = len(self._lru_shadow) + len(self._filter_shadow)
-        return Footprint(self._sketch.nbytes, len(self._resident), len(self._counts), ghosts)
+        return Footprint(self._sketch.nbytes, self._residents(), len(self._counts), ghosts)
 
     def shadow_keys(self) -> tuple[list[str], list[str]]:
         """The keys of the LRU shadow and of the filter's, oldest first: copies. O(entries)."""

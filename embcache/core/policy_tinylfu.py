@@ -81,7 +81,10 @@ class TinyLfuPolicy:
             )
         self._shift_block = _int_knob("shift_block", shift_block)
         self._shift_drop = _fraction_knob("shift_drop", shift_drop)
+        # Resident keys: those in the order, and ``_resident``, those out of it (pinned) and not
+        # forgotten (``ResidentOrder``): an idle entry's key costs no table of the policy's.
         self._resident: set[str] = set()
+        self._order = ResidentOrder(self._resident)
         self._counts: dict[str, int] = {}  # resident keys looked up while resident: exact
         self._has_order = False
         self._sketch = FrequencySketch(1, self._max_count)
@@ -107,7 +110,7 @@ class TinyLfuPolicy:
                 f"own (make_policy({self.name!r}))"
             )
         self._has_order = True
-        return ResidentOrder(self._resident)
+        return self._order
 
     @property
     def sketch(self) -> FrequencySketch:
@@ -125,7 +128,7 @@ class TinyLfuPolicy:
         A hit (a resident key) is one dict lookup and store: this runs on every lookup."""
         count = self._counts.get(key)
         if count is None:
-            count = self._count_resident(key) if key in self._resident else self._sketch.add(key)
+            count = self._count_resident(key) if self._is_resident(key) else self._sketch.add(key)
         elif count < self._max_count:
             self._counts[key] = count + 1
         if count:
@@ -134,6 +137,10 @@ class TinyLfuPolicy:
         self._left -= 1
         if not self._left:
             self._tick()
+
+    def _is_resident(self, key: str) -> bool:
+        """Whether ``key`` entered the order and was not forgotten since. O(1)."""
+        return key in self._order or key in self._resident
 
     def _count_resident(self, key: str) -> int:
         """Count the first lookup of resident ``key`` since it became resident: its exact count
@@ -179,7 +186,7 @@ class TinyLfuPolicy:
 
     def footprint(self) -> Footprint:
         """What this policy keeps now, each container counted. O(1)."""
-        return Footprint(self._sketch.nbytes, len(self._resident), len(self._counts))
+        return Footprint(self._sketch.nbytes, self._residents(), len(self._counts))
 
     def bound(self, entries: int) -> Footprint:
         """The most ``footprint()`` reaches in a cache that holds at most ``entries`` entries
@@ -192,7 +199,11 @@ class TinyLfuPolicy:
 
     def _entries(self) -> int:
         """The resident entries, or ``min_entries`` if more: what samples and bounds scale by."""
-        return max(len(self._resident), self._min_entries)
+        return max(self._residents(), self._min_entries)
+
+    def _residents(self) -> int:
+        """How many keys are resident (in the order, or out of it and not forgotten). O(1)."""
+        return len(self._order) + len(self._resident)
 
     def _start_sample(self) -> None:
         """A new sample, sized by today's residents; the sketch at least

@@ -95,7 +95,15 @@ class FrequencySketch:
         i1 = (i0 + b) & mask
         i2 = (i1 + b) & mask
         r0, r1, r2, r3 = self.rows
-        return min(r0[i0], r1[i1], r2[i2], r3[(i2 + b) & mask])
+        least = r0[i0]  # compared in line: min() of four was a third of this call, compiled
+        count = r1[i1]
+        if count < least:
+            least = count
+        count = r2[i2]
+        if count < least:
+            least = count
+        count = r3[(i2 + b) & mask]
+        return count if count < least else least
 
     def add(self, key: str) -> int:
         """Count one lookup of ``key``: raise those of its counters that hold its estimate (the

@@ -24,13 +24,13 @@ step with no request: the same Lookup, Publish, Release and EndPublish actions a
 request's publish, under an internal request, only for keys still READY and neither doomed
 nor tainted: an entry evicted, removed or quarantined since is dropped from the
 backlog unpublished (``stale``). One retry is in flight at a time (``take`` gives nothing
-until it ended), so the backlog stays in age order. A publish ending UNKNOWN never joins, a
-retry's included: its
-entry is quarantined. A key published OK (by a request) while it waits leaves the backlog: the
-store holds it. Retries that fail together go back to the oldest end in their age order, so the
-bound still drops the oldest failure first. An OK publish while retries are in flight (none
-waiting, so nothing to retry yet) is remembered: those retries that then come back FAILED are
-retried at once, not at the next interval.
+until it ended, dropped by the bound or not), so the backlog stays in age order. A publish
+ending UNKNOWN never joins, a retry's included: its entry is quarantined. A key published OK
+(by a request) while it waits leaves the backlog: the store holds it. Each waiting publish has
+an age (when it first failed): failed retries go back in their age order, older than all that
+failed since, so the bound still drops the oldest failure first. An OK publish while retries
+are in flight (none waiting, so nothing to retry yet) is remembered: those retries that then
+come back FAILED are retried at once, not at the next interval.
 
 Bounded: at most ``max_entries`` wait; one more drops the oldest (``dropped``). The counters
 are in ``EmbeddingCache.stats()`` (``publish_backlog``, ``publish_backlog_dropped``,
@@ -40,6 +40,7 @@ are in ``EmbeddingCache.stats()`` (``publish_backlog``, ``publish_backlog_droppe
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import threading
@@ -62,7 +63,8 @@ BACKLOG_LEVEL = 4  # above the trace outbox's (3): a leaf, taken with no other l
 @dataclass(frozen=True)
 class RepublishPolicy:
     """How many failed publishes wait for the store (``max_entries``, the oldest dropped
-    beyond it) and how often they are tried again while it stays down (``retry_interval_s``).
+    beyond it) and how often they are tried again while it stays down (``retry_interval_s``,
+    at most ``threading.TIMEOUT_MAX``: a longer wait would end the retry thread).
     ``background=False``: no retry thread; only ``EmbeddingCache.retry_publishes`` retries."""
 
     max_entries: int = 4096
@@ -78,20 +80,39 @@ class RepublishPolicy:
         s = self.retry_interval_s
         if isinstance(s, bool) or not isinstance(s, int | float):
             raise InvalidTypeError(f"retry_interval_s must be a number, got {s!r}")
-        if not (math.isfinite(s) and s > 0):
-            raise InvalidArgumentError(f"retry_interval_s must be a finite number > 0, got {s}")
+        if not (math.isfinite(s) and 0 < s <= threading.TIMEOUT_MAX):
+            raise InvalidArgumentError(
+                f"retry_interval_s must be > 0 and at most {threading.TIMEOUT_MAX:g} "
+                f"(threading.TIMEOUT_MAX), got {s}"
+            )
         if not isinstance(self.background, bool):
             raise InvalidTypeError(f"background must be a bool, got {self.background!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class _Aged:
+    """A failed publish waiting: its age (smaller is older) and its entry."""
+
+    age: int
+    entry: Entry
+
+
+def _age(aged: _Aged) -> int:
+    return aged.age
+
+
 class PublishBacklog:
     """The failed publishes waiting for the store, oldest first, at most ``max_entries``
-    (one key: its latest entry). Thread-safe; every method O(its arguments), ``take`` O(n)."""
+    (one key: its latest entry). Each has an age (when it first failed; a retry that fails
+    again keeps it), so the order and the bound follow ``models.backlog`` however a retry's
+    outcomes arrive. Thread-safe; every method O(its arguments), ``take`` O(n), ``note``
+    O(n) when a retry came back."""
 
     def __init__(self, max_entries: int) -> None:
         self._max = max_entries
-        self._waiting: OrderedDict[str, Entry] = OrderedDict()
-        self._retrying: dict[str, Entry] = {}  # taken by ``take``, not yet ended; oldest first
+        self._waiting: OrderedDict[str, _Aged] = OrderedDict()  # ages increasing
+        self._retrying: dict[str, _Aged] = {}  # taken by ``take``, not yet ended; oldest first
+        self._ages = 0  # the last age given
         self._forgotten: set[str] = set()  # retries in flight dropped as the oldest
         self._answered = False  # an OK publish was noted while retries were in flight
         self._lock = new_lock(BACKLOG_LEVEL, "publish backlog lock")
@@ -122,30 +143,37 @@ class PublishBacklog:
         ok = False
         with self._lock:
             waiting, retrying = self._waiting, self._retrying
-            back: list[Entry] = []
+            back: dict[str, _Aged] = {}
             for entry, outcome in zip(entries, outcomes, strict=True):
                 key = entry.key
                 if key in self._forgotten:  # a retry dropped while in flight: it ends here
                     self._forgotten.discard(key)
                     ok = ok or outcome is TransferOutcome.OK
                     continue
-                retried = retrying.pop(key, None) is not None  # (a retry writes the key's entry)
+                retried = retrying.pop(key, None)  # (a retry writes the key's entry)
                 if outcome is TransferOutcome.OK:
                     ok = True
                     waiting.pop(key, None)  # (published by a request while it waited)
+                    back.pop(key, None)
                 elif outcome is TransferOutcome.FAILED:
-                    if retried:
-                        back.append(entry)
+                    if retried is not None:
+                        back[key] = _Aged(retried.age, entry)
                     else:
                         waiting.pop(key, None)
-                        waiting[key] = entry
-            for entry in reversed(back):
-                if entry.key not in waiting:  # (a newer failure of the key wins)
-                    waiting[entry.key] = entry
-                    waiting.move_to_end(entry.key, last=False)
+                        self._ages += 1
+                        waiting[key] = _Aged(self._ages, entry)
+            if back:  # older than what failed since they were taken: merged in by age
+                fresh = sorted((a for k, a in back.items() if k not in waiting), key=_age)
+                merged = heapq.merge(fresh, waiting.values(), key=_age)  # (a newer failure wins)
+                self._waiting = waiting = OrderedDict((a.entry.key, a) for a in merged)
             while len(waiting) + len(retrying) > self._max:
-                if retrying:  # taken from the oldest end: older than any waiting entry
-                    key = next(iter(retrying))
+                oldest_retry = next(iter(retrying.values()), None)
+                oldest_wait = next(iter(waiting.values()), None)
+                if oldest_wait is None or (
+                    oldest_retry is not None and oldest_retry.age < oldest_wait.age
+                ):
+                    assert oldest_retry is not None
+                    key = oldest_retry.entry.key
                     del retrying[key]
                     self._forgotten.add(key)
                 else:
@@ -158,18 +186,19 @@ class PublishBacklog:
     def take(self, limit: int | None = None) -> list[Entry]:
         """The ``limit`` oldest waiting entries (None: all), oldest first, now being retried
         (each then ends in ``note``, ``skipped`` or ``requeue``); none while a retry is still
-        in flight: one retry at a time, so those that fail go back older than every waiting
-        entry and the bound drops them first, the oldest first. O(taken)."""
+        in flight, the bound's dropped ones included: one retry at a time, so those that fail
+        go back older than every waiting entry and the bound drops them first, the oldest
+        first, and ``marks`` stays at most ``max_entries``. O(taken)."""
         with self._lock:
-            if self._retrying:
+            if self._retrying or self._forgotten:
                 return []
             waiting = self._waiting
             n = len(waiting) if limit is None else min(limit, len(waiting))
             taken = [waiting.popitem(last=False)[1] for _ in range(n)]
             if taken:
                 self._answered = False  # (this retry follows the answer)
-            self._retrying.update((e.key, e) for e in taken)
-            return taken
+            self._retrying.update((a.entry.key, a) for a in taken)
+            return [a.entry for a in taken]
 
     def skipped(self, entries: Sequence[Entry], started: Sequence[bool]) -> None:
         """Retries that did not start (the entry is gone, busy or quarantined): forgotten."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,7 +47,7 @@ from embcache.driver.pool import make_pool
 from embcache.driver.request import Request
 from embcache.driver.runner import IOExecutor, StepRunner
 from embcache.driver.trace import TraceOutbox, TraceSink
-from embcache.errors import InvalidArgumentError, InvalidTypeError
+from embcache.errors import ClosedError, InvalidArgumentError, InvalidTypeError
 
 __all__ = [
     "CacheSnapshot",
@@ -57,6 +58,7 @@ __all__ = [
     "RepublishPolicy",
     "TraceSink",
 ]
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -166,6 +168,7 @@ class EmbeddingCache:
         pool_tensor = make_pool(capacity_bytes, pin, pool)
         if store is not None:
             store.register_buffer(pool_tensor)
+        self._closed = False  # set by close(): the driver's own threads and retries end
         self._backlog: PublishBacklog | None = None
         self._republisher: Republisher | None = None
         if store is not None and republish is not None:
@@ -295,16 +298,21 @@ class EmbeddingCache:
         return runner.run(core.end_fence, begun[0], ok=clear)
 
     def close(self) -> None:
-        """Stop taking requests, finish transfers in flight; the store is left to its owner."""
+        """Stop taking requests, finish transfers in flight; the store is left to its owner.
+        Failed publishes still waiting in the backlog are never written: logged as a warning
+        with their count (``stats().publish_backlog`` keeps it)."""
         runner = self.runner
         if not runner.run(runner.core.close):
             return
+        self._closed = True
         assert_unlocked("waiting for I/O workers")
         if self._fencer is not None:
             self._fencer.stop()
         if self._republisher is not None:
             self._republisher.stop()
         runner.io.shutdown(wait=True)
+        if self._backlog is not None and (left := len(self._backlog)):
+            log.warning("closed with %d failed publishes never written to the store", left)
 
     def __enter__(self) -> EmbeddingCache:
         return self
@@ -401,8 +409,17 @@ class EmbeddingCache:
         (None: all; ``embcache.driver.backlog``): the republisher thread's step, for a cache
         built with ``RepublishPolicy(background=False)`` (or any other). Returns how many
         writes started (the rest were evicted, removed or quarantined since: stale); each
-        ends on the I/O pool as any publish does. 0 without a backlog. Raises ClosedError
-        once the cache is closed (the taken entries wait again). O(retried)."""
+        ends on the I/O pool as any publish does. 0 without a backlog, or with ``limit`` 0.
+        Raises InvalidTypeError / InvalidArgumentError for a ``limit`` that is not None or an
+        int >= 0, and ClosedError once the cache is closed (backlog or not; entries taken by
+        a retry the close interrupted wait again), each changing nothing. O(retried)."""
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, int):
+                raise InvalidTypeError(f"limit must be an int or None, got {limit!r}")
+            if limit < 0:
+                raise InvalidArgumentError(f"limit must be >= 0, got {limit}")
+        if self._closed:
+            raise ClosedError("the cache is closed: its failed publishes are not retried")
         backlog = self._backlog
         if backlog is None:
             return 0

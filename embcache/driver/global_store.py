@@ -20,6 +20,7 @@ __all__ = [
     "CLAIM_EXPIRED",
     "CLAIM_TAKEN",
     "ClaimingStore",
+    "CopyingStore",
     "GlobalStore",
     "TransferOutcome",
     "get_outcome",
@@ -80,6 +81,24 @@ class ClaimingStore(GlobalStore, Protocol):
     def release(self, keys: Sequence[str]) -> list[int]:
         """End claims this store holds: per key 0, ``CLAIM_EXPIRED`` (its lease ended and
         another claimer took it), or another code < 0 (never held, no store)."""
+
+
+@runtime_checkable
+class CopyingStore(GlobalStore, Protocol):
+    """A ``GlobalStore`` that can also move bytes in and out of the store outside the pool
+    (optional; Mooncake's store does): how fleet claims publish and load a key that a worker's
+    pool did not take (not admitted, no space).
+    """
+
+    def put_copies(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[int]:
+        """Store a copy of each value's bytes (a contiguous CPU tensor, read in C order) as
+        the object of its key; the caller may reuse a value once this returns. A key already
+        stored keeps its object (the first put stays) and answers 0. Per key 0 (the key is
+        stored) or a code < 0 (nothing of this call's is stored under it)."""
+
+    def get_copies(self, keys: Sequence[str], sizes: Sequence[int]) -> list[torch.Tensor | None]:
+        """A copy of each object, as a new CPU uint8 tensor, where it is stored with exactly
+        ``size`` bytes; None elsewhere (not stored, another size, no store)."""
 
 
 #: ``ClaimingStore.claim``'s answer for a key another claimer holds (Mooncake's

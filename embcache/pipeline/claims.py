@@ -6,26 +6,26 @@ through a ``ClaimingStore`` (Mooncake's: a claim is a started, never-ended put o
 which exactly one racing worker wins, with the master's put timeout as its lease;
 embcache/DESIGN.md, "Claims").
 
-1. ``claim(keys)``: the keys are misses a request reserved (in neither the pool nor the store
-   at its lookup). One store call claims them all, and one asks whether the keys claimed are
-   stored after all (another worker published and released one since the lookup: it is
-   released and waited on, which loads it). A key claimed is this worker's to encode.
+1. ``claim(keys)``: misses a request reserved (in neither the pool nor the store at its
+   lookup) or that its pool refused. One store call claims them all, one asks whether the
+   keys won are stored after all (published and released since the lookup: released and
+   waited on, which loads it). A key claimed is this worker's to encode.
    ``wait(request, items)``: a key another worker holds a live claim on (``CLAIM_TAKEN``) is
    waited for, with no lock held (the pipeline encodes its own claimed keys first): at once,
    then every ``poll_s``, the waiter asks the store whether the key is stored (the claimer's
-   publish is visible) and claims the rest again. Stored: it is read from the store into the
-   request's own reserved range (``begin_fill``, ``get_into``, ``end_fill``) and served like
-   a load. Claimed now (released, or its lease ended): asked once more whether it is stored,
-   else encoded under the new claim. A key still taken at ``lease_s`` after the wait began has
-   a newer claim: one more lease. Anything else (no master, a refusal), a failed read, or a key
-   still taken after ``CLAIMS_WAITED`` claims: encoded here, without a claim. A waiter waits at
-   most one lease per claim it waits on and never fails: it falls back item by item.
+   publish is visible) and claims the rest again. Stored: read into the request's reserved
+   range (``begin_fill``, ``get_into``, ``end_fill``) or, if the pool will not take it, as a
+   copy (``get_copies``). Claimed now (released, or its lease ended): asked once more whether
+   it is stored, else encoded under the new claim. Still taken at ``lease_s`` after the wait
+   began: a newer claim, one more lease. Anything else (no master, a refusal), a failed read,
+   or a key taken after ``CLAIMS_WAITED`` claims: encoded here, without a claim. A wait lasts
+   at most one lease per claim it waits on and never fails: it falls back item by item.
 2. The caller encodes what it claimed and what ``wait`` did not load, inserts it with
-   ``publish=True`` and calls ``published(keys)`` for the claimed keys the pool took (their
-   publish has started): a background thread releases each of those claims once the key is
-   stored, or at the claim's lease end by this worker's clock (a publish that failed). No
-   claim is released before its publish is visible. ``release(keys)`` ends claims at once: a
-   failed encode, a key the pool did not take.
+   ``publish=True`` and calls ``published(keys)`` for the claimed keys the pool took: a
+   background thread releases each claim once the key is stored, or at its lease end by this
+   worker's clock (a publish that failed); ``publish_copies(outputs)`` the others: a host copy
+   put into the store (``put_copies``), then ``published``. No claim is released before its
+   publish is visible. ``release(keys)``: at once (a failed encode, a copy not stored).
 
 A claim carries and decides no bytes: a lost, stale or doubled claim costs a duplicate encode,
 never a wrong answer. At most one claim per key per worker, while its encode and publish are in
@@ -45,11 +45,19 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from embcache.core.outcomes import TransferOutcome
-from embcache.driver.global_store import CLAIM_EXPIRED, CLAIM_TAKEN, ClaimingStore, get_outcome
+from embcache.driver.global_store import (
+    CLAIM_EXPIRED,
+    CLAIM_TAKEN,
+    ClaimingStore,
+    CopyingStore,
+    get_outcome,
+)
 from embcache.driver.item import Item
 from embcache.driver.locks import assert_unlocked
 from embcache.driver.request import Request
@@ -67,11 +75,14 @@ CLAIMS_WAITED = 2
 @dataclass(frozen=True)
 class Settled:
     """What ``wait`` decided: ``mine``, the keys this worker claimed (encode them, then
-    ``published`` or ``release``); ``loaded``, the keys now held by the request, read from the
-    store after another worker's publish. Every other key given is encoded without a claim."""
+    ``published`` or ``publish_copies``, or ``release``); ``loaded``, the keys read from the
+    store after another worker's publish: held by the request, or, for a key its pool did not
+    take, in ``copies`` (the object's bytes, a new CPU uint8 tensor). Every other key given is
+    encoded without a claim."""
 
     mine: list[str]
     loaded: list[str]
+    copies: dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,8 @@ class ClaimStats:
     the store did not answer a claim (no master). ``load_failed``: waited keys whose read failed.
     ``released``: claims ended by this worker. ``expired``: claims found taken by another worker
     when released (this worker's lease ended first: its encode and the other's may both run).
+    ``copied``: claimed keys the pool did not take, published by ``publish_copies``.
+    ``read_copies``: loaded keys the pool did not take, read as copies (``Settled.copies``).
     """
 
     claimed: int
@@ -96,6 +109,8 @@ class ClaimStats:
     load_failed: int
     released: int
     expired: int
+    copied: int
+    read_copies: int
 
 
 class FleetClaims:
@@ -126,6 +141,7 @@ class FleetClaims:
             if not math.isfinite(value) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be finite seconds > 0, got {value}")
         self._store = store
+        self._copies = store if isinstance(store, CopyingStore) else None
         self._lease_s = float(lease)
         self._poll_s = float(poll_s)
         self._clock = clock
@@ -191,19 +207,22 @@ class FleetClaims:
         per claim it waits on."""
         assert_unlocked("FleetClaims.wait")
         by_key = {item.key: item for item in items}
+        copies: dict[str, torch.Tensor] = {}
         try:
-            loaded, mine = self._wait(request, by_key, list(by_key))
+            loaded, mine = self._wait(request, by_key, list(by_key), copies)
         except BaseException:
             with self._lock:  # (only this request can hold claims on its reserved keys)
                 held = [key for key in by_key if key in self._held]
             self.release(held)
             raise
-        return Settled(mine, loaded)
+        return Settled(mine, loaded, copies)
 
     def _wait(
-        self, request: Request, by_key: dict[str, Item], keys: list[str]
-    ) -> tuple[list[str], list[str]]:
-        """Wait on other workers' claims of ``keys``: (loaded, claimed here)."""
+        self, request: Request, by_key: dict[str, Item], keys: list[str],
+        copies: dict[str, torch.Tensor],
+    ) -> tuple[list[str], list[str]]:  # fmt: skip
+        """Wait on other workers' claims of ``keys``: (loaded, claimed here); the keys loaded
+        outside the pool into ``copies``."""
         at = self._clock()
         deadline = at + self._lease_s
         rounds = 1
@@ -218,7 +237,7 @@ class FleetClaims:
             last = at >= deadline  # one more ask at the deadline: the claim's lease has ended
             ask = "Ask" if first else "Poll"
             stored = self._stored(pending)
-            got = self._load(request, [by_key[k] for k in pending if stored[k]])
+            got = self._load(request, [by_key[k] for k in pending if stored[k]], copies)
             held = set(got)
             for key in pending:
                 if stored[key]:
@@ -248,7 +267,7 @@ class FleetClaims:
                 for key in late:
                     self._emit("Encode", key, "loaded", at)
                 self._release(late, "late")
-                loaded += self._load(request, [by_key[k] for k in late])
+                loaded += self._load(request, [by_key[k] for k in late], copies)
                 mine += [k for k in taken if not stored[k]]
                 self._count(taken_over=len(taken) - len(late))
             if last and pending:
@@ -264,8 +283,12 @@ class FleetClaims:
                     self._emit("Poll", key, "extended", extended)
         return loaded, mine
 
-    def _load(self, request: Request, items: list[Item]) -> list[str]:
-        """Read ``items`` from the store into the request's reserved ranges; the keys held."""
+    def _load(
+        self, request: Request, items: list[Item], copies: dict[str, torch.Tensor]
+    ) -> list[str]:
+        """Read ``items`` from the store into the request's ranges (``begin_fill``: its
+        reservation, or a range its pool takes now); an item the pool does not take, as a copy
+        into ``copies`` (a ``CopyingStore``). The keys loaded."""
         if not items:
             return []
         offsets = request.begin_fill(items)
@@ -279,8 +302,26 @@ class FleetClaims:
             outcomes = [TransferOutcome.UNKNOWN] * len(keys)  # (the protocol: a raise is UNKNOWN)
         request.end_fill(keys, outcomes, publish=False)
         held = [k for k, o in zip(keys, outcomes, strict=True) if o is TransferOutcome.OK]
-        self._count(loaded=len(held), load_failed=len(items) - len(held))
-        return held
+        refused = [item for item, at in zip(items, offsets, strict=True) if at is None]
+        read = self._read_copies(refused)
+        copies.update(read)
+        self._count(loaded=len(held) + len(read), load_failed=len(items) - len(held) - len(read),
+                    read_copies=len(read))  # fmt: skip
+        return held + list(read)
+
+    def _read_copies(self, items: list[Item]) -> dict[str, torch.Tensor]:
+        """Copies of the objects of ``items`` (none without a ``CopyingStore``)."""
+        if not items or self._copies is None:
+            return {}
+        try:
+            got = self._copies.get_copies([it.key for it in items], [it.nbytes for it in items])
+        except Exception:
+            return {}
+        return {
+            it.key: data
+            for it, data in zip(items, got, strict=False)
+            if isinstance(data, torch.Tensor) and data.nbytes == it.nbytes
+        }
 
     # -- releases ------------------------------------------------------------------------
 
@@ -305,6 +346,40 @@ class FleetClaims:
                     self._releaser.start()
                 self._work.notify()
         self._release(closed, "closed")
+
+    def publish_copies(self, outputs: Mapping[str, torch.Tensor]) -> None:
+        """Publish the outputs of keys claimed here that the pool did not take: a host copy of
+        each is put into the store (``put_copies``) on this thread, with no lock held; each key
+        stored is then ``published`` (released once ``exists`` sees it), every other one
+        released now, as is every key when the store cannot copy. Never raises for a store
+        failure; raises ``InvalidTypeError`` / ``InvalidArgumentError`` for a mapping of
+        anything but tensors or a key this worker holds no claim on (nothing is put then)."""
+        assert_unlocked("FleetClaims.publish_copies")
+        if not isinstance(outputs, Mapping):
+            raise InvalidTypeError(f"outputs must map keys to tensors: {type(outputs).__name__}")
+        bad = [k for k, v in outputs.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise InvalidTypeError(f"outputs must be tensors: {bad[:3]} are not")
+        with self._lock:
+            stray = [k for k in outputs if k not in self._held or k in self._publishing]
+        if stray:
+            raise InvalidArgumentError(f"no claim held here awaits a publish of {stray[:3]}")
+        keys = list(outputs)
+        if not keys:
+            return
+        codes = [-1] * len(keys)
+        if self._copies is not None:
+            try:
+                hosts = [_on_host(value) for value in outputs.values()]
+                codes = self._copies.put_copies(keys, hosts)
+            except Exception:
+                codes = [-1] * len(keys)  # (released below: a duplicate, never an error)
+            if len(codes) != len(keys):
+                codes = [-1] * len(keys)
+        stored = [key for key, code in zip(keys, codes, strict=True) if code == 0]
+        self._count(copied=len(stored))
+        self.published(stored)
+        self.release([key for key, code in zip(keys, codes, strict=True) if code != 0])
 
     def release(self, keys: Sequence[str]) -> None:
         """End these claims now, with nothing published (a failed encode, a key the pool did
@@ -413,3 +488,14 @@ class FleetClaims:
             seq = self._seq
         event = {"seq": seq, "action": action, "key": key, "outcome": outcome, "t": at, **fields}
         self._trace.append(event)
+
+
+def _on_host(value: torch.Tensor) -> torch.Tensor:
+    """``value`` itself when it is a contiguous CPU tensor, else a contiguous CPU copy of it
+    (from any device: the store copies host bytes)."""
+    value = value.detach()
+    if value.device.type == "cpu" and value.is_contiguous():
+        return value
+    host = torch.empty(value.shape, dtype=value.dtype)
+    host.copy_(value)
+    return host

@@ -69,6 +69,9 @@ from embcache.pipeline.tp_channel import GroupChannel
 __all__ = ["EncodePipeline", "Encoder", "PipelineStats", "TensorParallelError"]
 
 T = TypeVar("T")
+#: Miss reasons of a key the pool refused (its fleet claim is still worth taking: another
+#: worker, or this one's copy, can publish it without the pool).
+REFUSED = frozenset({Reason.NOT_ADMITTED, Reason.NO_SPACE})
 logger = logging.getLogger(__name__)
 
 
@@ -136,8 +139,11 @@ class EncodePipeline:
     rank 0 after each insert of fresh outputs (how many, how long the copy into the pool took),
     with no lock held, e.g. ``CacheMetrics.observe_insert``; what it raises is logged, never
     raised. ``claims`` (opt-in; not with ``tp_group``) claims misses fleet-wide before
-    encoding them, on the cache's global store (``FleetClaims``). See the module docstring for
-    the protocol.
+    encoding them, on the cache's global store (``FleetClaims``), those the pool refused too:
+    their outputs are published as copies put into the store on the calling thread, and a
+    key another worker published that the pool refuses is read as a copy (a
+    ``CopyingStore``). Without claims a refused output is not published. See the module
+    docstring for the protocol.
     """
 
     def __init__(
@@ -353,14 +359,16 @@ class EncodePipeline:
     def _encode_claimed(
         self, claims: FleetClaims, request: Request, plan: Plan, local: _Local
     ) -> tuple[_Local, dict[str, torch.Tensor]]:
-        """With fleet claims (no group): claim the misses this request reserved; encode and
-        insert what it claimed and every other miss first; then wait for the keys other
-        workers claimed, load what they publish and encode what the wait leaves. The snapshot
-        (its answer holding the loaded rows, its mask every item encoded) and the outputs."""
+        """With fleet claims (no group): claim the misses this request reserved and those its
+        pool refused (``REFUSED``: the store may hold them, the pool cannot take them); encode
+        and insert what it claimed and every other miss first; then wait for the keys other
+        workers claimed, load what they publish (a key the pool does not take, as a copy) and
+        encode what the wait leaves. The snapshot (its answer holding the loaded rows, its
+        mask every item encoded) and the outputs."""
         reserved = {
             item.key: item
             for item, status, masked in zip(plan.items, local.statuses, local.mask, strict=True)
-            if masked and status.status is Status.RESERVED
+            if masked and (status.status is Status.RESERVED or status.reason in REFUSED)
         }
         mine, waiting = claims.claim(list(reserved))
         later = set(waiting)
@@ -375,8 +383,13 @@ class EncodePipeline:
         loaded = set(settled.loaded)
         second = [it.key in later and it.key not in loaded for it in plan.items]
         answer = local.answer
-        if loaded:
+        if len(loaded) > len(settled.copies):
             answer = self._collect(request, plan, local.statuses).answer
+        at = plan.offsets
+        for n, it in enumerate(plan.items):
+            data = settled.copies.get(it.key)
+            if data is not None:  # the object's bytes into the item's rows (contiguous)
+                answer[at[n] : at[n + 1]].view(torch.uint8).view(-1).copy_(data)
         fresh |= self._encode_under(claims, request, plan, second, settled.mine)
         mask = [a or b for a, b in zip(first, second, strict=True)]
         return _Local(local.statuses, mask, local.reasons, answer), fresh
@@ -384,8 +397,10 @@ class EncodePipeline:
     def _encode_under(
         self, claims: FleetClaims, request: Request, plan: Plan, mask: list[bool], mine: list[str]
     ) -> dict[str, torch.Tensor]:
-        """Encode and insert the masked items; end the claims ``mine`` (after their publish
-        for the keys the pool took, else now, and now if the encoder raised)."""
+        """Encode and insert the masked items; end the claims ``mine`` after their publish:
+        the pool's for the keys it took, a copy of the output into the store for the others
+        (``FleetClaims.publish_copies``; released now where the copy fails); now if the
+        encoder raised."""
         try:
             fresh, seconds = self._encode_fallbacks(plan, mask)
             cached = set(self._insert(request, fresh, seconds))
@@ -393,7 +408,7 @@ class EncodePipeline:
             claims.release(mine)
             raise
         claims.published([key for key in mine if key in cached])
-        claims.release([key for key in mine if key not in cached])
+        claims.publish_copies({key: fresh[key] for key in mine if key not in cached})
         return fresh
 
     def _insert(

@@ -24,10 +24,10 @@ per ``reconnect_interval_s``) reaches the master again. Mooncake's client reconn
 restarted master and remounts its segment by itself; the store reconnects on its own only when
 it has no client (the master was down at the first call, or a ``fence`` could not set up).
 
-Claims (the optional ``ClaimingStore`` methods): a claim on ``key`` is a put of ``key#claim``
-started (``batch_put_session_start``: Mooncake's one atomic create) and never ended; ``release``
-revokes it; its lease is the master's ``--put_start_discard_timeout_sec``, which
-``claim_lease_s`` must equal (embcache/DESIGN.md, "Claims": what was measured).
+Claims (``ClaimingStore``): a claim on ``key`` is a started (``batch_put_session_start``: the
+one atomic create), never-ended put of ``key#claim``; ``release`` revokes it; its lease is the
+master's ``--put_start_discard_timeout_sec`` = ``claim_lease_s`` (embcache/DESIGN.md, "Claims").
+``put_copies``/``get_copies`` (``CopyingStore``) are ``put_batch``/``get_batch``: host copies.
 
 Threads. The cache calls in from several I/O threads at once; Mooncake's client is
 thread-safe and releases the GIL. ``_lock`` guards the current session and the in-flight
@@ -69,6 +69,7 @@ from embcache.store.mooncake_native import (
     _get_into,
     _in_pool,
     _load_binding,
+    _put_copies,
     _put_missing,
     close_client,
     quiet_native_logging,
@@ -333,6 +334,56 @@ class MooncakeStore:
             self._warn_no_space()
         return codes
 
+    def put_copies(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[int]:
+        """``put_batch`` of copies of ``values`` (``CopyingStore``: contiguous CPU tensors, no
+        registered memory needed); a stored key keeps its object (0). Per key 0 or a code < 0;
+        an empty value or key is BAD_ITEM. One put (two master RPCs and the copy), plus one
+        ``batch_is_exist`` when the batch fails. Raises only for a malformed call."""
+        assert_unlocked("MooncakeStore.put_copies")
+        if isinstance(keys, str) or isinstance(values, torch.Tensor) or len(keys) != len(values):
+            raise InvalidArgumentError("put_copies takes a list of keys and as many tensors")
+        buffers = [_host_bytes(value) for value in values]
+        valid, names = self._names(
+            [key if value.nbytes else None for key, value in zip(keys, values, strict=True)]
+        )
+        first = {name: i for i, name in reversed(list(zip(valid, names, strict=True)))}
+        codes = [StoreCode.BAD_ITEM] * len(keys)
+        if first:  # (each key once, its first value: the first put of a key stays)
+            unique = list(first)
+            mine = [buffers[first[name]] for name in unique]
+            got = dict(zip(unique, self._call(len(unique), lambda c: _put_copies(c, unique, mine)),
+                           strict=True))  # fmt: skip
+            for i, name in zip(valid, names, strict=True):
+                codes[i] = got[name]
+        if _NO_AVAILABLE_HANDLE in codes:
+            self._warn_no_space()
+        return codes
+
+    def get_copies(self, keys: Sequence[str], sizes: Sequence[int]) -> list[torch.Tensor | None]:
+        """``get_batch`` (``CopyingStore``): a new CPU uint8 tensor of each object stored with
+        exactly ``size`` bytes, else None (Mooncake answers empty bytes for a key not stored,
+        a put in progress or a failure). One read; raises only for a malformed call."""
+        assert_unlocked("MooncakeStore.get_copies")
+        if isinstance(keys, str) or len(keys) != len(sizes):
+            raise InvalidArgumentError("get_copies takes a list of keys and as many sizes")
+        valid, names = self._names(keys)
+        unique = list(dict.fromkeys(names))  # (0.3.13's get_batch misorders a repeated key)
+        got: list[bytes] = []
+
+        def read(client: _Client) -> list[int]:
+            got.extend(client.get_batch(unique))
+            return [len(data) for data in got]
+
+        lengths = self._call(len(unique), read) if unique else []
+        found = {name: n for n, (name, length) in enumerate(zip(unique, lengths, strict=True))
+                 if length > 0}  # fmt: skip
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        for i, name in zip(valid, names, strict=True):
+            n = found.get(name)
+            if n is not None and len(got[n]) == sizes[i]:
+                out[i] = torch.frombuffer(bytearray(got[n]), dtype=torch.uint8)
+        return out
+
     def _warn_no_space(self) -> None:
         """Log the first put that found no space in the global store, once per store."""
         with self._lock:
@@ -559,3 +610,15 @@ class MooncakeStore:
         if old is not None:
             with self._lock:
                 self._drained.wait_for(lambda: old.inflight == 0)
+
+
+def _host_bytes(value: object) -> object:
+    """The bytes of a contiguous CPU tensor as a buffer, without a copy (for ``put_copies``)."""
+    if not isinstance(value, torch.Tensor):
+        raise InvalidTypeError(f"put_copies takes tensors, got {type(value).__name__}")
+    if value.device.type != "cpu" or not value.is_contiguous():
+        raise InvalidArgumentError(
+            f"put_copies takes contiguous CPU tensors, got one on {value.device} "
+            f"(contiguous={value.is_contiguous()}): copy it to the host first"
+        )
+    return value.detach().reshape(-1).view(torch.uint8).numpy()

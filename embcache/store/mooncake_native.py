@@ -142,6 +142,10 @@ class _Client(Protocol):
 
     def batch_remove(self, keys: list[str], force: bool) -> list[int]: ...
 
+    def put_batch(self, keys: list[str], values: list[object]) -> int: ...
+
+    def get_batch(self, keys: list[str]) -> list[bytes]: ...
+
     def batch_put_session_start(self, keys: list[str], sizes: list[int]) -> list[int]: ...
 
     def batch_put_session_revoke(self, keys: list[str]) -> list[int]: ...
@@ -262,6 +266,18 @@ def _in_pool(offset: object, size: object, capacity: int) -> bool:
 
 def _get_into(client: _Client, names: list[str], ptrs: list[int], lens: list[int]) -> list[int]:
     return client.batch_get_into(names, ptrs, lens)
+
+
+def _put_copies(client: _Client, names: list[str], values: list[object]) -> list[int]:
+    """``put_batch`` of copies of ``values``: one code for the batch (0 also where a key was
+    stored already: it keeps its object, measured on 0.3.13); when it fails, which keys are
+    stored now (a failed batch stores none of its own: measured too)."""
+    code = client.put_batch(names, values)
+    if code == 0:
+        return [0] * len(names)
+    failed = code if code < 0 else StoreCode.BINDING_ERROR
+    stored = client.batch_is_exist(names)
+    return [0 if flag == 1 else flag if flag < 0 else failed for flag in stored]
 
 
 def _put_missing(client: _Client, names: list[str], ptrs: list[int], lens: list[int]) -> list[int]:

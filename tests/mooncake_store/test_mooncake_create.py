@@ -22,6 +22,11 @@ Found (and asserted):
 - ``batch_remove`` without force answers ``OBJECT_HAS_LEASE`` (-706) for a key read in the last
   ``default_kv_lease_ttl``; with force it removes.
 - With the master gone, a start answers ``RPC_FAIL`` (-900) at once.
+- ``put_batch`` (copies host buffers, no registered memory; ``MooncakeStore.put_copies``)
+  answers one code for the batch: 0 also where a key is stored (its first bytes stay); a batch
+  with an empty value answers ``INVALID_PARAMS`` and stores none of its keys. ``get_batch``
+  (``get_copies``) answers empty bytes for a key not stored or whose put is in progress, and
+  answers a key repeated in one call out of order.
 """
 
 from __future__ import annotations
@@ -203,6 +208,22 @@ def test_upsert_overwrites_and_remove_needs_force_after_a_read(fleet: Any) -> No
     assert b.upsert("upsert-takes", 3) == OK, "an upsert takes a key whose put is in progress"
     assert c.read("upsert-takes") == (8, 3)
     assert a.end("upsert-takes") == ILLEGAL_CLIENT
+
+
+def test_put_batch_copies_and_get_batch_read_copies(fleet: Any) -> None:
+    _, a, _, c = fleet
+    one, two = bytes([1]) * 8, bytes([2]) * 8
+    assert c.raw.put_batch(["copy-1", "copy-2"], [one, two]) == OK
+    assert c.raw.put_batch(["copy-1", "copy-3"], [two, two]) == OK, "one code; a stored key: 0"
+    assert c.read("copy-1") == (8, 1) and c.read("copy-3") == (8, 2), "the first bytes stay"
+    assert c.raw.put_batch(["copy-4", "copy-5"], [one, b""]) == INVALID_PARAMS
+    assert c.exists("copy-4") == 0 and c.exists("copy-5") == 0, "a failed batch stores none"
+    assert a.start("copy-started") == OK
+    got = c.raw.get_batch(["copy-1", "copy-2", "never-put", "copy-started"])
+    assert [bytes(b) for b in got] == [one, two, b"", b""]
+    repeated = [bytes(b) for b in c.raw.get_batch(["copy-2", "copy-1", "copy-1"])]
+    assert repeated != [two, one, one], "a repeated key is answered out of order"
+    assert a.revoke("copy-started") == OK
 
 
 def test_with_the_master_gone_a_start_fails_at_once(fleet: Any) -> None:

@@ -18,8 +18,8 @@ master (embcache/DESIGN.md, "Claims"), and those tests keep checking it there:
   sees only a complete object.
 
 ``Master`` holds the objects and the claims; each ``Client`` is one worker's ``ClaimingStore``
-with its own pool, as each worker's ``MooncakeStore`` is. ``Master.down`` makes every call
-answer ``RPC_FAIL`` (-900), as with the master gone.
+(and ``CopyingStore``) with its own pool, as each worker's ``MooncakeStore`` is. ``Master.down``
+makes every call answer ``RPC_FAIL`` (-900), as with the master gone.
 """
 
 from __future__ import annotations
@@ -135,6 +135,28 @@ class Client:
                 self.master.objects.setdefault(key, payload)
             codes.append(0)
         return codes
+
+    def put_copies(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[int]:
+        """A copy of each value's bytes, put as ``put_from`` puts (``CopyingStore``)."""
+        codes = []
+        for key, value in zip(keys, values, strict=True):
+            payload = value.reshape(-1).view(torch.uint8).numpy().tobytes()
+            with self.master.lock:
+                if self.master.down:
+                    codes.append(RPC_FAIL)
+                    continue
+                self.master.objects.setdefault(key, payload)
+            codes.append(0)
+        return codes
+
+    def get_copies(self, keys: Sequence[str], sizes: Sequence[int]) -> list[torch.Tensor | None]:
+        """A new uint8 tensor of each object stored with exactly ``size`` bytes, else None."""
+        with self.master.lock:
+            found = [None if self.master.down else self.master.objects.get(k) for k in keys]
+        return [
+            None if p is None or len(p) != n else torch.frombuffer(bytearray(p), dtype=torch.uint8)
+            for p, n in zip(found, sizes, strict=True)
+        ]
 
     def classify(self, code: int) -> TransferOutcome:
         return TransferOutcome.FAILED if code == NOT_FOUND else TransferOutcome.UNKNOWN

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from embcache import EmbeddingCache, Item, ItemStatus, Request
+from embcache.core.policy_tinylfu import TinyLfuPolicy
 from embcache.store.mooncake import MooncakeStore
 from embcache.store.mooncake_master import MooncakeMaster
 
@@ -24,6 +25,14 @@ CUDA = torch.cuda.is_available()
 # A test's ``device`` parameter: "cpu" everywhere, "cuda" where torch sees a device (CI has none;
 # ``bash .ci/cuda`` runs them on a machine that has one).
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA"))]
+
+
+class AdmitsNothing(TinyLfuPolicy):
+    """A policy that admits no insert that must evict: a pool full once refuses every new key
+    (``not_admitted``). Extends a policy compiled to allow interpreted subclasses."""
+
+    def admit(self, key: str, nbytes: int, victims: Sequence[str]) -> bool:
+        return False
 
 
 def payload(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

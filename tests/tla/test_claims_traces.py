@@ -27,6 +27,7 @@ from embcache.driver.trace import TraceLog
 from embcache.pipeline import FleetClaims
 from embcache.pipeline import claims as claims_module
 from tests.support.claim_store import Client, Master
+from tests.support.helpers import AdmitsNothing
 from tests.tla.tla_modules import load_claims_trace
 
 if TYPE_CHECKING:
@@ -59,17 +60,22 @@ class SleepyEncoder:
         return [torch.full(SHAPE, float(sum(str(k).encode()) % 97)) for k in inputs]
 
 
+
 class Worker:
-    """One encode worker: a client of the master, its cache, claims (traced) and pipeline."""
+    """One encode worker: a client of the master, its cache, claims (traced) and pipeline.
+    ``refusing``: a pool of one entry that admits nothing that must evict (every key after the
+    first is a miss the pool refused: claimed, published and loaded as copies)."""
 
     def __init__(
         self, master: Master, name: str, encoder: SleepyEncoder, store: type[Client],
-        **options: Any,
+        refusing: bool = False, **options: Any,
     ) -> None:  # fmt: skip
         self.name = name
         self.log = TraceLog()
         self.store = store(master, name)
-        self.cache = EmbeddingCache(1 << 16, store=self.store, pin_memory=False)
+        policy: Any = AdmitsNothing() if refusing else "adaptive-work"
+        self.cache = EmbeddingCache(256 if refusing else 1 << 16, store=self.store,
+                                    pin_memory=False, policy=policy)  # fmt: skip
         self.claims = FleetClaims(self.store, trace=self.log, **options)
         self.pipeline = EncodePipeline(self.cache, encoder, claims=self.claims)
 
@@ -95,10 +101,10 @@ def fleet() -> Iterator[Callable[..., list[Worker]]]:
     def run(
         master: Master, plans: list[list[list[str]]], *, encode_s: float = 0.05,
         store: type[Client] = Client, fail: Callable[[], bool] = lambda: False,
-        **options: Any,
+        refusing: bool = False, **options: Any,
     ) -> list[Worker]:  # fmt: skip
         workers = [
-            Worker(master, f"w{n}", SleepyEncoder(encode_s, fail), store, **options)
+            Worker(master, f"w{n}", SleepyEncoder(encode_s, fail), store, refusing, **options)
             for n in range(len(plans))
         ]
         made.extend(workers)
@@ -153,6 +159,9 @@ def test_fleets_record_traces_the_spec_explains(fleet: Callable[..., list[Worker
     flaky = random.Random(7)
     runs.append((fleet(Master(LEASE_S), [[["f"]], [["f"]], [["f"]]],
                        fail=lambda: flaky.random() < 0.5), 3))  # fmt: skip
+    # Pools that refuse every key but their first: claimed all the same, published as copies.
+    refused = fleet(Master(LEASE_S), [[["p"], ["q", "r"]], [["s"], ["q", "r"]]], refusing=True)
+    runs.append((refused, 2))
     checked = []
     for workers, size in runs:
         checked += verdicts(workers, size)
@@ -165,6 +174,8 @@ def test_fleets_record_traces_the_spec_explains(fleet: Callable[..., list[Worker
                  ("Encode", "encoded")]:  # fmt: skip
         assert seen in outcomes, f"no {seen} in the fleets' traces: {sorted(outcomes)}"
     assert ("Poll", "loaded") in outcomes or ("Ask", "hit") in outcomes
+    assert sum(w.claims.stats().copied for w in refused) == 2, "q and r, published as copies"
+    assert sum(w.claims.stats().read_copies for w in refused) == 2, "and read as copies"
 
 
 @pytest.mark.mooncake
