@@ -4,7 +4,8 @@ requests or time stays at its stated bound when a test drives far past it.
 Private names read here (each the container a bound is about, with no public count):
 ``cache._core.shapes`` (how many shapes are interned), ``cache._views._typed`` (the pool's
 views, one per dtype), ``cache._wakeups`` (wake-ups of open requests),
-``cache._outbox._waiting`` (trace batches not yet delivered).
+``cache._outbox._waiting`` (trace batches not yet delivered), ``cache.runner.core._state``
+(the core's eviction index and order: that the index was in use where its memory is measured).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import random
 import subprocess
 import sys
 import tracemalloc
@@ -23,6 +25,7 @@ import torch
 
 from embcache import EmbeddingCache, InvalidArgumentError, Item, Status
 from embcache.core import entry_actions
+from embcache.core.eviction import INDEX_FROM
 from embcache.core.policy import TinyLfuPolicy, make_policy
 from embcache.core.state import MAX_SHAPES
 from embcache.driver.trace import TraceLog
@@ -159,6 +162,35 @@ def test_metadata_per_entry_the_pool_can_hold(policy: str, most: int) -> None:
     finally:
         tracemalloc.stop()
     assert held <= most * e, f"{held / e:.0f} bytes an entry"
+
+
+def test_metadata_per_entry_the_pool_can_hold_with_the_eviction_index_in_use() -> None:
+    """The lru bound above (512 bytes an entry the pool can hold, E = 4096 in a 1 MiB pool)
+    where the core's eviction index is in use (DESIGN.md, "The eviction index"): images of 1
+    or 2 units (3 to 1, at random), so the order holds thousands of candidates (past
+    ``INDEX_FROM``) and the 2-unit allocations search it for adjacent victims. The index's
+    counters say it searched and examined candidates: the bound is measured with its tables
+    made and full, not on the scan."""
+    pool = 1 << 20
+    e = pool // 256
+    rng = random.Random(56)
+    units = [rng.choice((1, 1, 1, 2)) for _ in range(4 * e)]
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        with EmbeddingCache(pool, pin_memory=False, policy="lru") as cache:
+            push_units(cache, units, 0)
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+            # private: the core's index and order, to show the index was in use (no public count)
+            st = cache.runner.core._state
+            index, entries = st.index, cache.stats().entries
+            assert len(st.order) == entries >= 2 * INDEX_FROM, entries
+            assert index is not None and index.searches > e // 4 and index.examined > e // 4
+    finally:
+        tracemalloc.stop()
+    assert held <= 512 * e, f"{held / e:.0f} bytes an entry ({entries} entries)"
 
 
 def test_interned_shapes_stay_at_their_bound(monkeypatch: pytest.MonkeyPatch) -> None:

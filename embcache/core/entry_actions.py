@@ -183,6 +183,8 @@ def free(st: CoreState, entry: Entry, *, keep_range: bool = False) -> None:
     """Free ``entry``'s range (unless ``keep_range``) and forget it: ABSENT."""
     if not keep_range:
         st.allocator.free(entry.offset)
+    if st.index is not None:
+        st.index.gone(entry.offset, entry.size, keep_range)
     del st.entries[entry.key]
     if st.order.discard(entry.key):
         st.evictable_bytes -= entry.size
@@ -218,18 +220,16 @@ def _allocate(st: CoreState, key: str, size: int) -> int | Reason:
     start, stop = allocator.free_around(first.offset, first.offset + first.size)
     victims = [first]  # the search's first step, without the search: it alone fits
     if stop - start < size:
-        examined: list[Entry] = []  # the candidates looked at, in eviction order
-        search = VictimSearch.over(size, st.max_batch, allocator)
         window: Window | None = None
-        for candidate in st.order:
-            entry = entries[candidate]
-            examined.append(entry)
-            window = search.add(entry.offset, entry.size)
-            if window is not None:
-                break
+        index = st.index
+        if index is not None and len(st.order) >= st.index_from:
+            found = index.search(size)
+            if found is not None:
+                window, victims = found
+        else:
+            window, victims = _scan(st, size)
         if window is None:
             return Reason.NO_SPACE
-        victims = [_examined_at(examined, offset) for offset in window.victims]
         start = window.offset
     if not st.policy.admit(key, size, [victim.key for victim in victims]):
         return Reason.NOT_ADMITTED
@@ -246,6 +246,21 @@ def _allocate(st: CoreState, key: str, size: int) -> int | Reason:
     if offset != start:
         raise InvariantError(f"eviction freed a span at {start}; the allocator gave {offset}")
     return start
+
+
+def _scan(st: CoreState, size: int) -> tuple[Window | None, list[Entry]]:
+    """The rule's window for ``size`` bytes and its victims, by feeding ``VictimSearch`` the
+    eviction order from its head (an order the eviction index cannot rank)."""
+    examined: list[Entry] = []  # the candidates looked at, in eviction order
+    search = VictimSearch.over(size, st.max_batch, st.allocator)
+    entries = st.entries
+    for candidate in st.order:
+        entry = entries[candidate]
+        examined.append(entry)
+        window = search.add(entry.offset, entry.size)
+        if window is not None:
+            return window, [_examined_at(examined, offset) for offset in window.victims]
+    return None, []
 
 
 def _examined_at(examined: list[Entry], offset: int) -> Entry:

@@ -1,6 +1,9 @@
 """Recency orders: the evictable keys, oldest first, as an ``OrderedDict`` (``RecencyOrder``),
 and one that also keeps the keys it held that left it (``ResidentOrder``, the admission
-window's).
+window's). Each key's value says whether it is new to the eviction index
+(``embcache.core.eviction.EvictionIndex``, which ranks candidates by their place in the order):
+``add`` puts a key at the tail with True, and the index sets False on the keys it takes in, so
+the keys it has not seen are the tail's run of True values. Two shared objects: no int per key.
 
 A module of its own because these subclass a built-in type: the compiled build
 (``docs/setup.md``, "A compiled core") leaves this module to the interpreter, as mypyc cannot
@@ -15,17 +18,17 @@ from collections import OrderedDict
 class RecencyOrder(OrderedDict[str, bool]):
     """Evictable keys by the time they last became evictable, oldest first. Every method O(1).
 
-    An OrderedDict itself (values are True), so membership, iteration and length run in C:
-    the core asks them on every hit."""
+    An OrderedDict itself (values: new to the eviction index, module docstring), so
+    membership, iteration and length run in C: the core asks them on every hit."""
 
     def add(self, key: str) -> None:
-        """Put ``key`` at the tail (the newest). O(1)."""
+        """Put ``key`` at the tail (the newest), new to the eviction index. O(1)."""
         self[key] = True
         self.move_to_end(key)
 
     def discard(self, key: str) -> bool:
         """Take ``key`` out; whether it was there. O(1)."""
-        return self.pop(key, False)
+        return self.pop(key, None) is not None
 
 
 class ResidentOrder(RecencyOrder):
@@ -46,7 +49,7 @@ class ResidentOrder(RecencyOrder):
 
     def discard(self, key: str) -> bool:
         """Take ``key`` out, into ``aside``; whether it was there. O(1)."""
-        if self.pop(key, False):
+        if self.pop(key, None) is not None:  # (False: a key the eviction index took in)
             self._set_aside(key)
             return True
         return False

@@ -23,7 +23,9 @@ from typing import Any
 
 from embcache.core.allocator import BestFitAllocator
 from embcache.core.entries import Entry, RequestState
+from embcache.core.eviction import INDEX_FROM, EvictionIndex
 from embcache.core.policy import EvictionOrder, LruPolicy, Policy, WorkPolicy
+from embcache.core.recency import RecencyOrder
 
 MAX_SHAPES = 4096  # distinct item shapes interned at once (entries share one tuple per shape)
 
@@ -47,6 +49,13 @@ class CoreState:
         self.shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # interned: <= MAX_SHAPES
         self.policy: Policy = LruPolicy() if policy is None else policy
         self.order: EvictionOrder = self.policy.order()  # the evictable keys, first victim first
+        order = self.order  # the eviction search's memory, for an order ranked by stamps
+        self.index: EvictionIndex | None = (
+            EvictionIndex(self.allocator, order, self.entries, max_eviction_batch)
+            if isinstance(order, RecencyOrder)
+            else None
+        )
+        self.index_from = INDEX_FROM  # searches use the index from this many candidates
         # The policy's record of each looked-up key; None when it records nothing (lru).
         records = getattr(self.policy, "records_lookups", True)
         self.record: Callable[[str], None] | None = self.policy.record if records else None
