@@ -124,23 +124,22 @@ class Client:
     def put_from(
         self, keys: Sequence[str], offsets: Sequence[int], sizes: Sequence[int]
     ) -> list[int]:
-        assert self._pool is not None
-        codes = []
-        for key, offset, size in zip(keys, offsets, sizes, strict=True):
-            payload = self._pool[offset : offset + size].numpy().tobytes()
-            with self.master.lock:
-                if self.master.down:
-                    codes.append(RPC_FAIL)
-                    continue
-                self.master.objects.setdefault(key, payload)
-            codes.append(0)
-        return codes
+        pool = self._pool
+        assert pool is not None
+        payloads = [
+            pool[offset : offset + size].numpy().tobytes()
+            for offset, size in zip(offsets, sizes, strict=True)
+        ]
+        return self._put(keys, payloads)
 
     def put_copies(self, keys: Sequence[str], values: Sequence[torch.Tensor]) -> list[int]:
         """A copy of each value's bytes, put as ``put_from`` puts (``CopyingStore``)."""
+        return self._put(keys, [v.reshape(-1).view(torch.uint8).numpy().tobytes() for v in values])
+
+    def _put(self, keys: Sequence[str], payloads: Sequence[bytes]) -> list[int]:
+        """Store each payload under its key unless the key is stored (the first put stays)."""
         codes = []
-        for key, value in zip(keys, values, strict=True):
-            payload = value.reshape(-1).view(torch.uint8).numpy().tobytes()
+        for key, payload in zip(keys, payloads, strict=True):
             with self.master.lock:
                 if self.master.down:
                     codes.append(RPC_FAIL)
