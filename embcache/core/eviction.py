@@ -649,21 +649,13 @@ class EvictionIndex:
         candidates on each side (as ``neighbourhood``): where it starts and stops, and whether
         both edges were reached. ``pieces``, when given, gets its pieces in address order."""
         allocator, room = self._allocator, self._max_batch - 1
-        keys, entries, order, slot_at, shift = (
-            self._keys, self._entries, self._order, self._slot_at, self._shift
-        )  # fmt: skip
         whole = True
         victims, start = 0, entry.offset
         while (block := allocator.block_before(start)) is not None:
             self.walked += 1
             offset = block[0]
             if not block[2]:  # allocated: a candidate ranked below this one, or a barrier
-                other = slot_at[offset >> shift]
-                if other == _NONE or other >= slot:
-                    break
-                key = keys[other]
-                neighbour = entries.get(key)
-                if neighbour is None or neighbour.offset != offset or key not in order:
+                if not self._ranked_below(offset, slot):
                     break
                 if victims == room:
                     whole = False
@@ -680,12 +672,7 @@ class EvictionIndex:
             self.walked += 1
             offset = block[0]
             if not block[2]:
-                other = slot_at[offset >> shift]
-                if other == _NONE or other >= slot:
-                    break
-                key = keys[other]
-                neighbour = entries.get(key)
-                if neighbour is None or neighbour.offset != offset or key not in order:
+                if not self._ranked_below(offset, slot):
                     break
                 if victims == room:
                     whole = False
@@ -695,3 +682,13 @@ class EvictionIndex:
                 pieces.append(_new_piece(Piece, (offset, block[1], not block[2])))
             stop = offset + block[1]
         return start, stop, whole
+
+    def _ranked_below(self, offset: int, slot: int) -> bool:
+        """Whether the allocated block at ``offset`` is an evictable entry of a slot below
+        ``slot`` (a candidate the walk may take); else it is a barrier. O(1)."""
+        other = self._slot_at[offset >> self._shift]
+        if other == _NONE or other >= slot:
+            return False
+        key = self._keys[other]
+        neighbour = self._entries.get(key)
+        return neighbour is not None and neighbour.offset == offset and key in self._order
