@@ -449,10 +449,14 @@ def test_the_longest_retry_interval_keeps_the_retry_thread_alive() -> None:
     policy at that bound lives (one past it is refused above; before, the thread died at its
     first wait with OverflowError and no failed publish was ever retried)."""
     policy = RepublishPolicy(retry_interval_s=threading.TIMEOUT_MAX)
+    before = set(threading.enumerate())  # (other tests' dropped caches may still have theirs)
     with EmbeddingCache(64 << 10, store=FaultInjectingStore(), pin_memory=False, republish=policy):
+        (thread,) = [
+            t for t in threading.enumerate() if t not in before and t.name == "embcache-republish"
+        ]
         time.sleep(0.2)
-        assert "embcache-republish" in {t.name for t in threading.enumerate()}
-    assert "embcache-republish" not in {t.name for t in threading.enumerate()}
+        assert thread.is_alive(), "its first wait did not kill it"
+    assert not thread.is_alive(), "close() ended it"
 
 
 @pytest.mark.parametrize(
