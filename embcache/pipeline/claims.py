@@ -403,9 +403,16 @@ class FleetClaims:
         released it)."""
         if not keys:
             return
-        assert_unlocked("FleetClaims.release")
         with self._lock:
             ends = [self._held.pop(key, 0.0) for key in keys]
+        self._revoke(keys, ends)
+
+    def _revoke(self, keys: Sequence[str], ends: Sequence[float]) -> None:
+        """``_end``'s store call, for claims already taken out of ``_held`` (their lease ends
+        by this worker's clock in ``ends``)."""
+        if not keys:
+            return
+        assert_unlocked("FleetClaims.release")
         try:
             codes = self._store.release(list(keys))
         except Exception:
@@ -428,11 +435,12 @@ class FleetClaims:
             stored = self._stored(list(due))
             now = self._clock()
             done = [k for k, ends in due.items() if stored[k] or now >= ends]
-            with self._lock:
+            with self._lock:  # (one hold: no key is held here but no longer publishing)
                 self._publishing.difference_update(done)
+                ends = [self._held.pop(key, 0.0) for key in done]
             for key in done:
                 self._emit("Release", key, "stored" if stored[key] else "lease", now)
-            self._end(done)
+            self._revoke(done, ends)
             time.sleep(self._poll_s)
 
     def close(self) -> None:
