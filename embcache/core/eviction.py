@@ -412,25 +412,22 @@ class EvictionIndex:
                 self._keys[slot] = ""  # (dead now: no entry's offset points to the slot)
         if kept:
             return
-        ending = self._ending
-        slot = ending[at]
-        if slot != _NONE:
-            ending[at] = _NONE
-            right, link = self._right, self._next_right
-            while slot != _NONE:
-                right[slot] = _NONE
-                self._forget(slot)
-                slot = link[slot]
-        at = (offset + size) >> shift
-        starting = self._starting
-        slot = starting[at]
-        if slot != _NONE:
-            starting[at] = _NONE
-            left, link = self._left, self._next_left
-            while slot != _NONE:
-                left[slot] = _NONE
-                self._forget(slot)
-                slot = link[slot]
+        self._unregister(self._ending, at, self._right, self._next_right)
+        self._unregister(self._starting, (offset + size) >> shift, self._left, self._next_left)
+
+    def _unregister(
+        self, heads: array[int], at: int, edges: array[int], links: array[int]
+    ) -> None:
+        """Forget the edges registered at unit ``at`` in ``heads`` (a list through ``links``):
+        each slot's ``edges`` entry and what its walk measured."""
+        slot = heads[at]
+        if slot == _NONE:
+            return
+        heads[at] = _NONE
+        while slot != _NONE:
+            edges[slot] = _NONE
+            self._forget(slot)
+            slot = links[slot]
 
     def search(self, need: int) -> tuple[Window, list[Entry]] | None:
         """The rule's window for ``need`` bytes (a multiple of the alignment) and its victims
