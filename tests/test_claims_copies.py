@@ -26,7 +26,7 @@ from embcache.pipeline import FleetClaims
 from embcache.store.mooncake import MooncakeStore
 from embcache.testing import Fault, FaultInjectingStore
 from tests.support.claim_store import Client, Master
-from tests.support.helpers import DEVICES, AdmitsNothing
+from tests.support.helpers import DEVICES, AdmitsNothing, GatedEncoder
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,24 +41,6 @@ def item(key: str) -> Item:
 def value(key: str) -> torch.Tensor:
     return torch.full(SHAPE, float(len(key)))
 
-
-
-class Encoder:
-    """Each key's ``value`` on ``device``; counts what it encodes; ``gate`` (if set) holds each
-    call."""
-
-    def __init__(self, device: str = "cpu") -> None:
-        self.device = torch.device(device)
-        self.encoded: list[str] = []
-        self.entered = threading.Event()
-        self.gate: threading.Event | None = None
-
-    def __call__(self, keys: Sequence[str], /) -> list[torch.Tensor]:
-        self.entered.set()
-        if self.gate is not None:
-            assert self.gate.wait(10)
-        self.encoded += keys
-        return [value(k).to(self.device) for k in keys]
 
 
 class NoCopies(Client):
@@ -81,7 +63,7 @@ class Worker:
         self.cache = EmbeddingCache(256 if refuses else 1 << 20, store=store, pin_memory=False,
                                     policy=policy)  # fmt: skip
         self.claims = FleetClaims(store, lease_s=LEASE_S, poll_s=0.005)  # type: ignore[arg-type]
-        self.encoder = Encoder(device)
+        self.encoder = GatedEncoder(SHAPE, device)
         self.pipeline = EncodePipeline(self.cache, self.encoder, claims=self.claims)
         if refuses:  # the one entry its pool holds: every later insert must evict, refused
             self.encode("filler")

@@ -19,7 +19,7 @@ from embcache import EmbeddingCache, EncodePipeline, Item
 from embcache.core.lifecycle import EntryState
 from embcache.pipeline import FleetClaims
 from embcache.store.mooncake import MooncakeStore
-from tests.support.helpers import AdmitsNothing
+from tests.support.helpers import AdmitsNothing, GatedEncoder
 
 if TYPE_CHECKING:
     from embcache.store.mooncake_master import MooncakeMaster
@@ -86,25 +86,6 @@ class Recorder:
             self.events += [(what, k, a) for k, a in zip(keys, answers, strict=True)]
 
 
-class Encoder:
-    """Each key's embedding: rows of ``len(key)``; counts the keys it encodes. With ``gate``
-    set, a call says it ``entered`` and waits for the gate."""
-
-    device = torch.device("cpu")
-
-    def __init__(self) -> None:
-        self.encoded: list[str] = []
-        self.entered = threading.Event()
-        self.gate: threading.Event | None = None
-
-    def __call__(self, keys: Sequence[str], /) -> list[torch.Tensor]:
-        self.entered.set()
-        if self.gate is not None:
-            assert self.gate.wait(10)
-        self.encoded += keys
-        return [torch.full(SHAPE, float(len(k))) for k in keys]
-
-
 
 class Worker:
     """``refuses``: a pool of one entry, holding ``filler``, whose policy admits nothing that
@@ -121,7 +102,7 @@ class Worker:
         self.cache = EmbeddingCache(256 if refuses else 4 << 20, store=self.store,
                                     pin_memory=False, policy=policy)  # fmt: skip
         self.claims = FleetClaims(self.store, lease_s=5.0, poll_s=0.005)  # type: ignore[arg-type]
-        self.encoder = Encoder()
+        self.encoder = GatedEncoder(SHAPE)
         self.pipeline = EncodePipeline(self.cache, self.encoder, claims=self.claims)
         if refuses:
             self.pipeline.encode("filler", [item("filler")], ["filler"])

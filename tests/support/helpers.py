@@ -35,6 +35,25 @@ class AdmitsNothing(TinyLfuPolicy):
         return False
 
 
+class GatedEncoder:
+    """Each key's embedding: ``shape`` rows of ``len(key)``, on ``device``; counts the keys it
+    encodes. With ``gate`` set, a call says it ``entered`` and waits for the gate (10 s)."""
+
+    def __init__(self, shape: tuple[int, ...], device: str = "cpu") -> None:
+        self.shape = shape
+        self.device = torch.device(device)
+        self.encoded: list[str] = []
+        self.entered = threading.Event()
+        self.gate: threading.Event | None = None
+
+    def __call__(self, keys: Sequence[str], /) -> list[torch.Tensor]:
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        self.encoded += keys
+        return [torch.full(self.shape, float(len(k)), device=self.device) for k in keys]
+
+
 def payload(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Deterministic, seed-dependent values (every byte pattern differs between seeds)."""
     generator = torch.Generator().manual_seed(seed)
