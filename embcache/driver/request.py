@@ -54,8 +54,6 @@ SERVE = True  # a request's lookups always say what it may read (``LookupFlags.s
 class Request:
     """Handle returned by ``EmbeddingCache.request`` and ``EmbeddingCache.lookup``."""
 
-    __slots__ = ("_handed", "_items", "_reserved", "_runner", "_served", "_state")
-
     def __init__(
         self, runner: StepRunner, state: RequestState, items: list[Item] | None = None,
         served: Served | None = None,
