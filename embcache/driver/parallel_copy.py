@@ -32,12 +32,14 @@ copy; ``HELPERS`` of them (the cores less the caller, at most 3).
 The chunks are not all ``CHUNK_BYTES`` (``plan``): the last ``2 * threads * CHUNK_BYTES`` of a
 copy are cut into chunks that shrink to ``TAIL_BYTES`` (guided self-scheduling). With equal
 chunks, the thread that claims the last one finishes up to a whole chunk after the others,
-which wait (the caller in ``ended``): half a 512 KiB chunk on average, about 30 us at one
-core's 8-10 GB/s, on every split copy of an idle machine (where two threads run side by
-side, as torch's split of SGLang's copy does). The smaller chunks bound that wait by a
-64-127 KiB copy, for about 6 more claims a copy (a claim is about a microsecond). On a loaded
-machine the helper mostly wakes late and the caller copies most chunks itself: the end wait
-was then about 1 us either way (issue 56, ``/work/notes`` s24).
+which wait (the caller in ``ended``): on an idle machine, where both threads copy side by side
+as torch's split of SGLang's copy does, half a 512 KiB chunk on average (about 30 us at one
+core's 8-10 GB/s; an estimate, not measured idle) on every split copy. The shrinking chunks
+bound that wait by a copy of 64-127 KiB, for about 6 more claims a copy (a claim is about a
+microsecond). Measured on the 2-core machine under a load of 5-6 (``bench_peers``' 1 GiB
+replay at real sizes, one process, the two versions alternating, three pairs): 2,402-2,851 us
+a request against 2,813-3,988 with equal chunks, each pair faster; the end wait of a lone
+58.7 MB copy was noise-bound there.
 """
 
 from __future__ import annotations
