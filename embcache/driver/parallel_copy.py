@@ -83,7 +83,8 @@ def plan(nbytes: int, threads: int) -> tuple[int, list[tuple[int, int]]]:
 
 
 class _Copy:
-    """One split copy: its range, the chunk counter, and the count of chunks done."""
+    """One split copy: its addresses, its chunks (``plan``), the chunk counter, and the count
+    of chunks done."""
 
     __slots__ = (
         "chunks",
@@ -94,13 +95,12 @@ class _Copy:
         "error",
         "full",
         "lock",
-        "nbytes",
         "src",
         "tail",
     )
 
     def __init__(self, dst: int, src: int, nbytes: int, threads: int) -> None:
-        self.dst, self.src, self.nbytes = dst, src, nbytes
+        self.dst, self.src = dst, src
         self.full, self.tail = plan(nbytes, threads)
         self.chunks = self.full + len(self.tail)
         self.claim = itertools.count().__next__  # atomic: one C call under the interpreter lock
