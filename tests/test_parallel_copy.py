@@ -1,7 +1,5 @@
 """Copies split over helper threads (``embcache.driver.parallel_copy``): every byte lands, on
-both sides of the threshold, of a chunk's edge and of the tail's; the chunks tile the range
-once and the last ones are small (``plan``: a thread out of chunks waits for short ones);
-``copy_bytes`` splits exactly from
+both sides of the threshold and of a chunk's edge; ``copy_bytes`` splits exactly from
 ``SPLIT_BYTES``; a chunk that raises makes the copy raise after the other chunks end, and an
 insert whose copy raises so leaves its entry out of the cache (ABSENT), as a copy that raises
 in one piece does."""
@@ -16,14 +14,7 @@ import torch
 from embcache import EmbeddingCache, Item
 from embcache.core.lifecycle import ABSENT, READY
 from embcache.driver import parallel_copy, pool
-from embcache.driver.parallel_copy import (
-    CHUNK_BYTES,
-    HELPERS,
-    SPLIT_BYTES,
-    TAIL_BYTES,
-    plan,
-    split_copy,
-)
+from embcache.driver.parallel_copy import CHUNK_BYTES, SPLIT_BYTES, split_copy
 
 SIZES = [
     1,
@@ -34,9 +25,6 @@ SIZES = [
     SPLIT_BYTES,
     SPLIT_BYTES + 1,
     3 * SPLIT_BYTES + 4097,
-    2 * (HELPERS + 1) * CHUNK_BYTES + TAIL_BYTES - 1,  # where the tail starts, and past it
-    2 * (HELPERS + 1) * CHUNK_BYTES + TAIL_BYTES + 1,
-    SPLIT_BYTES + 3 * TAIL_BYTES // 2 + 7,
 ]
 
 
@@ -69,46 +57,6 @@ def test_copy_bytes_splits_from_the_threshold(nbytes: int, monkeypatch: pytest.M
     pool.copy_bytes(target.data_ptr(), source.data_ptr(), nbytes)
     assert torch.equal(target, source)
     assert split == ([nbytes] if nbytes >= SPLIT_BYTES else [])
-
-
-def tiles(chunks: list[tuple[int, int]], nbytes: int) -> bool:
-    """Whether (start, size) chunks, in order, cover ``[0, nbytes)`` once."""
-    ends = [start + size for start, size in chunks]
-    return [start for start, _ in chunks] == [0, *ends[:-1]] and ends[-1] == nbytes
-
-
-@pytest.mark.parametrize("threads", [1, 2, 3, 4])
-@pytest.mark.parametrize("nbytes", SIZES)
-def test_the_plan_tiles_the_range_and_its_tail_shrinks(nbytes: int, threads: int) -> None:
-    full, tail = plan(nbytes, threads)
-    chunks = [(i * CHUNK_BYTES, CHUNK_BYTES) for i in range(full)] + tail
-    assert tiles(chunks, nbytes)
-    assert all(0 < size <= CHUNK_BYTES for _, size in chunks)
-    assert sum(size for _, size in tail) <= 2 * threads * CHUNK_BYTES  # the tail, no more
-    sizes = [size for _, size in tail[:-1]]
-    assert sizes == sorted(sizes, reverse=True)  # shrinking; the last takes the remainder
-    if nbytes >= 2 * threads * CHUNK_BYTES:
-        assert all(size < 2 * TAIL_BYTES for _, size in tail[-threads:])
-
-
-def test_a_split_copy_ends_on_small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As the helpers and the caller copy them: the last ``HELPERS + 1`` chunks are each
-    under ``2 * TAIL_BYTES``, so whoever runs out of chunks first waits for short ones."""
-    nbytes = SPLIT_BYTES + 4099
-    source, target = noise(nbytes, 5), torch.zeros(nbytes, dtype=torch.uint8)
-    copied: list[tuple[int, int]] = []
-    real = parallel_copy.memmove
-
-    def move(dst: int, src: int, size: int) -> Any:
-        copied.append((src - source.data_ptr(), size))  # (a list append: atomic)
-        return real(dst, src, size)
-
-    monkeypatch.setattr(parallel_copy, "memmove", move)
-    split_copy(target.data_ptr(), source.data_ptr(), nbytes)
-    assert torch.equal(target, source)
-    copied.sort()
-    assert tiles(copied, nbytes)
-    assert all(size < 2 * TAIL_BYTES for _, size in copied[-(HELPERS + 1) :])
 
 
 class ChunkFailed(RuntimeError):

@@ -28,18 +28,6 @@ that raises ends the copy: the caller raises its error once every chunk is done 
 then partly copied, as a single ``memmove`` that faulted would leave it). Helpers are daemon
 threads (no ``threading.Thread``: starting one waits until it runs) started on the first split
 copy; ``HELPERS`` of them (the cores less the caller, at most 3).
-
-The chunks are not all ``CHUNK_BYTES`` (``plan``): the last ``2 * threads * CHUNK_BYTES`` of a
-copy are cut into chunks that shrink to ``TAIL_BYTES`` (guided self-scheduling). With equal
-chunks, the thread that claims the last one finishes up to a whole chunk after the others,
-which wait (the caller in ``ended``): on an idle machine, where both threads copy side by side
-as torch's split of SGLang's copy does, half a 512 KiB chunk on average (about 30 us at one
-core's 8-10 GB/s; an estimate, not measured idle) on every split copy. The shrinking chunks
-bound that wait by a copy of 64-127 KiB, for about 6 more claims a copy (a claim is about a
-microsecond). Measured on the 2-core machine under a load of 5-6 (``bench_peers``' 1 GiB
-replay at real sizes, one process, the two versions alternating, three pairs): 2,402-2,851 us
-a request against 2,813-3,988 with equal chunks, each pair faster; the end wait of a lone
-58.7 MB copy was noise-bound there.
 """
 
 from __future__ import annotations
@@ -51,58 +39,23 @@ import os
 import queue
 import threading
 
-__all__ = ["CHUNK_BYTES", "HELPERS", "SPLIT_BYTES", "TAIL_BYTES", "plan", "split_copy"]
+__all__ = ["CHUNK_BYTES", "HELPERS", "SPLIT_BYTES", "split_copy"]
 
 SPLIT_BYTES = 4 << 20  # measured (module notes): below it a split copy lost to one memmove
 CHUNK_BYTES = 512 << 10  # a claim's share: small enough that a late helper still helps
-TAIL_BYTES = 64 << 10  # the tail's chunks shrink to this (``plan``): the last wait's bound
 HELPERS = max(0, min(os.cpu_count() or 1, 4) - 1)
 
 memmove = ctypes.memmove  # each chunk's copy; a CFUNCTYPE call: releases the interpreter lock
 
 
-def plan(nbytes: int, threads: int) -> tuple[int, list[tuple[int, int]]]:
-    """The chunks of a copy of ``nbytes`` over ``threads`` threads: ``full`` chunks of
-    ``CHUNK_BYTES`` from offset 0, then the tail's (start, size) chunks, which shrink: each
-    about a ``2 * threads``-th of what is left, rounded up to whole ``TAIL_BYTES``, at most
-    ``CHUNK_BYTES``; a remainder below ``TAIL_BYTES`` joins the last. Together they cover
-    ``[0, nbytes)`` once, in order. The tail is what is left below ``2 * threads *
-    CHUNK_BYTES``, so a thread that runs out of chunks waits for the others' last ones, under
-    ``2 * TAIL_BYTES`` each, not ``CHUNK_BYTES`` (module notes). O(tail chunks): about
-    ``2 * threads * log(CHUNK_BYTES / TAIL_BYTES)``."""
-    full = max(0, -(-(nbytes - 2 * threads * CHUNK_BYTES) // CHUNK_BYTES))
-    start, tail = full * CHUNK_BYTES, []
-    while start < nbytes:
-        share = -(-(nbytes - start) // (2 * threads * TAIL_BYTES)) * TAIL_BYTES
-        size = min(nbytes - start, CHUNK_BYTES, share)
-        if nbytes - start - size < TAIL_BYTES:  # a short remainder joins the chunk before it
-            size = nbytes - start
-        tail.append((start, size))
-        start += size
-    return full, tail
-
-
 class _Copy:
-    """One split copy: its addresses, its chunks (``plan``), the chunk counter, and the count
-    of chunks done."""
+    """One split copy: its range, the chunk counter, and the count of chunks done."""
 
-    __slots__ = (
-        "chunks",
-        "claim",
-        "done",
-        "dst",
-        "ended",
-        "error",
-        "full",
-        "lock",
-        "src",
-        "tail",
-    )
+    __slots__ = ("chunks", "claim", "done", "dst", "ended", "error", "lock", "nbytes", "src")
 
-    def __init__(self, dst: int, src: int, nbytes: int, threads: int) -> None:
-        self.dst, self.src = dst, src
-        self.full, self.tail = plan(nbytes, threads)
-        self.chunks = self.full + len(self.tail)
+    def __init__(self, dst: int, src: int, nbytes: int) -> None:
+        self.dst, self.src, self.nbytes = dst, src, nbytes
+        self.chunks = -(-nbytes // CHUNK_BYTES)
         self.claim = itertools.count().__next__  # atomic: one C call under the interpreter lock
         self.lock = threading.Lock()
         self.done = 0
@@ -115,12 +68,9 @@ class _Copy:
     def work(self) -> None:
         """Copy chunks until none is left to claim."""
         while (index := self.claim()) < self.chunks:
-            if index < self.full:
-                start, size = index * CHUNK_BYTES, CHUNK_BYTES
-            else:
-                start, size = self.tail[index - self.full]
+            start = index * CHUNK_BYTES
             try:
-                memmove(self.dst + start, self.src + start, size)
+                memmove(self.dst + start, self.src + start, min(CHUNK_BYTES, self.nbytes - start))
             except BaseException as exc:  # handed to the caller, which raises it
                 self.error = exc
             with self.lock:
@@ -161,7 +111,7 @@ def split_copy(dst: int, src: int, nbytes: int) -> None:
     on the calling thread and up to ``HELPERS`` helpers; returns when every byte is copied,
     or raises the first error a chunk raised. The caller must hold no lock (none is taken
     across a chunk's copy)."""
-    copy = _Copy(dst, src, nbytes, HELPERS + 1)
+    copy = _Copy(dst, src, nbytes)
     helpers = min(HELPERS, copy.chunks - 1)
     if helpers > 0:
         _helpers.post(copy, helpers)
