@@ -28,9 +28,8 @@ from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
 CORE = ROOT / "embcache" / "core"
-# __init__ and build choose at import which build loads, so they stay Python; recency's
-# OrderedDict subclasses crashed mypyc's code in the garbage collector.
-NOT_COMPILED = {"__init__", "build", "recency"}
+# __init__ and build choose at import which build loads, so they stay Python.
+NOT_COMPILED = {"__init__", "build"}
 MANIFEST = CORE / "compiled-sources.sha256"
 PURE_ENV = "EMBCACHE_PURE"
 GROUP = "embcache.core.compiled"  # the shared library: embcache.core.compiled__mypyc

@@ -19,7 +19,8 @@ those of the benchmark issue:
    recency list scanned from the head and SGLang's paged controller
 3. hit path: lookup+pin+view+release per item, against a dict lookup + OrderedDict move
    (context), and the serving sequence and get + release against both peers' controllers
-4. copy: reading 4 MB and 64 MB items out of the pool, against a raw torch copy
+4. copy: reading 4 MB and 64 MB items out of the pool, against a raw torch copy; the fixed
+   cost of a one-item hit before its copy
 5. fragmentation: the realistic mix against first fit with plain LRU and a paged pool; time
    per request against SGLang's paged controller on a 4 MiB pool and a 1 GiB pool
 6. metadata: bytes per entry at 100k entries (tracemalloc), against both peers' controllers
@@ -89,7 +90,7 @@ def _hitpath(quick: bool) -> list[Row]:
 def _copy(quick: bool) -> list[Row]:
     from benchmarks.micro import bench_copy
 
-    return bench_copy.run(quick)
+    return bench_copy.run(quick) + bench_copy.fixed_cost_rows(quick)
 
 
 def _fragmentation(quick: bool) -> list[Row]:

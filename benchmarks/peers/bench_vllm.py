@@ -40,13 +40,13 @@ ours with the connector's default policy. Rows per pool: the scheduler CPU time 
 against ECCPUConnector's (as above; target <= 1.0x), and where it goes, per vLLM method (each
 call timed alone); images not encoded against an ideal LRU of the same bytes (target: at least
 it), and ours with ``lru`` and ECCPUConnector's for reference; items declared that a rank then
-lacked (target 0, and the run raises if ours declares one). ``--callgrind-pools``: the same
-pools in scheduler instructions per image, ours against ECCPUConnector's (also part of
-``--callgrind``).
+lacked (target 0, and the run raises if ours declares one). ``--pools``: only these rows (with
+``--tiny``, their smoke size). ``--callgrind-pools``: the same pools in scheduler instructions
+per image, ours against ECCPUConnector's (also part of ``--callgrind``).
 
 The machine may be shared with other jobs: read the ratios, not the absolute numbers.
 Run from the repository root: python -m benchmarks.peers.bench_vllm [--quick | --tiny | --callgrind
-| --callgrind-pools] [--json OUT]
+| --callgrind-pools] [--pools] [--json OUT]
 """
 
 from __future__ import annotations
@@ -503,14 +503,17 @@ def _steady_malloc() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-def run(quick: bool = False, tiny: bool = False) -> list[dict[str, Any]]:
-    """Every row of the module docstring; skipped rows where vLLM's wheel cannot be had.
-    ``tiny``: the sizes of ``TINY`` and ``TINY_COPY`` (a smoke run)."""
+def run(quick: bool = False, tiny: bool = False, pools: bool = False) -> list[dict[str, Any]]:
+    """Every row of the module docstring (``pools``: only the pool sweep's); skipped rows
+    where vLLM's wheel cannot be had. ``tiny``: the sizes of ``TINY`` and ``TINY_COPY`` (a
+    smoke run)."""
     try:
         vllm_wheel.install()
     except vllm_wheel.VLLMUnavailable as exc:
         return [skipped_row("vllm connector", str(exc))]
     _steady_malloc()
+    if pools:
+        return pressure_rows(quick, tiny)
     rows = side_by_side_rows(quick, tiny) + pressure_rows(quick, tiny)
     return rows + scheduler_rows(quick, tiny) + worker_rows(quick, tiny)
 
@@ -597,12 +600,17 @@ if __name__ == "__main__":
     parser.add_argument("--callgrind", action="store_true", help="instruction counts instead")
     parser.add_argument("--callgrind-pools", action="store_true",
                         help="only the pool sweep's instruction counts")  # fmt: skip
+    parser.add_argument("--pools", action="store_true", help="only the pool sweep's timed rows")
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the rows as a JSON list")
     options = parser.parse_args()
     if options.callgrind_pools:
         result = pressure_callgrind_rows()
     else:
-        result = callgrind_rows() if options.callgrind else run(options.quick, options.tiny)
+        result = (
+            callgrind_rows()
+            if options.callgrind
+            else run(options.quick, options.tiny, options.pools)
+        )
     print_rows(result)
     if options.json is not None:
         options.json.write_text(json.dumps([json_row(r) for r in result], indent=1) + "\n")

@@ -48,6 +48,17 @@ class Effects(Generic[T]):
         self.freed: Sequence[tuple[int, int]] = ()  # ranges freed (``record_freed``)
         self.events: Sequence[dict[str, Any]] = ()  # trace events, in ``seq`` order
 
+    def busy(self) -> bool:
+        """Whether the driver has more to carry out than the result while no request has a
+        wake-up: ranges to poison, requests to wake, events, transfers, or a waiting request
+        with a load pending (``closed``, and ``waiting`` with none pending, touch only
+        wake-ups). One call, not a field read each: this runs after every step."""
+        waiting = self.waiting
+        return bool(
+            self.freed or self.wake or self.events or self.loads or self.writes is not None
+            or (waiting is not None and waiting.waits and waiting.pending())
+        )  # fmt: skip
+
 
 # One range an insert must fill, ``(i, entry)``: ``items[i]``'s bytes into ``entry``'s range.
 # A plain pair, not a named tuple: a request makes one per miss, and a named tuple's

@@ -141,9 +141,14 @@ class RequestState:
         holds = self.holds
         if not self.items:  # (a request that only inserted: its pins in the order it took them)
             return list(holds)
-        order = [key for key in dict.fromkeys([item.key for item in self.items]) if key in holds]
+        order: list[str] = []
+        looked: set[str] = set()
+        for item in self.items:  # (a loop, not ``dict.fromkeys``: a C loop in the compiled core)
+            key = item.key
+            if key in holds and key not in looked:
+                looked.add(key)
+                order.append(key)
         if len(order) < len(holds):  # it also pins keys it inserted without looking them up
-            looked = set(order)
             order += [key for key in holds if key not in looked]
         return order
 

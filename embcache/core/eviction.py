@@ -437,7 +437,7 @@ class EvictionIndex:
         self.searches += 1
         self._take_in()
         tree, codes, keys, entries, order = (
-            self._tree, self._codes, self._keys, self._entries, self._order
+            self._tree, self._codes, self._keys, self._entries, self._order.marks
         )  # fmt: skip
         shift, slot_at = self._shift, self._slot_at
         units = need >> shift
@@ -513,7 +513,7 @@ class EvictionIndex:
     def _take_in(self) -> None:
         """Give a slot to each candidate added to the order since the last search (the
         order's tail of keys marked new), and mark them taken in."""
-        order = self._order
+        order = self._order.marks
         fresh: list[str] = []
         for key in reversed(order.keys()):
             if not order[key]:
@@ -543,7 +543,7 @@ class EvictionIndex:
         entry = self._entries.get(key)
         return (
             entry is not None
-            and key in self._order
+            and key in self._order.marks
             and self._slot_at[entry.offset >> self._shift] == slot
         )
 
@@ -689,4 +689,4 @@ class EvictionIndex:
             return False
         key = self._keys[other]
         neighbour = self._entries.get(key)
-        return neighbour is not None and neighbour.offset == offset and key in self._order
+        return neighbour is not None and neighbour.offset == offset and key in self._order.marks

@@ -1,34 +1,51 @@
-"""Recency orders: the evictable keys, oldest first, as an ``OrderedDict`` (``RecencyOrder``),
-and one that also keeps the keys it held that left it (``ResidentOrder``, the admission
-window's). Each key's value says whether it is new to the eviction index
-(``embcache.core.eviction.EvictionIndex``, which ranks candidates by their place in the order):
-``add`` puts a key at the tail with True, and the index sets False on the keys it takes in, so
-the keys it has not seen are the tail's run of True values. Two shared objects: no int per key.
+"""Recency orders: the evictable keys, oldest first (``RecencyOrder``), and one that also keeps
+the keys it held that left it (``ResidentOrder``, the admission window's).
 
-A module of its own because these subclass a built-in type: the compiled build
-(``docs/setup.md``, "A compiled core") leaves this module to the interpreter, as mypyc cannot
-compile a subclass of ``OrderedDict``; their methods run in C either way.
+Each holds its keys in ``marks``, an ``OrderedDict`` whose value says whether the key is new to
+the eviction index (``embcache.core.eviction.EvictionIndex``, which ranks candidates by their
+place in the order): ``add`` puts a key at the tail marked True, and the index marks False the
+keys it takes in, so the keys it has not seen are the tail's run of True values. Two shared
+objects: no int per key.
+
+Composition, not a subclass of ``OrderedDict``: the compiled build compiles these classes
+(mypyc cannot compile a subclass of a built-in type), so the core's calls of ``add`` and
+``discard``, two on every hit, are C calls, not interpreter frames.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+
+from mypy_extensions import mypyc_attr
 
 
-class RecencyOrder(OrderedDict[str, bool]):
-    """Evictable keys by the time they last became evictable, oldest first. Every method O(1).
+@mypyc_attr(allow_interpreted_subclasses=True)  # compiled: the tests' planted orders extend it
+class RecencyOrder:
+    """Evictable keys by the time they last became evictable, oldest first. Every method O(1)
+    (iteration O(n)); membership, iteration and length are ``marks``'s, in C."""
 
-    An OrderedDict itself (values: new to the eviction index, module docstring), so
-    membership, iteration and length run in C: the core asks them on every hit."""
+    def __init__(self) -> None:
+        self.marks: OrderedDict[str, bool] = OrderedDict()  # key -> new to the index
 
     def add(self, key: str) -> None:
         """Put ``key`` at the tail (the newest), new to the eviction index. O(1)."""
-        self[key] = True
-        self.move_to_end(key)
+        marks = self.marks
+        marks[key] = True
+        marks.move_to_end(key)
 
     def discard(self, key: str) -> bool:
         """Take ``key`` out; whether it was there. O(1)."""
-        return self.pop(key, None) is not None
+        return self.marks.pop(key, None) is not None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.marks
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.marks)
+
+    def __len__(self) -> int:
+        return len(self.marks)
 
 
 class ResidentOrder(RecencyOrder):
@@ -39,17 +56,18 @@ class ResidentOrder(RecencyOrder):
 
     def __init__(self, aside: set[str]) -> None:
         super().__init__()
-        self._set_aside, self._take_back = aside.add, aside.discard  # bound once: every hit
+        self._aside = aside
 
     def add(self, key: str) -> None:
         """Put ``key`` at the tail (out of ``aside``). O(1)."""
-        self._take_back(key)
-        self[key] = True
-        self.move_to_end(key)
+        self._aside.discard(key)
+        marks = self.marks
+        marks[key] = True
+        marks.move_to_end(key)
 
     def discard(self, key: str) -> bool:
         """Take ``key`` out, into ``aside``; whether it was there. O(1)."""
-        if self.pop(key, None) is not None:  # (False: a key the eviction index took in)
-            self._set_aside(key)
+        if self.marks.pop(key, None) is not None:  # (False: a key the eviction index took in)
+            self._aside.add(key)
             return True
         return False

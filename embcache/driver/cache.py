@@ -231,7 +231,9 @@ class EmbeddingCache:
         """``request(request_id)`` then its ``lookup(items, prefetch=prefetch,
         reserve_misses=reserve_misses)``, in one step when no store is asked: the request
         (use it as a context manager) and the statuses. O(items)."""
-        return Request.open(self.runner, _request_id(request_id), items, prefetch, reserve_misses)
+        if type(request_id) is not str or not request_id:
+            _request_id(request_id)  # raises
+        return Request.open(self.runner, request_id, items, prefetch, reserve_misses)
 
     def open_lookup(
         self, request_id: str, items: Sequence[Item], *, prefetch: bool = True

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -83,27 +84,40 @@ class PoolViews:
             "strides": _strides.cache_info().currsize,
         }
 
-    def view(self, offset: int, item: ItemLike | Entry) -> torch.Tensor:
-        """``item``'s bytes at ``offset`` as a tensor of its shape and dtype (zero-copy): a
-        slice of a base view (class docstring). O(1)."""
-        dtype: torch.dtype = item.dtype  # type: ignore[assignment]
-        shape: tuple[int, ...] = item.shape
-        start = offset // dtype.itemsize
-        if len(shape) == 1:
-            typed = self._typed.get(dtype)  # (``_typed_view`` inlined: this runs per hit)
-            if typed is None:
-                typed = self._typed_view(dtype)
-            return typed[start : start + shape[0]]
-        inner = shape[1:]
-        row = math.prod(inner)
-        phase = start % row
-        base = self._bases.get((dtype, inner, phase))
-        if base is None:
-            base = self._new_base(dtype, inner, phase)
+    def views(
+        self, ranges: Sequence[tuple[int, ItemLike | Entry] | None]
+    ) -> list[torch.Tensor | None]:
+        """Per range, ``item``'s bytes at ``offset`` as a tensor of its shape and dtype
+        (zero-copy: a slice of a base view, class docstring); None for None. One frame for
+        all of them: this runs on every hit. O(len(ranges))."""
+        out: list[torch.Tensor | None] = []
+        for r in ranges:
+            if r is None:
+                out.append(None)
+                continue
+            offset, item = r
+            dtype: torch.dtype = item.dtype  # type: ignore[assignment]
+            shape: tuple[int, ...] = item.shape
+            start = offset // dtype.itemsize
+            if len(shape) == 1:
+                typed = self._typed.get(dtype)  # (``_typed_view`` inlined)
+                if typed is None:
+                    typed = self._typed_view(dtype)
+                out.append(typed[start : start + shape[0]])
+                continue
+            inner = shape[1:]
+            row = math.prod(inner)
+            phase = start % row
+            base = self._bases.get((dtype, inner, phase))
             if base is None:
-                return self._typed_view(dtype).as_strided(shape, _strides(shape), start)
-        first = start // row
-        return base[first : first + shape[0]]
+                base = self._new_base(dtype, inner, phase)
+                if base is None:
+                    typed = self._typed_view(dtype)
+                    out.append(typed.as_strided(shape, _strides(shape), start))
+                    continue
+            first = start // row
+            out.append(base[first : first + shape[0]])
+        return out
 
     def _typed_view(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole pool viewed as ``dtype``, made once (a race makes two, both valid)."""
@@ -139,8 +153,10 @@ class PoolViews:
                     copy_bytes(self._base + entry.offset, tensor.data_ptr(), tensor.nbytes)
                 else:
                     _check_strided(tensor)
+                    (view,) = self.views(((entry.offset, entry),))
+                    assert view is not None  # (a range gives a view)
                     with torch.no_grad():
-                        self.view(entry.offset, entry).copy_(tensor)
+                        view.copy_(tensor)
             except BaseException as exc:
                 return outcomes, exc
             outcomes[i] = TransferOutcome.OK

@@ -76,7 +76,9 @@ class Request:
         """Open a request on ``runner`` and look ``items`` up (none: only open it), in one
         step when no store is asked (``EmbeddingCache.lookup``); the request and the
         statuses."""
-        checked = check_items(items)
+        checked = None if isinstance(items, Item) else list(items)  # (as ``lookup``: inline)
+        if checked is None or not all(map(isinstance, checked, repeat(Item))):
+            raise InvalidTypeError("lookup takes a sequence of Item")
         ask_store = bool(prefetch) and runner.store is not None and bool(checked)
         flags = LOOKUP_FLAGS[ask_store, bool(reserve), SERVE]
         looked = runner.run(runner.core.begin_lookup, request_id, checked, flags)
@@ -125,7 +127,7 @@ class Request:
         if looked.ask:
             looked = self._ask_store(looked.ask)
         if self._items is None:
-            self._items = items  # (a list of its own: ``check_items`` made it)
+            self._items = items  # (a list of its own: ``open`` or ``lookup`` made it)
         else:
             self._items += items
         served = looked.served
@@ -160,8 +162,7 @@ class Request:
         for every looked-up item this request does not hold. Every call makes new view
         objects: reshaping one in place (``unsqueeze_``) touches nobody else's, but writing
         into one changes the cached bytes that every request reads."""
-        view = self._runner.views.view
-        return [None if r is None else view(*r) for r in (self._served or self._now()).ranges]
+        return self._runner.views.views((self._served or self._now()).ranges)
 
     def fallback_mask(self) -> torch.Tensor:
         """int32 tensor over the looked-up items: 1 where the caller must encode (the torch
@@ -360,14 +361,6 @@ class Request:
             if served.final:
                 self._served = served
         return served
-
-
-def check_items(items: Sequence[Item]) -> list[Item]:
-    """``items`` as a list, each an ``Item``; else ``InvalidTypeError``."""
-    checked = None if isinstance(items, Item) else list(items)
-    if checked is None or not all(map(isinstance, checked, repeat(Item))):  # no frame per item
-        raise InvalidTypeError("lookup takes a sequence of Item")
-    return checked
 
 
 def _check_timeout(timeout: object) -> float | None:

@@ -150,6 +150,8 @@ class StepRunner:
         (module docstring); the step's result."""
         with self.lock:
             fx = step(*args, **kwargs)
+            if not (self.wakeups or fx.busy()):  # nothing to carry out (an idle hit's steps)
+                return fx.result
             if fx.freed:
                 poison(self.pool, fx.freed)
             futures: list[Future] | None = None

@@ -61,6 +61,22 @@ def test_the_benchmark_measures_both_sides(vllm_base: Any, tmp_path: Path) -> No
     assert load["ours"] > 0 and load["baseline"] > 0
 
 
+def test_the_benchmarks_pools_flag_runs_the_pool_sweep_alone(
+    vllm_base: Any, tmp_path: Path
+) -> None:
+    out = tmp_path / "rows.json"
+    command = [sys.executable, "-m", "benchmarks.peers.bench_vllm", "--tiny", "--pools"]
+    done = subprocess.run(
+        [*command, "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    names = [row["name"] for row in json.loads(out.read_text())]
+    shares = {name.split("x working set:")[0] for name in names}
+    assert shares == {f"vllm pool {share}" for share in ("2", "1", "0.5", "0.25")}
+    for share in ("2", "1", "0.5", "0.25"):
+        assert f"vllm pool {share}x working set: scheduler CPU/image vs ECCPUConnector" in names
+
+
 def test_callgrind_totals_are_read_from_each_dump_in_order(tmp_path: Any) -> None:
     out = tmp_path / "cg.out"
     for n, total in ((1, 1234), (2, 56)):

@@ -110,7 +110,7 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         """Look the request's items up (once, and again for items that arrived since); False
         defers it while a store read runs."""
-        side = self._scheduler_side("ensure_cache_available")
+        side = self._scheduler or self._scheduler_side("ensure_cache_available")
         ready = side.ensure_known(request.request_id, len(request.mm_features))
         if ready is None:
             ready = side.ensure(request.request_id, self._items(request))
@@ -119,11 +119,12 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         """Item ``index`` of ``request`` is scheduled: a load if held, else maybe a fill."""
-        self._scheduler_side("update_state_after_alloc").alloc(request.request_id, index)
+        side = self._scheduler or self._scheduler_side("update_state_after_alloc")
+        side.alloc(request.request_id, index)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         """This step's loads and saves, for every rank."""
-        side = self._scheduler_side("build_connector_meta")
+        side = self._scheduler or self._scheduler_side("build_connector_meta")
         meta = side.build()
         self.has_cache_item = side.has_item
         return meta
@@ -132,11 +133,12 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
         """The ranks' merged acks."""
         acks = connector_output.ec_connector_worker_meta
         if isinstance(acks, EmbcacheECWorkerMetadata):
-            self._scheduler_side("update_connector_output").absorb(acks)
+            side = self._scheduler or self._scheduler_side("update_connector_output")
+            side.absorb(acks)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Release the request's pins now or when its last ack comes; vLLM frees at once."""
-        side = self._scheduler_side("request_finished")
+        side = self._scheduler or self._scheduler_side("request_finished")
         side.finish(request.request_id)
         self.has_cache_item = side.has_item
         return False, None
@@ -204,6 +206,9 @@ class EmbcacheECConnector(ECConnectorBase):  # type: ignore[misc]
         return meta
 
     def _scheduler_side(self, method: str) -> SchedulerSide:
+        """The scheduler half; ``InvalidArgumentError`` in the worker role. vLLM's per-step
+        methods read ``self._scheduler or self._scheduler_side(...)``: no frame of this one
+        per call while the half exists."""
         if self._scheduler is None:
             raise InvalidArgumentError(
                 f"{method} is a scheduler-role method, called on the {self.role} connector"

@@ -256,8 +256,7 @@ class SchedulerSide:
         for rank, who in acks.alive.items():
             if self._watch.announce(rank, who):
                 self._rank_died(rank, "process exit")
-        touched: list[str] = []
-        load_acks = self._load_acks
+        load_acks, held_by = self._load_acks, self._held
         for rank, done in acks.loaded.items():
             bit = 1 << rank
             for step_key in done:
@@ -270,24 +269,31 @@ class SchedulerSide:
                     load_acks[step_key] = (request_id, missing)
                     continue
                 del load_acks[step_key]
-                self._held[request_id].loads.discard(step_key)
-                touched.append(request_id)
+                held = held_by[request_id]
+                loads = held.loads
+                loads.discard(step_key)
+                if not loads and held.finished_at is not None and not held.saves:
+                    self._close(request_id, held)  # its last ack: nothing of it is owed
+        if acks.saved:
+            self._absorb_saves(acks.saved)
+        if self._finishing or self._quarantined or self._writing:
+            self._expire()
+
+    def _absorb_saves(self, saved: dict[StepKey, bool]) -> None:
+        """Rank 0's save acks: end each acked fill (OK, or FAILED when the tensor did not
+        match), one ``end_fill`` per request; close a finished request owing nothing more."""
         ended: dict[str, list[tuple[StepKey, str, int, TransferOutcome]]] = {}
-        for step_key, ok in acks.saved.items():
+        for step_key, ok in saved.items():
             self._writing.discard(step_key)  # a late ack: that write is over
-            saved = self._save_acks.pop(step_key, None)
-            if saved is not None:
-                request_id, key, offset = saved
+            acked = self._save_acks.pop(step_key, None)
+            if acked is not None:
+                request_id, key, offset = acked
                 ended.setdefault(request_id, []).append(
                     (step_key, key, offset, OK if ok else FAILED)
                 )
         for request_id, saves in ended.items():
             self._end_saves(request_id, saves)
-            touched.append(request_id)
-        for request_id in touched:
             self._close_if_done(request_id)
-        if self._finishing or self._quarantined or self._writing:
-            self._expire()
 
     def rank_died(self, rank: int) -> None:
         """Rank ``rank``'s worker process is gone (the engine's failure path says so; never
