@@ -226,16 +226,19 @@ class BestFitAllocator:
             end = self._allocated.get(offset)
         return None if end is None else _new_block(Block, (offset, end - offset, free))
 
-    def free_around(self, offset: int, end: int) -> tuple[int, int]:
-        """``(start, stop)``: ``[offset, end)`` widened over the free block that ends at
-        ``offset`` and the free block that starts at ``end``, where there are such blocks (the
-        eviction rule's one query per candidate). O(1)."""
-        # Read through ``Any`` (as ``allocate`` does): the compiled build then boxes each
-        # argument once, not again for ``in``, for ``get``'s default or for a conditional.
+    def free_around(self, offset: Any, end: Any) -> tuple[Any, Any]:
+        """``(start, stop)``: ``[offset, end)`` (two ints) widened over the free block that
+        ends at ``offset`` and the free block that starts at ``end``, where there are such
+        blocks (the eviction rule's one query per candidate). O(1)."""
+        # Ints typed ``Any`` (as ``allocate`` reads its maps): the compiled build takes the
+        # caller's boxed ints and hands back those or the maps' own, boxing none (typed ``int``,
+        # each call boxed both arguments and its caller both results again: 4 int objects a
+        # candidate of the eviction search, which keeps them as dict keys).
         free: dict[int, Any] = self._free
         before: Any = self._end.get(offset)
         after: Any = free.get(end)
-        start, stop = offset, end
+        start: Any = offset
+        stop: Any = end
         if before is not None and before in free:
             start = before
         if after is not None:

@@ -217,6 +217,8 @@ def _allocate(st: CoreState, key: str, size: int) -> int | Reason:
         return Reason.NO_SPACE  # (what the search says of no candidates)
     entries = st.entries
     first = entries[head]
+    start: int
+    stop: int
     start, stop = allocator.free_around(first.offset, first.offset + first.size)
     victims = [first]  # the search's first step, without the search: it alone fits
     if stop - start < size:

@@ -211,11 +211,12 @@ class VictimSearch:
         key_end: Any = end
         left: Any = edges.get(key)  # the start of a run that ends where the block starts
         right: Any = edges.get(key_end)  # the end of a run that starts where the block ends
-        free_start = free_stop = 0
+        free_start: Any = None
+        free_stop: Any = None
         if left is None or right is None:
             allocator = self._allocator
-            if allocator is not None:
-                free_start, free_stop = allocator.free_around(offset, end)
+            if allocator is not None:  # (its boxed ints in and out: ``free_around``)
+                free_start, free_stop = allocator.free_around(key, key_end)
             else:
                 free_start, free_stop = self._free_around(offset, end)
         start_edge: Any = free_start if left is None else left
