@@ -431,3 +431,32 @@ def test_a_planted_query_that_takes_the_trace_is_found() -> None:
     before = core_state_fingerprint(st)
     call_every_query(Leaky())
     assert core_state_fingerprint(st) != before
+
+
+def test_effects_are_busy_exactly_when_the_driver_has_more_than_the_result_to_carry_out() -> None:
+    """``Effects.busy()`` is what lets ``StepRunner.run`` return at once (no request has a
+    wake-up): false for a result alone, a closed request, or a request whose lookup ended with
+    nothing pending; true for each thing the driver must carry out."""
+    from embcache.core.effects import Effects, Writes
+    from embcache.core.entries import Entry
+
+    entry = Entry("k", (4,), "uint8", 0, 256)
+    quiet, closed, done = Effects(1), Effects(None), Effects(None)
+    closed.closed = done.waiting = RequestState("r")
+    assert not any(fx.busy() for fx in (quiet, closed, done))
+    own = RequestState("own")  # waits only on its own reservation: nothing pending
+    own.waits.add("k")
+    own.reserved.add("k")
+    other = RequestState("other")  # waits on someone else's load
+    other.waits.add("k")
+    fields: list[tuple[str, object]] = [
+        ("freed", [(0, 256)]), ("wake", [RequestState("w")]), ("events", [{"seq": 1}]),
+        ("loads", [entry]), ("writes", Writes("r", [entry])), ("waiting", other),
+    ]  # fmt: skip
+    for name, value in fields:
+        fx = Effects(None)
+        setattr(fx, name, value)
+        assert fx.busy(), name
+    fx = Effects(None)
+    fx.waiting = own
+    assert not fx.busy()
