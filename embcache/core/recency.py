@@ -61,13 +61,11 @@ class ResidentOrder(RecencyOrder):
     def add(self, key: str) -> None:
         """Put ``key`` at the tail (out of ``aside``). O(1)."""
         self._aside.discard(key)
-        marks = self.marks
-        marks[key] = True
-        marks.move_to_end(key)
+        super().add(key)
 
     def discard(self, key: str) -> bool:
         """Take ``key`` out, into ``aside``; whether it was there. O(1)."""
-        if self.marks.pop(key, None) is not None:  # (False: a key the eviction index took in)
+        if super().discard(key):
             self._aside.add(key)
             return True
         return False
