@@ -170,7 +170,11 @@ class Fleet:
             self.take(w, k)
         else:
             self.ws[w, k] = Work(
-                phase=WAITING, timer=self.lease, lease=current.left, rounds=1, polled=True,
+                phase=WAITING,
+                timer=self.lease,
+                lease=current.left,
+                rounds=1,
+                polled=True,
                 missed=not self.complete(k),
             )
         return True
