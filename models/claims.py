@@ -67,7 +67,8 @@ class Work:
     that claim's lease left as it counts it (an owner) or the ticks to its deadline (a waiter);
     ``lease``: the lease left of the claim a waiter last found (a ghost: the store's count);
     ``rounds``: the claims a waiter has waited on; ``polled``: a waiter polled since the last
-    tick; ``got``: the bytes it holds and serves."""
+    tick; ``got``: the bytes it holds and serves; ``missed``: a ghost, the key was not stored at
+    a waiter's last claim or poll (its next poll's ask may miss a publish visible since)."""
 
     phase: str = IDLE
     own: bool = False
@@ -76,9 +77,12 @@ class Work:
     rounds: int = 0
     polled: bool = False
     got: str | None = None
+    missed: bool = False
 
 
 IDLE_WORK = Work()
+#: What a poll's ask answered: the key stored, or not (``Fleet.poll``).
+ASKS = ("stored", "missed")
 
 
 class Fleet:
@@ -120,6 +124,14 @@ class Fleet:
         """After its publish a claimer removes its claim; anyone else is done."""
         return dataclasses.replace(s, phase=RELEASE if s.own else DONE)
 
+    def asks(self, w: str, k: str) -> tuple[str, ...]:
+        """What the ask of w's poll of k may answer (the spec's Looks): the poll asks, then
+        claims (two calls), and is its claim's step; its ask came after w's last claim or
+        poll, so an object complete now may have been missed if it was not complete then."""
+        if not self.complete(k):
+            return ("missed",)
+        return ASKS if self.ws[w, k].missed else ("stored",)
+
     def free(self, k: str) -> bool:
         """k's claim can be won: there is none, or its lease has ended."""
         current = self.claim[k]
@@ -158,20 +170,29 @@ class Fleet:
             self.take(w, k)
         else:
             self.ws[w, k] = Work(
-                phase=WAITING, timer=self.lease, lease=current.left, rounds=1, polled=True
+                phase=WAITING,
+                timer=self.lease,
+                lease=current.left,
+                rounds=1,
+                polled=True,
+                missed=not self.complete(k),
             )
         return True
 
-    def poll(self, w: str, k: str) -> bool:
-        """One poll of a waiter: load the publish, or claim again (a takeover once the claim
-        it found ended); refused at its deadline, wait on the newer claim or, after
-        ``CLAIMS_WAITED`` claims, encode with no claim. A poll that changes nothing is no step."""
+    def poll(self, w: str, k: str, ask: str) -> bool:
+        """One poll of a waiter whose ask answered ``ask`` (one of ``asks``): load the publish
+        (stored), or claim again (a takeover once the claim it found ended; a publish the ask
+        missed is loaded by the claimer's second look); refused at its deadline, wait on the
+        newer claim or, after ``CLAIMS_WAITED`` claims, encode with no claim. A poll that
+        changes nothing is no step."""
         s = self.ws[w, k]
-        if s.phase != WAITING:
+        if s.phase != WAITING or ask not in self.asks(w, k):
             return False
         obj, current = self.data[k], self.claim[k]
         found = s.lease if current is None or current.left == 0 else current.left
-        if obj is not None and obj.state == COMPLETE:
+        missed = not self.complete(k)
+        if ask == "stored":
+            assert obj is not None
             self.ws[w, k] = Work(phase=DONE, got=obj.bytes)
         elif self.free(k):
             self.take(w, k)
@@ -179,12 +200,12 @@ class Fleet:
             self.ws[w, k] = Work(phase=FALLBACK)
         elif s.timer == 0:
             self.ws[w, k] = dataclasses.replace(
-                s, timer=self.lease, rounds=s.rounds + 1, lease=found, polled=True
+                s, timer=self.lease, rounds=s.rounds + 1, lease=found, polled=True, missed=missed
             )
-        elif s.polled and s.lease == found:
+        elif s.polled and s.lease == found and s.missed == missed:
             return False
         else:
-            self.ws[w, k] = dataclasses.replace(s, lease=found, polled=True)
+            self.ws[w, k] = dataclasses.replace(s, lease=found, polled=True, missed=missed)
         return True
 
     def encode(self, w: str, k: str) -> bool:
@@ -262,12 +283,16 @@ class Fleet:
         return True
 
     def restart(self) -> bool:
-        """The master restarts (once): every claim and object is gone."""
+        """The master restarts (once): every claim and object is gone (a waiter's next ask may
+        miss an object published to the new master)."""
         if RESTART not in self.faults or self.restarts != 0:
             return False
         self.data = {k: None for k in self.keys}
         self.claim = {k: None for k in self.keys}
         self.restarts += 1
+        for wk, s in self.ws.items():
+            if s.phase == WAITING:
+                self.ws[wk] = dataclasses.replace(s, missed=True)
         return True
 
     def tick(self) -> bool:
@@ -334,11 +359,12 @@ class Fleet:
             assert self.encoded_once(), self.snapshot()
 
 
-# The spec's actions: name, method, what it ranges over ("wk": a worker and a key).
+# The spec's actions: name, method, what it ranges over ("wk": a worker and a key; "wka": and
+# what a poll's ask answered).
 ACTIONS: list[tuple[str, str, str]] = [
     ("Ask", "ask", "wk"),
     ("Claim", "claim_key", "wk"),
-    ("Poll", "poll", "wk"),
+    ("Poll", "poll", "wka"),
     ("Encode", "encode", "wk"),
     ("EncodeFails", "encode_fails", "wk"),
     ("BeginPublish", "begin_publish", "wk"),
@@ -352,7 +378,9 @@ ACTIONS: list[tuple[str, str, str]] = [
 
 
 def arguments(fleet: Fleet, over: str) -> list[tuple[str, ...]]:
-    """Every argument tuple an action ranges over."""
+    """Every argument tuple an action ranges over ("wka": a worker, a key and an ask's answer)."""
+    if over == "wka":
+        return [(w, k, a) for w in fleet.workers for k in fleet.keys for a in ASKS]
     if over == "wk":
         return [(w, k) for w in fleet.workers for k in fleet.keys]
     if over == "w":

@@ -27,7 +27,9 @@
 (*    refused: WAITING (LOADING from the store) until a full lease from    *)
 (*    when the wait began; each Poll loads the publish if it is visible,   *)
 (*    else claims again, and wins (a takeover) once the claim it found has *)
-(*    ended (released, expired, or gone with a restarted master).  Still   *)
+(*    ended (released, expired, or gone with a restarted master).  A poll  *)
+(*    asks, then claims: a publish and its release between the two give   *)
+(*    it a claim on a stored key, which its second look loads.  Still     *)
 (*    refused at the deadline: a newer claim (another waiter took the old *)
 (*    one over), waited on for one more lease; after ClaimsWaited leases,  *)
 (*    the waiter encodes itself with no claim (per-item fallback).        *)
@@ -104,9 +106,11 @@ NoClaim == [owner |-> Nobody, left |-> 0]
 \* counts it (an owner), or the ticks to w's deadline (a waiter); lease: a
 \* ghost, the lease left of the claim a waiter last found, as the store
 \* counts it; rounds: the claims a waiter has waited on; polled: a waiter
-\* polled since the last tick; got: the bytes w holds and serves.
+\* polled since the last tick; got: the bytes w holds and serves; missed: a
+\* ghost, the key was not stored at a waiter's last claim or poll, so the ask
+\* of its next poll may still miss a publish visible since (Poll).
 Idle == [phase |-> IDLE, own |-> FALSE, timer |-> 0, lease |-> 0, rounds |-> 0, polled |-> FALSE,
-         got |-> NoBytes]
+         got |-> NoBytes, missed |-> FALSE]
 
 Dec(n) == IF n > 0 THEN n - 1 ELSE 0
 
@@ -115,6 +119,19 @@ Set(w, k, s) == ws' = [ws EXCEPT ![w][k] = s]
 
 \* After its publish: a claimer releases its claim, anyone else is done.
 AfterPublish(s) == IF s.own THEN [s EXCEPT !.phase = RELEASE] ELSE [s EXCEPT !.phase = DONE]
+
+\* The key is not stored (a get would miss it).
+Missed(k) == data[k].state # COMPLETE
+
+\* What the ask of w's poll of k may answer (stored or not): a poll asks
+\* whether the key is stored and then claims it, two calls, so a publish and
+\* its release may both land between them.  The poll is its claim's step,
+\* and its ask came after w's last claim or poll: an object complete now may
+\* have been missed if it was not complete then (a restart empties the store).
+Looks(w, k) ==
+    IF Missed(k) THEN {FALSE}
+    ELSE IF ws[w][k].missed THEN {TRUE, FALSE}
+    ELSE {TRUE}
 
 \* A claim can be won: there is none, or its lease has ended.
 Free(k) == claim[k] = NoClaim \/ claim[k].left = 0
@@ -146,21 +163,24 @@ Claim(w, k) ==
     /\ IF Free(k)
          THEN Take(w, k)
          ELSE /\ Set(w, k, [Idle EXCEPT !.phase = WAITING, !.timer = Lease, !.rounds = 1,
-                                        !.lease = claim[k].left, !.polled = TRUE])
+                                        !.lease = claim[k].left, !.polled = TRUE,
+                                        !.missed = Missed(k)])
               /\ UNCHANGED claim
     /\ UNCHANGED <<data, encodes, restarts>>
 
-\* One poll of a waiter: the publish visible, it loads it; else it claims
-\* again, and wins once the claim it found has ended (a takeover: OWNED).
-\* Refused at its deadline: after ClaimsWaited claims it encodes itself (no
-\* claim), else waits one more lease on the newer claim.  (A poll that
-\* changes nothing is no step.)
+\* One poll of a waiter: the publish visible to its ask, it loads it; else
+\* it claims again, and wins once the claim it found has ended (a takeover:
+\* OWNED; a publish the ask missed is loaded by the claimer's second look,
+\* Encode).  Refused at its deadline: after ClaimsWaited claims it encodes
+\* itself (no claim), else waits one more lease on the newer claim.  (A poll
+\* that changes nothing is no step.)
 Poll(w, k) ==
     LET s == ws[w][k]
         found == IF Free(k) THEN s.lease ELSE claim[k].left
     IN
     /\ s.phase = WAITING
-    /\ IF data[k].state = COMPLETE
+    /\ \E stored \in Looks(w, k) :
+       IF stored
          THEN Set(w, k, [Idle EXCEPT !.phase = DONE, !.got = data[k].bytes]) /\ UNCHANGED claim
        ELSE IF Free(k)
          THEN Take(w, k)
@@ -168,10 +188,10 @@ Poll(w, k) ==
          THEN Set(w, k, [Idle EXCEPT !.phase = FALLBACK]) /\ UNCHANGED claim
        ELSE IF s.timer = 0
          THEN /\ Set(w, k, [s EXCEPT !.timer = Lease, !.rounds = @ + 1, !.lease = found,
-                                     !.polled = TRUE])
+                                     !.polled = TRUE, !.missed = Missed(k)])
               /\ UNCHANGED claim
-       ELSE /\ ~s.polled \/ s.lease # found
-            /\ Set(w, k, [s EXCEPT !.lease = found, !.polled = TRUE])
+       ELSE /\ ~s.polled \/ s.lease # found \/ s.missed # Missed(k)
+            /\ Set(w, k, [s EXCEPT !.lease = found, !.polled = TRUE, !.missed = Missed(k)])
             /\ UNCHANGED claim
     /\ UNCHANGED <<data, encodes, restarts>>
 
@@ -250,13 +270,17 @@ Expire(k) ==
 
 \* The master restarts: every claim and object is gone.  Workers find no
 \* claim and no object: waiters fall back, claimers publish to the new one.
+\* (A waiter's next ask may miss an object published to the new master.)
 Restart ==
     /\ RESTART \in Faults
     /\ restarts = 0
     /\ data' = [k \in Keys |-> NoData]
     /\ claim' = [k \in Keys |-> NoClaim]
     /\ restarts' = restarts + 1
-    /\ UNCHANGED <<ws, encodes>>
+    /\ ws' = [w \in Workers |-> [k \in Keys |->
+                 IF ws[w][k].phase = WAITING THEN [ws[w][k] EXCEPT !.missed = TRUE]
+                 ELSE ws[w][k]]]
+    /\ UNCHANGED encodes
 
 \* Time moves on by one tick: every lease and timer counts down.  Not before
 \* every waiter polled since the last tick, nor, unless claimers may be slow,
@@ -327,7 +351,8 @@ TypeOK ==
     /\ claim \in [Keys -> {NoClaim} \cup [owner : Workers, left : 0..Lease]]
     /\ ws \in [Workers -> [Keys -> [phase : Phases, own : BOOLEAN, timer : 0..Lease,
                                     lease : -Lease..Lease, rounds : 0..ClaimsWaited,
-                                    polled : BOOLEAN, got : Keys \cup {Garbage, NoBytes}]]]
+                                    polled : BOOLEAN, got : Keys \cup {Garbage, NoBytes},
+                                    missed : BOOLEAN]]]
     /\ encodes \in [Keys -> 0..Cardinality(Workers)]
     /\ restarts \in 0..1
 

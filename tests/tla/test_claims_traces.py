@@ -229,6 +229,85 @@ def test_a_fleet_on_a_real_master_records_traces_the_spec_explains(
     assert ("Ask", "hit") in actions or ("Poll", "loaded") in actions, actions  # one waited
 
 
+@pytest.mark.mooncake
+def test_a_publish_and_release_between_a_polls_ask_and_its_claim_is_explained(
+    mooncake_master: MooncakeMaster, key_prefix: str
+) -> None:
+    """A waiter's poll asks whether the key is stored, then claims it: two calls. The claimer's
+    publish and release landing between them (made to happen here: the waiter's first poll
+    claims only once the claimer's encode, held until then, is published and released) give
+    the waiter a claim on a key stored by then: its second look loads it (``Encode`` ``loaded``,
+    ``Release`` ``late``), no encode. The spec explains it (``FleetClaims.tla``'s ``Looks``)."""
+    from embcache.store.mooncake import MooncakeStore
+
+    keys = ["a", "b", "c"]
+    go = threading.Event()  # the claimer's encoder runs once the waiter's poll has asked
+
+    class HeldEncoder(SleepyEncoder):
+        def __call__(self, inputs: Sequence[Any], /) -> list[torch.Tensor]:
+            assert go.wait(30), "the waiter never polled"
+            return super().__call__(inputs)
+
+    class ClaimsAfterTheRelease(MooncakeStore):
+        """The waiter's client of the real master: its third claim call (the first poll's,
+        after ``FleetClaims.claim``'s and the wait's first ask's) is made once the claimer's
+        claims are released, its publish visible."""
+
+        calls = 0
+
+        def claim(self, keys: Sequence[str]) -> list[int]:
+            self.calls += 1
+            if self.calls == 3:
+                go.set()
+                deadline = time.monotonic() + 30
+                while claimer.stats().released < len(keys):
+                    assert time.monotonic() < deadline, "the claimer never released"
+                    time.sleep(0.005)
+            return super().claim(keys)
+
+    made = []
+    try:
+        for segment, store_type, encoder in (
+            (64 << 20, MooncakeStore, HeldEncoder(0.0)),
+            (0, ClaimsAfterTheRelease, SleepyEncoder(0.0)),
+        ):
+            store = store_type(**mooncake_master.store_kwargs(), key_prefix=key_prefix,
+                               global_segment_size=segment)  # fmt: skip
+            store.connect()
+            log = TraceLog()
+            cache = EmbeddingCache(4 << 20, store=store, pin_memory=False)
+            claims = FleetClaims(store, trace=log)
+            made.append((store, cache, claims, log, EncodePipeline(cache, encoder, claims=claims)))
+        (_, _, claimer, claimer_log, first), (_, _, waiter, waiter_log, second) = made
+        outputs: dict[str, torch.Tensor] = {}
+        items = [item(k) for k in keys]
+        run = threading.Thread(target=lambda: outputs.update(w0=first.encode("w0", items, keys)))
+        run.start()
+        deadline = time.monotonic() + 30
+        while claimer.stats().claimed < len(keys):  # the claimer claims first
+            assert time.monotonic() < deadline and run.is_alive(), claimer_log.events
+            time.sleep(0.005)
+        outputs["w1"] = second.encode("w1", items, keys)
+        run.join()
+        want = torch.cat([torch.full(SHAPE, float(sum(k.encode()) % 97)) for k in keys])
+        assert all(torch.equal(out, want) for out in outputs.values()), outputs
+    finally:
+        go.set()
+        for store, cache, claims, _, _ in reversed(made):
+            claims.close()
+            cache.close()
+            store.close()
+    steps = [(e["action"], e["outcome"]) for e in waiter_log.events if e["key"] == "a"]
+    assert steps == [("Ask", "miss"), ("Claim", "taken"), ("Poll", "won"), ("Encode", "loaded"),
+                     ("Release", "late")], waiter_log.events  # fmt: skip
+    assert waiter.stats().loaded == 3 and waiter.stats().taken_over == 0, waiter.stats()
+    traces = [("w0", list(claimer_log.events)), ("w1", list(waiter_log.events))]
+    checked = trace_mod.validate(traces, workers=2)
+    rejected = [v.describe() for v in checked if not v.accepted]
+    assert not rejected, "\n".join(rejected)
+    assert len(checked) == 6
+
+
 # ------------------------------------------------------------------ teeth: planted bugs
 
 
