@@ -280,8 +280,8 @@ class ClaimsDifferential(RuleBasedStateMachine):
                     # (the real claim's holder first: of waiters racing for a takeover, the
                     # model's winner is the real one)
                     phase = fleet.ws[w, k].phase
-                    if phase == model.WAITING:
-                        changed |= fleet.poll(w, k)
+                    if phase == model.WAITING:  # (the real poll asks the store as it is now)
+                        changed |= fleet.poll(w, k, "stored" if fleet.complete(k) else "missed")
                     elif phase in (model.OWNED, model.FALLBACK):
                         changed |= fleet.encode(w, k)
                     elif phase == model.RELEASE:
