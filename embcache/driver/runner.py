@@ -27,14 +27,14 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, Protocol, TypeVar
 
 import torch
 
 from embcache.core.cache_core import CacheCore
-from embcache.core.effects import Effects
+from embcache.core.effects import Effects, Writes
 from embcache.core.entries import Entry, RequestState
 from embcache.core.outcomes import TransferOutcome
 from embcache.driver.global_store import GlobalStore, get_outcome, put_outcome
@@ -42,7 +42,7 @@ from embcache.driver.locks import CHECKING, HierarchyLock, assert_unlocked
 from embcache.driver.poison import poison
 from embcache.driver.pool import PoolViews, payload_nbytes
 from embcache.driver.trace import TraceOutbox
-from embcache.errors import LockOrderError
+from embcache.errors import ClosedError, LockOrderError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -171,11 +171,42 @@ class StepRunner:
             assert_unlocked("waking requests")
         if futures:
             resolve(futures)
-        if fx.loads:
-            self.io.submit(self.run_loads, list(fx.loads))
-        if fx.writes is not None:
-            self.io.submit(self.run_publishes, *fx.writes)
+        if fx.loads or fx.writes is not None:
+            self._hand_off(fx.loads, fx.writes)
         return fx.result
+
+    def _hand_off(self, loads: Sequence[Entry], writes: Writes | None) -> None:
+        """Submit a step's store reads and writes to the I/O pool. A pool that refuses one
+        (shut down: a ``close()`` ran between the step and this hand-off) started nothing, so
+        each refused transfer ends FAILED at once (its pins go, its waiters fall back, a write
+        joins the backlog as any failed publish), and then the caller gets ``ClosedError``
+        (the pool's RuntimeError, as ``Executor.submit``'s after shutdown) or the pool's own
+        error."""
+        refused: Exception | None = None
+        if loads:
+            entries = list(loads)
+            try:
+                self.io.submit(self.run_loads, entries)
+            except Exception as exc:
+                refused = exc
+                self.run(self.core.end_loads, entries, [TransferOutcome.FAILED] * len(entries))
+        if writes is not None:
+            try:
+                self.io.submit(self.run_publishes, *writes)
+            except Exception as exc:
+                refused = refused or exc
+                request_id, entries = writes.request_id, list(writes.entries)
+                outcomes = [TransferOutcome.FAILED] * len(entries)
+                self.run(self.core.end_publishes, request_id, entries, outcomes)
+                if self._published is not None:
+                    self._published(entries, outcomes)
+        if isinstance(refused, RuntimeError):
+            raise ClosedError(
+                "the cache closed while this step handed its store transfers over: none "
+                "started (each ended FAILED)"
+            ) from refused
+        if refused is not None:
+            raise refused
 
     def wait(self, rs: RequestState, seconds: float | None) -> bool:
         """Block until every load ``rs`` waits on has ended; False after ``seconds``."""
