@@ -41,6 +41,7 @@ are in ``EmbeddingCache.stats()`` (``publish_backlog``, ``publish_backlog_droppe
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import math
 import threading
@@ -52,7 +53,7 @@ from dataclasses import dataclass
 from embcache.core.entries import Entry
 from embcache.core.outcomes import TransferOutcome
 from embcache.driver.locks import new_lock
-from embcache.errors import ClosedError, InvalidArgumentError, InvalidTypeError
+from embcache.errors import ClosedError, InvalidArgumentError, InvalidTypeError, InvariantError
 
 __all__ = ["BACKLOG_LEVEL", "PublishBacklog", "RepublishPolicy", "Republisher"]
 log = logging.getLogger(__name__)
@@ -122,6 +123,44 @@ class PublishBacklog:
     def __len__(self) -> int:
         with self._lock:
             return len(self._waiting) + len(self._retrying)
+
+    def counts(self) -> tuple[int, int, int]:
+        """``(len(self), dropped, stale)`` read together (under one hold of the lock), so
+        ``EmbeddingCache.stats()`` never shows a drop without the failure that caused it. O(1)."""
+        with self._lock:
+            return len(self._waiting) + len(self._retrying), self.dropped, self.stale
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` naming the first broken backlog invariant: at most
+        ``max_entries`` publishes waiting or in flight, and at most as many dropped retries
+        still in flight (``marks``); each key once, waiting, in flight or dropped in flight,
+        under its own entry; the waiting ones in age order, none newer than the last age
+        given. O(n)."""
+        with self._lock:
+            waiting, retrying, forgotten = self._waiting, self._retrying, self._forgotten
+            if len(waiting) + len(retrying) > self._max:
+                raise InvariantError(
+                    f"publish backlog: {len(waiting)} waiting and {len(retrying)} in flight "
+                    f"pass its bound of {self._max}"
+                )
+            if len(forgotten) > self._max:
+                raise InvariantError(
+                    f"publish backlog: {len(forgotten)} dropped retries in flight pass its "
+                    f"bound of {self._max}"
+                )
+            if twice := (waiting.keys() & retrying.keys()) | (forgotten & (
+                waiting.keys() | retrying.keys()
+            )):  # fmt: skip
+                raise InvariantError(f"publish backlog: keys both waiting and in flight: {twice}")
+            for key, aged in [*waiting.items(), *retrying.items()]:
+                if aged.entry.key != key or not 0 < aged.age <= self._ages:
+                    raise InvariantError(
+                        f"publish backlog: key {key!r} holds {aged.entry.key!r}'s entry or an "
+                        f"age never given ({aged.age}; the last given: {self._ages})"
+                    )
+            ages = [a.age for a in waiting.values()]
+            if any(older >= newer for older, newer in itertools.pairwise(ages)):
+                raise InvariantError(f"publish backlog: waiting out of age order: {ages}")
 
     @property
     def marks(self) -> int:
