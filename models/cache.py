@@ -407,12 +407,16 @@ class ModelCache:
         """The republisher's step: publish again the ``limit`` oldest failed publishes still
         their key's entry (the very entry that failed), READY, not doomed, tainted or being
         published, under an internal request that pins each and closes at once (no hit
-        counted); the rest are stale. How many started."""
-        if self.backlog is None:
-            return 0
-        keys = self.backlog.take(limit)
-        if not keys:
-            return 0
+        counted); the rest are stale. When all taken were stale, the next ``limit`` oldest,
+        until one is published or none waits. How many started."""
+        while self.backlog is not None and (keys := self.backlog.take(limit)):
+            if started := self.retry_taken(keys):
+                return started
+        return 0
+
+    def retry_taken(self, keys: list[str]) -> int:
+        """One retry of ``keys`` (taken from the backlog): how many started."""
+        assert self.backlog is not None
         self.batches += 1
         r = f"republish#{self.batches}"
         live = []

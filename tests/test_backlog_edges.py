@@ -198,6 +198,50 @@ def test_a_key_inserted_anew_under_a_waiting_failure_is_not_published_by_its_ret
         cache.check_invariants()
 
 
+def test_a_probe_passes_over_stale_entries_to_the_oldest_live_one() -> None:
+    """The oldest failures are the likeliest evicted (lru evicts the oldest idle entries): a
+    probe (``retry_publishes(1)``, the retry thread's every interval) that finds its entry
+    stale goes on to the next one at once, until a write starts. Before, a stale probe wrote
+    nothing and the store went unprobed for one interval per stale entry at the head (4096
+    at the default bound: over an hour at one a second)."""
+    store = FaultInjectingStore()
+    keys = [f"k{i}" for i in range(6)]
+    outage(store, keys, down=True)
+    cache, io = stepped(store, max_entries=8)
+    with cache:
+        tensors = [t for i, key in enumerate(keys) for t in insert(cache, [key], seed=i)]
+        io.run_all()
+        for key in keys[:4]:
+            assert cache.remove(key)
+        outage(store, keys, down=False)
+        assert cache.retry_publishes(1) == 1, "the probe reached k4"
+        assert backlog_counts(cache) == (2, 0, 4, 0)
+        assert cache.retry_publishes(1) == 0, "one retry at a time: k4's is in flight"
+        io.run_all()
+        assert store.object("k4") == raw(tensors[4])
+        assert cache.retry_publishes(5) == 1  # k5, the last: nothing else waits
+        io.run_all()
+        assert [store.object(k) for k in keys] == [None] * 4 + [raw(t) for t in tensors[4:]]
+        assert backlog_counts(cache) == (0, 0, 4, 0)
+        assert cache.stats().hits == 0
+        cache.check_invariants()
+
+
+def test_a_probe_with_only_stale_entries_empties_the_backlog_and_writes_nothing() -> None:
+    store = FaultInjectingStore()
+    outage(store, ["k0", "k1"], down=True)
+    cache, io = stepped(store, max_entries=8)
+    with cache:
+        insert(cache, ["k0", "k1"])
+        io.run_all()
+        cache.clear()
+        puts = store.calls["put_from"]
+        assert cache.retry_publishes(1) == 0
+        assert backlog_counts(cache) == (0, 0, 2, 0)
+        assert store.calls["put_from"] == puts and not io.tasks
+        cache.check_invariants()
+
+
 # ------------------------------------------------------------------ close
 
 

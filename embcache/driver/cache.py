@@ -420,12 +420,15 @@ class EmbeddingCache:
     def retry_publishes(self, limit: int | None = None) -> int:
         """Publish again, now, the ``limit`` oldest failed publishes waiting in the backlog
         (None: all; ``embcache.driver.backlog``): the republisher thread's step, for a cache
-        built with ``RepublishPolicy(background=False)`` (or any other). Returns how many
-        writes started (the rest were evicted, removed or quarantined since: stale); each
-        ends on the I/O pool as any publish does. 0 without a backlog, or with ``limit`` 0.
-        Raises InvalidTypeError / InvalidArgumentError for a ``limit`` that is not None or an
-        int >= 0, and ClosedError once the cache is closed (backlog or not; entries taken by
-        a retry the close interrupted wait again), each changing nothing. O(retried)."""
+        built with ``RepublishPolicy(background=False)`` (or any other). When every one taken
+        was evicted, removed or quarantined since (stale: dropped unwritten), the next oldest
+        are taken at once, until a write starts or none waits: a probe (``limit`` 1) writes
+        the oldest live entry, however many stale ones are older. Returns how many writes
+        started; each ends on the I/O pool as any publish does. 0 without a backlog, with
+        ``limit`` 0, or while a retry is in flight (one at a time). Raises InvalidTypeError /
+        InvalidArgumentError for a ``limit`` that is not None or an int >= 0, and ClosedError
+        once the cache is closed (backlog or not; entries taken by a retry the close
+        interrupted wait again), each changing nothing. O(retried + stale)."""
         if limit is not None:
             if isinstance(limit, bool) or not isinstance(limit, int):
                 raise InvalidTypeError(f"limit must be an int or None, got {limit!r}")
@@ -436,20 +439,20 @@ class EmbeddingCache:
         backlog = self._backlog
         if backlog is None:
             return 0
-        entries = backlog.take(limit)
-        if not entries:
-            return 0
-        try:
-            runner = self.runner
-            keys = [e.key for e in entries]
-            started = runner.run(
-                runner.core.publish, keys, request=None, store=True, entries=entries
-            )
-        except BaseException:
-            backlog.requeue(entries)
-            raise
-        backlog.skipped(entries, started)
-        return sum(started)
+        while entries := backlog.take(limit):  # (each turn takes out at least one)
+            try:
+                runner = self.runner
+                keys = [e.key for e in entries]
+                started = runner.run(
+                    runner.core.publish, keys, request=None, store=True, entries=entries
+                )
+            except BaseException:
+                backlog.requeue(entries)
+                raise
+            backlog.skipped(entries, started)
+            if any(started):
+                return sum(started)
+        return 0
 
     def _fence_due(self, now: float) -> bool:
         """Whether the automatic fence should run now (the fencer's question)."""
