@@ -21,9 +21,13 @@ protocol, no probe while nothing waits, and while the store stays down one write
 A retried entry joins the eviction order anew when its publish ends, as any published entry
 does; the probe moves one entry an interval. A retry is the cache's ``CacheCore.publish``
 step with no request: the same Lookup, Publish, Release and EndPublish actions as any
-request's publish, under an internal request, only for keys still READY and neither doomed
-nor tainted: an entry evicted, removed or quarantined since is dropped from the
-backlog unpublished (``stale``). One retry is in flight at a time (``take`` gives nothing
+request's publish, under an internal request, only for the very entry that failed, still its
+key's, READY and neither doomed nor tainted: an entry evicted, removed or quarantined since is
+dropped from the backlog unpublished (``stale``), even if its key was cached anew (that entry
+was published by its own insert, or was not to be: ``publish=False``, a load from the store).
+A retry that finds every entry it took stale takes the next oldest at once, until a write
+starts: the probe writes the oldest live entry, however many stale ones are older (the oldest
+failures are the likeliest evicted). One retry is in flight at a time (``take`` gives nothing
 until it ended, dropped by the bound or not), so the backlog stays in age order. A publish
 ending UNKNOWN never joins, a retry's included: its entry is quarantined. A key published OK
 (by a request) while it waits leaves the backlog: the store holds it. Each waiting publish has
@@ -34,7 +38,10 @@ come back FAILED are retried at once, not at the next interval.
 
 Bounded: at most ``max_entries`` wait; one more drops the oldest (``dropped``). The counters
 are in ``EmbeddingCache.stats()`` (``publish_backlog``, ``publish_backlog_dropped``,
-``publish_backlog_stale``) and the Prometheus metrics. Lock: ``_lock`` is a leaf (level
+``publish_backlog_stale``, read together: ``counts``) and the Prometheus metrics; the
+backlog's invariants (``check_invariants``) are part of ``EmbeddingCache.check_invariants``.
+A backlog needs a store: ``EmbeddingCache`` refuses a ``republish`` policy given with
+``store=None`` (InvalidArgumentError). Lock: ``_lock`` is a leaf (level
 ``BACKLOG_LEVEL``), held only to move keys in or out, never across a store call or a step.
 """
 
