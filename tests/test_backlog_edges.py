@@ -394,3 +394,18 @@ def test_check_invariants_covers_the_backlog(monkeypatch: pytest.MonkeyPatch) ->
         io.run(0)  # k0's retry fails: back after k1, out of age order
         with pytest.raises(InvariantError, match=r"backlog.*age order"):
             cache.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("bound", "error"),
+    [(0, InvalidArgumentError), (-1, InvalidArgumentError), (True, InvalidTypeError),
+     (2.5, InvalidTypeError), ("4", InvalidTypeError)],
+)  # fmt: skip
+def test_a_backlog_built_with_a_bad_bound_raises_a_specific_error(
+    bound: object, error: type[Exception]
+) -> None:
+    """``PublishBacklog`` is public: its bound is checked as ``RepublishPolicy.max_entries``
+    is. Before, -1 failed an assert at the first failed publish, 0 dropped every one, and
+    True or 2.5 were taken as bounds."""
+    with pytest.raises(error, match="max_entries"):
+        PublishBacklog(bound)  # type: ignore[arg-type]

@@ -80,11 +80,7 @@ class RepublishPolicy:
     background: bool = True
 
     def __post_init__(self) -> None:
-        n = self.max_entries
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise InvalidTypeError(f"max_entries must be an int, got {n!r}")
-        if n <= 0:
-            raise InvalidArgumentError(f"max_entries must be > 0, got {n}")
+        _check_bound(self.max_entries)
         s = self.retry_interval_s
         if isinstance(s, bool) or not isinstance(s, int | float):
             raise InvalidTypeError(f"retry_interval_s must be a number, got {s!r}")
@@ -95,6 +91,14 @@ class RepublishPolicy:
             )
         if not isinstance(self.background, bool):
             raise InvalidTypeError(f"background must be a bool, got {self.background!r}")
+
+
+def _check_bound(n: object) -> None:
+    """Raise unless ``n`` is an int > 0 (a backlog's ``max_entries``)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise InvalidTypeError(f"max_entries must be an int, got {n!r}")
+    if n <= 0:
+        raise InvalidArgumentError(f"max_entries must be > 0, got {n}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +118,11 @@ class PublishBacklog:
     (one key: its latest entry). Each has an age (when it first failed; a retry that fails
     again keeps it), so the order and the bound follow ``models.backlog`` however a retry's
     outcomes arrive. Thread-safe; every method O(its arguments), ``take`` O(n), ``note``
-    O(n) when a retry came back."""
+    O(n) when a retry came back. A bound that is not an int > 0 raises InvalidTypeError /
+    InvalidArgumentError, as ``RepublishPolicy``'s."""
 
     def __init__(self, max_entries: int) -> None:
+        _check_bound(max_entries)  # InvalidTypeError / InvalidArgumentError, as the policy's
         self._max = max_entries
         self._waiting: OrderedDict[str, _Aged] = OrderedDict()  # ages increasing
         self._retrying: dict[str, _Aged] = {}  # taken by ``take``, not yet ended; oldest first
