@@ -164,7 +164,7 @@ class PublishBacklog:
             if twice := (waiting.keys() & retrying.keys()) | (forgotten & (
                 waiting.keys() | retrying.keys()
             )):  # fmt: skip
-                raise InvariantError(f"publish backlog: keys both waiting and in flight: {twice}")
+                raise InvariantError(f"publish backlog: keys held twice: {twice}")
             for key, aged in [*waiting.items(), *retrying.items()]:
                 if aged.entry.key != key or not 0 < aged.age <= self._ages:
                     raise InvariantError(
