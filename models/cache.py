@@ -88,6 +88,7 @@ class ModelCache:
         self.snapshots: dict[int, list[tuple[str, int]]] = {}  # fences in flight
         # failed publishes retried (``backlog`` entries at most; None: never retried)
         self.backlog = None if backlog is None else ModelBacklog(backlog)
+        self.failed_gen: dict[str, int] = {}  # key -> the entry (gen) whose publish failed last
         self.batches = 0  # internal requests opened so far (``republish#N``)
 
     # -- requests --
@@ -288,6 +289,8 @@ class ModelCache:
             if outcome == UNKNOWN:
                 e.tainted = True
             self.counts["publishes_" + outcome.lower()] += 1
+            if outcome == FAILED:
+                self.failed_gen[k] = e.gen  # that very entry waits, not the key's next one
             self.drop_pin(e, ("publish", task.request))
             outcomes.append(outcome)
         if self.backlog is not None:
@@ -402,19 +405,29 @@ class ModelCache:
 
     def retry(self, limit: int | None) -> int:
         """The republisher's step: publish again the ``limit`` oldest failed publishes still
-        READY, not doomed, tainted or being published, under an internal request that pins
-        each and closes at once (no hit counted); the rest are stale. How many started."""
-        if self.backlog is None:
-            return 0
-        keys = self.backlog.take(limit)
-        if not keys:
-            return 0
+        their key's entry (the very entry that failed), READY, not doomed, tainted or being
+        published, under an internal request that pins each and closes at once (no hit
+        counted); the rest are stale. When all taken were stale, the next ``limit`` oldest,
+        until one is published or none waits. How many started."""
+        while self.backlog is not None and (keys := self.backlog.take(limit)):
+            if started := self.retry_taken(keys):
+                return started
+        return 0
+
+    def retry_taken(self, keys: list[str]) -> int:
+        """One retry of ``keys`` (taken from the backlog): how many started."""
+        assert self.backlog is not None
         self.batches += 1
         r = f"republish#{self.batches}"
         live = []
         for key in keys:
             e = self.entries.get(key)
-            if e and e.state == "READY" and not (e.doomed or e.tainted or e.publishing):
+            if (
+                e
+                and e.gen == self.failed_gen[key]
+                and e.state == "READY"
+                and not (e.doomed or e.tainted or e.publishing)
+            ):
                 live.append(key)
             else:
                 self.backlog.skipped(key)

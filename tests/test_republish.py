@@ -674,3 +674,5 @@ def test_the_backlog_follows_its_model_however_outcomes_arrive(
             len(model), model.dropped, model.stale,
         )  # fmt: skip
         assert backlog.marks == len(model.gone) <= max_entries
+        assert len(model) <= max_entries
+        backlog.check_invariants()  # the runtime check, on every state the model reaches

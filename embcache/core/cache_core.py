@@ -192,19 +192,22 @@ class CacheCore:
         return self._done(fx)
 
     def publish(
-        self, keys: Sequence[str], *, request: RequestState | None, store: bool
-    ) -> Effects[list[bool]]:
+        self, keys: Sequence[str], *, request: RequestState | None, store: bool,
+        entries: Sequence[Entry] = (),
+    ) -> Effects[list[bool]]:  # fmt: skip
         """Publish each key ``request`` holds READY (with a ``store`` only); per key whether a
         write started; the writes to start. ``request`` None: publish again (failed publishes
-        retried, ``embcache.driver.backlog``) under an internal request ``republish#N`` that
-        pins each key still READY, not doomed, tainted or being published (Lookup, not
-        counted as a hit), publishes it and closes in this step; a key evicted, removed or
-        quarantined since is not written."""
+        retried, ``embcache.driver.backlog``) ``entries``, one per key: the very entries that
+        failed, under an internal request ``republish#N`` that pins each still its key's,
+        READY, not doomed, tainted or being published (Lookup, not counted as a hit),
+        publishes it and closes in this step; an entry evicted, removed or quarantined since
+        is not written, even if its key was cached anew (that entry is not the one that
+        failed)."""
         st = self._state
         wake: list[RequestState] = []
         if request is None:
             self._check_open()
-            rs, started, wake = publishing.republish(st, keys)
+            rs, started, wake = publishing.republish(st, keys, entries)
         else:
             rs = request
             self._check(rs)

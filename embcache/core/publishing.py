@@ -60,18 +60,18 @@ def end_publish(st: CoreState, request_id: str, entry: Entry, outcome: TransferO
 
 
 def republish(
-    st: CoreState, keys: Sequence[str]
+    st: CoreState, keys: Sequence[str], entries: Sequence[Entry]
 ) -> tuple[RequestState, list[Entry | None], list[RequestState]]:
-    """Publish again each key still READY and not doomed, tainted or being published, under a
-    new internal request that pins it (Lookup; a republish is no request's hit), publishes it
-    (Publish: the write holds its own pin) and closes. The request, per key the entry to write
-    or None, the requests to wake."""
+    """Publish again each key whose entry is still the one given for it in ``entries`` (not
+    freed, even if the key was cached anew since), READY and not doomed, tainted or being
+    published, under a new internal request that pins it (Lookup; a republish is no request's
+    hit), publishes it (Publish: the write holds its own pin) and closes. The request, per key
+    the entry to write or None, the requests to wake."""
     rs = open_request(st, next_batch_id(st, "republish"))
     live: dict[str, Entry] = {}  # a key twice: written once
-    for key in keys:
-        entry = st.entries.get(key)
+    for key, entry in zip(keys, entries, strict=True):
         if (
-            entry is not None
+            st.entries.get(key) is entry
             and entry.state is READY
             and not (entry.doomed or entry.tainted or entry.publishing)
         ):

@@ -21,9 +21,13 @@ protocol, no probe while nothing waits, and while the store stays down one write
 A retried entry joins the eviction order anew when its publish ends, as any published entry
 does; the probe moves one entry an interval. A retry is the cache's ``CacheCore.publish``
 step with no request: the same Lookup, Publish, Release and EndPublish actions as any
-request's publish, under an internal request, only for keys still READY and neither doomed
-nor tainted: an entry evicted, removed or quarantined since is dropped from the
-backlog unpublished (``stale``). One retry is in flight at a time (``take`` gives nothing
+request's publish, under an internal request, only for the very entry that failed, still its
+key's, READY and neither doomed nor tainted: an entry evicted, removed or quarantined since is
+dropped from the backlog unpublished (``stale``), even if its key was cached anew (that entry
+was published by its own insert, or was not to be: ``publish=False``, a load from the store).
+A retry that finds every entry it took stale takes the next oldest at once, until a write
+starts: the probe writes the oldest live entry, however many stale ones are older (the oldest
+failures are the likeliest evicted). One retry is in flight at a time (``take`` gives nothing
 until it ended, dropped by the bound or not), so the backlog stays in age order. A publish
 ending UNKNOWN never joins, a retry's included: its entry is quarantined. A key published OK
 (by a request) while it waits leaves the backlog: the store holds it. Each waiting publish has
@@ -34,13 +38,17 @@ come back FAILED are retried at once, not at the next interval.
 
 Bounded: at most ``max_entries`` wait; one more drops the oldest (``dropped``). The counters
 are in ``EmbeddingCache.stats()`` (``publish_backlog``, ``publish_backlog_dropped``,
-``publish_backlog_stale``) and the Prometheus metrics. Lock: ``_lock`` is a leaf (level
+``publish_backlog_stale``, read together: ``counts``) and the Prometheus metrics; the
+backlog's invariants (``check_invariants``) are part of ``EmbeddingCache.check_invariants``.
+A backlog needs a store: ``EmbeddingCache`` refuses a ``republish`` policy given with
+``store=None`` (InvalidArgumentError). Lock: ``_lock`` is a leaf (level
 ``BACKLOG_LEVEL``), held only to move keys in or out, never across a store call or a step.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import math
 import threading
@@ -52,7 +60,7 @@ from dataclasses import dataclass
 from embcache.core.entries import Entry
 from embcache.core.outcomes import TransferOutcome
 from embcache.driver.locks import new_lock
-from embcache.errors import ClosedError, InvalidArgumentError, InvalidTypeError
+from embcache.errors import ClosedError, InvalidArgumentError, InvalidTypeError, InvariantError
 
 __all__ = ["BACKLOG_LEVEL", "PublishBacklog", "RepublishPolicy", "Republisher"]
 log = logging.getLogger(__name__)
@@ -72,11 +80,7 @@ class RepublishPolicy:
     background: bool = True
 
     def __post_init__(self) -> None:
-        n = self.max_entries
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise InvalidTypeError(f"max_entries must be an int, got {n!r}")
-        if n <= 0:
-            raise InvalidArgumentError(f"max_entries must be > 0, got {n}")
+        _check_bound(self.max_entries)
         s = self.retry_interval_s
         if isinstance(s, bool) or not isinstance(s, int | float):
             raise InvalidTypeError(f"retry_interval_s must be a number, got {s!r}")
@@ -87,6 +91,14 @@ class RepublishPolicy:
             )
         if not isinstance(self.background, bool):
             raise InvalidTypeError(f"background must be a bool, got {self.background!r}")
+
+
+def _check_bound(n: object) -> None:
+    """Raise unless ``n`` is an int > 0 (a backlog's ``max_entries``)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise InvalidTypeError(f"max_entries must be an int, got {n!r}")
+    if n <= 0:
+        raise InvalidArgumentError(f"max_entries must be > 0, got {n}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +118,11 @@ class PublishBacklog:
     (one key: its latest entry). Each has an age (when it first failed; a retry that fails
     again keeps it), so the order and the bound follow ``models.backlog`` however a retry's
     outcomes arrive. Thread-safe; every method O(its arguments), ``take`` O(n), ``note``
-    O(n) when a retry came back."""
+    O(n) when a retry came back. A bound that is not an int > 0 raises InvalidTypeError /
+    InvalidArgumentError, as ``RepublishPolicy``'s."""
 
     def __init__(self, max_entries: int) -> None:
+        _check_bound(max_entries)  # InvalidTypeError / InvalidArgumentError, as the policy's
         self._max = max_entries
         self._waiting: OrderedDict[str, _Aged] = OrderedDict()  # ages increasing
         self._retrying: dict[str, _Aged] = {}  # taken by ``take``, not yet ended; oldest first
@@ -122,6 +136,44 @@ class PublishBacklog:
     def __len__(self) -> int:
         with self._lock:
             return len(self._waiting) + len(self._retrying)
+
+    def counts(self) -> tuple[int, int, int]:
+        """``(len(self), dropped, stale)`` read together (under one hold of the lock), so
+        ``EmbeddingCache.stats()`` never shows a drop without the failure that caused it. O(1)."""
+        with self._lock:
+            return len(self._waiting) + len(self._retrying), self.dropped, self.stale
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` naming the first broken backlog invariant: at most
+        ``max_entries`` publishes waiting or in flight, and at most as many dropped retries
+        still in flight (``marks``); each key once, waiting, in flight or dropped in flight,
+        under its own entry; the waiting ones in age order, none newer than the last age
+        given. O(n)."""
+        with self._lock:
+            waiting, retrying, forgotten = self._waiting, self._retrying, self._forgotten
+            if len(waiting) + len(retrying) > self._max:
+                raise InvariantError(
+                    f"publish backlog: {len(waiting)} waiting and {len(retrying)} in flight "
+                    f"pass its bound of {self._max}"
+                )
+            if len(forgotten) > self._max:
+                raise InvariantError(
+                    f"publish backlog: {len(forgotten)} dropped retries in flight pass its "
+                    f"bound of {self._max}"
+                )
+            if twice := (waiting.keys() & retrying.keys()) | (forgotten & (
+                waiting.keys() | retrying.keys()
+            )):  # fmt: skip
+                raise InvariantError(f"publish backlog: keys held twice: {twice}")
+            for key, aged in [*waiting.items(), *retrying.items()]:
+                if aged.entry.key != key or not 0 < aged.age <= self._ages:
+                    raise InvariantError(
+                        f"publish backlog: key {key!r} holds {aged.entry.key!r}'s entry or an "
+                        f"age never given ({aged.age}; the last given: {self._ages})"
+                    )
+            ages = [a.age for a in waiting.values()]
+            if any(older >= newer for older, newer in itertools.pairwise(ages)):
+                raise InvariantError(f"publish backlog: waiting out of age order: {ages}")
 
     @property
     def marks(self) -> int:

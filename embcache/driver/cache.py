@@ -60,6 +60,7 @@ __all__ = [
 ]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+DEFAULT_REPUBLISH = RepublishPolicy()  # ``republish``'s default: ignored without a store
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +91,9 @@ class EmbeddingCache:
     mode that overwrites every freed range (``embcache.driver.poison``). ``pool``, when given, is
     the pool itself (``embcache.driver.pool.make_pool``; shared memory: see
     ``embcache.driver.request``). ``republish`` bounds the publishes that failed and are tried
-    again when the store answers (``embcache.driver.backlog``; None: never tried again).
+    again when the store answers (``embcache.driver.backlog``; None: never tried again); with
+    ``store=None`` there is nothing to publish: a policy given then is refused
+    (InvalidArgumentError, nothing changed), the default one is ignored.
     ``fence_gate``, when given, is asked by every fence once the store's fence returned:
     False means a writer outside the cache (an in-place fill's, ``embcache.driver.request``) may
     still write a quarantined range, and the fence frees nothing (it is tried again later).
@@ -119,7 +122,7 @@ class EmbeddingCache:
         pool: torch.Tensor | None = None,
         io_executor: IOExecutor | None = None,
         new_event: Callable[[], threading.Event] = threading.Event,
-        republish: RepublishPolicy | None = RepublishPolicy(),  # noqa: B008 (frozen)
+        republish: RepublishPolicy | None = DEFAULT_REPUBLISH,
         fence_gate: Callable[[], bool] | None = None,
     ) -> None:
         check_int("capacity", capacity_bytes)  # here, not in the core: see RangeAllocator
@@ -147,6 +150,11 @@ class EmbeddingCache:
         if republish is not None and not isinstance(republish, RepublishPolicy):
             raise InvalidTypeError(
                 f"republish must be a RepublishPolicy or None, got {republish!r}"
+            )
+        if store is None and republish is not None and republish is not DEFAULT_REPUBLISH:
+            raise InvalidArgumentError(
+                f"republish={republish!r} needs a store: without one nothing is published, so "
+                "no publish fails and waits (pass a store, or republish=None)"
             )
         if fence_gate is not None and not callable(fence_gate):
             raise InvalidTypeError(f"fence_gate must be callable, got {fence_gate!r}")
@@ -346,18 +354,21 @@ class EmbeddingCache:
         backlog = self._backlog
         if backlog is None:
             return stats
+        size, dropped, stale = backlog.counts()
         return dataclasses.replace(
-            stats,
-            publish_backlog=len(backlog),
-            publish_backlog_dropped=backlog.dropped,
-            publish_backlog_stale=backlog.stale,
-        )
+            stats, publish_backlog=size, publish_backlog_dropped=dropped,
+            publish_backlog_stale=stale,
+        )  # fmt: skip
 
     def check_invariants(self) -> None:
-        """Raise ``InvariantError`` naming the first broken DESIGN.md invariant. O(n log n)."""
+        """Raise ``InvariantError`` naming the first broken DESIGN.md invariant, then the
+        first broken invariant of the publish backlog (``PublishBacklog.check_invariants``;
+        checked after the cache lock is released: its lock is a leaf). O(n log n)."""
         runner = self.runner
         with runner.lock:
             runner.core.queries.check_invariants()
+        if self._backlog is not None:
+            self._backlog.check_invariants()
 
     def snapshot(self) -> CacheSnapshot:
         """A consistent copy of the core's state (entries, open requests, eviction order,
@@ -409,12 +420,15 @@ class EmbeddingCache:
     def retry_publishes(self, limit: int | None = None) -> int:
         """Publish again, now, the ``limit`` oldest failed publishes waiting in the backlog
         (None: all; ``embcache.driver.backlog``): the republisher thread's step, for a cache
-        built with ``RepublishPolicy(background=False)`` (or any other). Returns how many
-        writes started (the rest were evicted, removed or quarantined since: stale); each
-        ends on the I/O pool as any publish does. 0 without a backlog, or with ``limit`` 0.
-        Raises InvalidTypeError / InvalidArgumentError for a ``limit`` that is not None or an
-        int >= 0, and ClosedError once the cache is closed (backlog or not; entries taken by
-        a retry the close interrupted wait again), each changing nothing. O(retried)."""
+        built with ``RepublishPolicy(background=False)`` (or any other). When every one taken
+        was evicted, removed or quarantined since (stale: dropped unwritten), the next oldest
+        are taken at once, until a write starts or none waits: a probe (``limit`` 1) writes
+        the oldest live entry, however many stale ones are older. Returns how many writes
+        started; each ends on the I/O pool as any publish does. 0 without a backlog, with
+        ``limit`` 0, or while a retry is in flight (one at a time). Raises InvalidTypeError /
+        InvalidArgumentError for a ``limit`` that is not None or an int >= 0, and ClosedError
+        once the cache is closed (backlog or not; entries taken by a retry the close
+        interrupted wait again), each changing nothing. O(retried + stale)."""
         if limit is not None:
             if isinstance(limit, bool) or not isinstance(limit, int):
                 raise InvalidTypeError(f"limit must be an int or None, got {limit!r}")
@@ -425,18 +439,20 @@ class EmbeddingCache:
         backlog = self._backlog
         if backlog is None:
             return 0
-        entries = backlog.take(limit)
-        if not entries:
-            return 0
-        try:
-            runner = self.runner
-            keys = [e.key for e in entries]
-            started = runner.run(runner.core.publish, keys, request=None, store=True)
-        except BaseException:
-            backlog.requeue(entries)
-            raise
-        backlog.skipped(entries, started)
-        return sum(started)
+        while entries := backlog.take(limit):  # (each turn takes out at least one)
+            try:
+                runner = self.runner
+                keys = [e.key for e in entries]
+                started = runner.run(
+                    runner.core.publish, keys, request=None, store=True, entries=entries
+                )
+            except BaseException:
+                backlog.requeue(entries)
+                raise
+            backlog.skipped(entries, started)
+            if any(started):
+                return sum(started)
+        return 0
 
     def _fence_due(self, now: float) -> bool:
         """Whether the automatic fence should run now (the fencer's question)."""
