@@ -5,36 +5,26 @@ unreachable: Mooncake fails items at once with ``MASTER_UNREACHABLE`` while its 
 so its entry may be written again later. The cache's I/O threads hand every ended publish to
 ``PublishBacklog.note``: a FAILED one joins the backlog (its key and the very ``Entry`` object),
 an OK one says the store answers. A background thread (``Republisher``) tries the backlog again:
-
-- all of it, at once after any publish ended OK (the store is back) while it is not empty
-  (an OK publish with nothing waiting wakes nobody), and
-- its oldest entry alone, every ``retry_interval_s`` while the backlog is not empty: that retry
-  is the probe (while the store is still down it fails at once and the entry goes back to the
-  oldest end; when it ends OK, the rest follows at once).
-
-With ``RepublishPolicy(background=False)`` there is no thread: the backlog fills and drops the
-same way, and only ``EmbeddingCache.retry_publishes`` tries it again (a test drives each retry as
-a step; an application may run its own schedule).
+all of it at once after any publish ended OK while it is not empty, and its oldest entry alone
+every ``retry_interval_s`` (the probe: while the store is down it fails at once and goes back
+to the oldest end; when it ends OK, the rest follows at once). With
+``RepublishPolicy(background=False)`` there is no thread, and only
+``EmbeddingCache.retry_publishes`` tries it again (a test drives each retry as a step).
 
 "The store returned" is thus "a store write succeeded": no call beyond the ``GlobalStore``
-protocol, no probe while nothing waits, and while the store stays down one write an interval.
-A retried entry joins the eviction order anew when its publish ends, as any published entry
-does; the probe moves one entry an interval. A retry is the cache's ``CacheCore.publish``
-step with no request: the same Lookup, Publish, Release and EndPublish actions as any
-request's publish, under an internal request, only for the very entry that failed, still its
-key's, READY and neither doomed nor tainted: an entry evicted, removed or quarantined since is
-dropped from the backlog unpublished (``stale``), even if its key was cached anew (that entry
-was published by its own insert, or was not to be: ``publish=False``, a load from the store).
-A retry that finds every entry it took stale takes the next oldest at once, until a write
-starts: the probe writes the oldest live entry, however many stale ones are older (the oldest
-failures are the likeliest evicted). One retry is in flight at a time (``take`` gives nothing
-until it ended, dropped by the bound or not), so the backlog stays in age order. A publish
-ending UNKNOWN never joins, a retry's included: its entry is quarantined. A key published OK
-(by a request) while it waits leaves the backlog: the store holds it. Each waiting publish has
-an age (when it first failed): failed retries go back in their age order, older than all that
-failed since, so the bound still drops the oldest failure first. An OK publish while retries
-are in flight (none waiting, so nothing to retry yet) is remembered: those retries that then
-come back FAILED are retried at once, not at the next interval.
+protocol, no probe while nothing waits, one write an interval while the store stays down. A
+retry is the cache's ``CacheCore.publish`` step with no request (the same actions as any
+publish, under an internal request) for the very entry that failed, still its key's, READY,
+neither doomed nor tainted; an entry evicted, removed or quarantined since is dropped unwritten
+(``stale``), even if its key was cached anew (that entry was published by its own insert, or
+was not to be). A retry that found every entry it took stale takes the next oldest at once, so
+the probe writes the oldest live entry. One retry is in flight at a time (``take`` gives
+nothing until it ended), so the backlog stays in age order: each waiting publish keeps the age
+of its first failure, and failed retries go back older than all that failed since, so the
+bound drops the oldest failure first. A publish ending UNKNOWN never joins (its entry is
+quarantined), a retry's included; a key published OK by a request while it waits leaves the
+backlog; an OK publish while retries are in flight makes those that come back FAILED retried
+at once (embcache/DESIGN.md, "Publishes after an outage").
 
 Bounded: at most ``max_entries`` wait; one more drops the oldest (``dropped``). The counters
 are in ``EmbeddingCache.stats()`` (``publish_backlog``, ``publish_backlog_dropped``,
