@@ -10,10 +10,12 @@ re-inserted key is ``tests/mooncake_store/test_mooncake_republish.py``.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 
 import pytest
@@ -409,3 +411,27 @@ def test_a_backlog_built_with_a_bad_bound_raises_a_specific_error(
     True or 2.5 were taken as bounds."""
     with pytest.raises(error, match="max_entries"):
         PublishBacklog(bound)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ a cache dropped unclosed
+
+
+def test_a_cache_dropped_without_close_ends_its_republish_thread_with_nothing_waiting() -> None:
+    """The thread holds the cache weakly and asks for it at every wake, backlog empty or not
+    (planted bug: asked only when something waits, so a cache dropped with an empty backlog
+    left its thread polling forever; the thread also must not hold the cache across a wait)."""
+    def republishers() -> int:
+        return sum(t.name == "embcache-republish" for t in threading.enumerate())
+
+    before = republishers()
+    cache = EmbeddingCache(
+        1 << 16, store=FaultInjectingStore(), auto_fence=None,
+        republish=RepublishPolicy(retry_interval_s=0.01),
+    )  # fmt: skip
+    assert republishers() == before + 1
+    time.sleep(0.05)  # a few empty wakes
+    dropped = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert dropped() is None
+    wait_until(lambda: republishers() == before, "the republish thread to end", timeout_s=5)

@@ -296,15 +296,14 @@ class Republisher:
             answered, self._answered = self._answered, False
             if self._stop:
                 return
-            if not len(self._backlog):
-                continue
-            retry = self._retry()
+            retry = self._retry()  # (asked at every wake: a cache dropped with nothing waiting)
             if retry is None:
                 return  # the cache is gone
             try:
-                retry(None if answered else 1)
+                if len(self._backlog):
+                    retry(None if answered else 1)
             except ClosedError:
                 return
             except Exception:  # kept waiting; tried again at the next interval
                 log.warning("retrying failed publishes raised", exc_info=True)
-            del retry
+            del retry  # (not held across the wait: the cache may be dropped meanwhile)
