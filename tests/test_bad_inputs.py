@@ -451,6 +451,41 @@ CATALOGUE: dict[str, Row | Any] = {  # Any: a pytest.param row carrying a bug ma
         InvalidTypeError,
         "dtype must be a torch.dtype, got 'float16'",
     ),
+    "Item.of_matrices: int key": (
+        lambda w: Item.of_matrices(["k", 7], [4, 4], 4, torch.float32),  # type: ignore[list-item]
+        InvalidTypeError,
+        "key must be a str, got int",
+    ),
+    "Item.of_matrices: empty key": (
+        lambda w: Item.of_matrices(["k", ""], [4, 4], 8, torch.float16),
+        InvalidArgumentError,
+        "key must be a non-empty str",
+    ),
+    "Item.of_matrices: zero rows": (
+        lambda w: Item.of_matrices(["k", "j"], [4, 0], 8, torch.float16),
+        InvalidArgumentError,
+        "shape dims must be > 0, got (0, 8)",
+    ),
+    "Item.of_matrices: bool rows": (
+        lambda w: Item.of_matrices(["k"], [True], 8, torch.float16),
+        InvalidTypeError,
+        "shape dims must be ints",
+    ),
+    "Item.of_matrices: bool width": (
+        lambda w: Item.of_matrices(["k"], [4], True, torch.float16),
+        InvalidTypeError,
+        "shape dims must be ints",
+    ),
+    "Item.of_matrices: str dtype": (
+        lambda w: Item.of_matrices([], [], 8, "float16"),  # type: ignore[arg-type]
+        InvalidTypeError,
+        "dtype must be a torch.dtype, got 'float16'",
+    ),
+    "Item.of_matrices: lengths differ": (
+        lambda w: Item.of_matrices(["k", "j"], [4], 8, torch.float16),
+        InvalidArgumentError,
+        "2 keys but 1 row counts",
+    ),
     "Item.of: not a tensor": (
         lambda w: Item.of("k", [1.0]),  # type: ignore[arg-type]
         InvalidTypeError,

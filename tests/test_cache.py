@@ -198,6 +198,12 @@ def test_entry_states_reads_each_keys_state_and_item_of_matrix_is_a_2d_item(
     data = payload((16, 16), torch.float32, seed=3)
     assert Item.of_matrix("img", 16, 16, torch.float32) == item_of("img", data)
     assert Item.of_matrix("img", 16, 16, torch.float32).nbytes == data.nbytes
+    keys, rows = ["a", "b", "a"], [3, 1, 5]
+    batch = Item.of_matrices(keys, rows, 7, torch.bfloat16)
+    one_by_one = [Item.of_matrix(k, n, 7, torch.bfloat16) for k, n in zip(keys, rows, strict=True)]
+    assert batch == one_by_one
+    assert [i.nbytes for i in batch] == [42, 14, 70]
+    assert Item.of_matrices([], [], 1, torch.float32) == []
     store.put_object("img", raw(data))
     store.inject("img", Fault.HOLD)
     with cache.request("r") as request:

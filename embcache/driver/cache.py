@@ -340,7 +340,8 @@ class EmbeddingCache:
     def entry_states(self, keys: Sequence[str]) -> list[EntryState]:
         """``entry_state`` of each of ``keys``, read under one hold of the lock. O(keys)."""
         for key in keys:
-            check_key(key)
+            if type(key) is not str or not key:  # (``check_key``'s test, inline: no call per key)
+                check_key(key)
         runner = self.runner
         with runner.lock:
             state = runner.core.queries.entry_state

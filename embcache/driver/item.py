@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -73,9 +74,42 @@ class Item:
             return item
         return cls(key, (rows, width), dtype)  # raises what the checks say
 
+    @classmethod
+    def of_matrices(
+        cls, keys: Sequence[str], rows: Sequence[int], width: int, dtype: torch.dtype
+    ) -> list[Item]:
+        """``[Item.of_matrix(k, r, width, dtype) for k, r in zip(keys, rows)]`` (an engine's
+        batch of items of one width), with ``width`` and ``dtype`` checked once and each key
+        and row count per item. Raises as ``Item(...)`` does, and ``InvalidArgumentError``
+        when ``rows`` and ``keys`` differ in length. O(keys)."""
+        if len(keys) != len(rows):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(rows)} row counts")
+        if not (type(width) is int and width > 0 and isinstance(dtype, torch.dtype)):
+            cls("width", (1, width), dtype)  # raises what the checks say
+        if not (
+            set(map(type, keys)) <= _STR and "" not in keys
+            and set(map(type, rows)) <= _INT and (not rows or min(rows) > 0)
+        ):  # (every key and row count checked in C: no bytecode per item)  # fmt: skip
+            for key, n in zip(keys, rows, strict=True):
+                cls(key, (n, width), dtype)  # raises what the checks say at the first bad one
+        itemsize = dtype.itemsize
+        new, set_key, set_shape, set_dtype, set_nbytes = _new, _KEY, _SHAPE, _DTYPE, _NBYTES
+        items: list[Item] = []
+        for key, n in zip(keys, rows, strict=True):
+            item = new(cls)  # (the slots' own setters: no __init__, no __setattr__ per field)
+            set_key(item, key)
+            set_shape(item, (n, width))
+            set_dtype(item, dtype)
+            set_nbytes(item, n * width * itemsize)
+            items.append(item)
+        return items
+
 
 _new = object.__new__
 _set = object.__setattr__  # (the dataclass is frozen)
+_STR, _INT = frozenset((str,)), frozenset((int,))
+# The slots' own setters (member descriptors), for ``of_matrices``.
+_KEY, _SHAPE, _DTYPE, _NBYTES = (vars(Item)[f].__set__ for f in ("key", "shape", "dtype", "nbytes"))
 
 
 def check_key(key: object) -> str:

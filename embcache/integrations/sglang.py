@@ -44,6 +44,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_STATUS = operator.attrgetter("status")  # an ItemStatus's Status
 SGLANG_KEY_PREFIX = "emb_"  # MooncakeEmbeddingStore.get_key: objects shared with SGLang's own
 
 
@@ -190,22 +192,31 @@ class ControllerBase:
         modality: Any = None,
     ) -> None:
         """Pin the hits and start loading the global hits of ``mm_hashes`` for ``req_id``."""
-        forget_mine()
         dim = self._dims.dim_or_warn(modality, "prefetch")
         if dim is None:
+            forget_mine()
             return
-        _check_lengths("expected_tokens", mm_hashes, expected_tokens)
-        self._expire()
-        row, dtype = Item.of_matrix, self.dtype
-        tokens = map(int, expected_tokens)
-        items = [row(h, n, dim, dtype) for h, n in zip(mm_hashes, tokens, strict=True)]
-        request, statuses = self._lookup(req_id, items)  # one step: open and look up
-        prefetch = Prefetch(request, req_id, items)
-        loading, hit = Status.LOADING, Status.HIT
+        holds = self._holds
+        try:
+            if len(mm_hashes) != len(expected_tokens):
+                _check_lengths("expected_tokens", mm_hashes, expected_tokens)  # raises
+            now = time.monotonic()
+            if now >= holds.earliest:  # (``_expire``, its early return inlined)
+                self._close(holds.expire(now))
+            tokens = list(map(int, expected_tokens))
+            items = Item.of_matrices(mm_hashes, tokens, dim, self.dtype)
+            request, statuses = self._lookup(req_id, items)  # one step: open and look up
+        except BaseException:
+            forget_mine()  # (a prefetch refused before it started)
+            raise
+        kinds = list(map(_STATUS, statuses))
         served = None  # loads to wait for: finished by check_prefetch_progress
-        if not any(s.status is loading for s in statuses):
-            served = [s.status is hit for s in statuses]
-        self._close(self._holds.start(prefetch, time.monotonic() + self.hold_timeout_s, served))
+        if kinds.count(Status.HIT) == len(kinds):
+            served = [True] * len(kinds)
+        elif Status.LOADING not in kinds:
+            served = [k is Status.HIT for k in kinds]
+        prefetch = Prefetch(request, req_id, items)
+        self._close(holds.start(prefetch, now + self.hold_timeout_s, served))
 
     def check_prefetch_progress(self, req_id: str) -> bool:
         """Whether ``req_id``'s loads have ended (True for an unknown ``req_id``); never waits."""
@@ -231,19 +242,21 @@ class ControllerBase:
         the local check (one hold of the cache's lock); the hashes not READY are asked of the
         store on a worker thread (``asyncio.to_thread``), so the loop serves other tasks while
         the store answers."""
+        cache = self.cache
         ready = EntryState.READY
-        found = [state is ready for state in self.cache.entry_states(mm_hashes)]
+        found = [state is ready for state in cache.entry_states(mm_hashes)]
+        store = cache.store
+        if store is None or all(found):
+            return found
         missing = [i for i, hit in enumerate(found) if not hit]
-        store = self.cache.store
-        if missing and store is not None:
-            keys = [mm_hashes[i] for i in missing]
-            try:
-                stored = await asyncio.to_thread(store.exists, keys)
-            except Exception:
-                logger.warning("batch_is_exist: the global store failed; %d misses", len(keys))
-                return found
-            for i, exists in zip(missing, stored, strict=True):
-                found[i] = bool(exists)
+        keys = [mm_hashes[i] for i in missing]
+        try:
+            stored = await asyncio.to_thread(store.exists, keys)
+        except Exception:
+            logger.warning("batch_is_exist: the global store failed; %d misses", len(keys))
+            return found
+        for i, exists in zip(missing, stored, strict=True):
+            found[i] = bool(exists)
         return found
 
     def get_stats(self) -> dict[str, Any]:

@@ -53,7 +53,7 @@ from embcache.driver.item import Item
 from embcache.driver.request import Request
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Prefetch:
     """One ``prefetch`` call: its request, its items, and the hashes it still holds for SGLang."""
 
@@ -82,11 +82,11 @@ class Staged:
 _mine: ContextVar[Prefetch | None] = ContextVar("embcache_sglang_prefetch", default=None)
 
 
-def _take_ticket(tickets: list[Prefetch]) -> Prefetch:
-    """The caller's own ticket if it has one in ``tickets``, else the oldest: a caller that
-    took another request's ticket would leave its own behind, and that request's pin could
-    end before its own reader came."""
-    mine = _mine.get()
+def _take_ticket(tickets: list[Prefetch], mine: Prefetch | None) -> Prefetch:
+    """The caller's own ticket (``mine``: its context's prefetch) if it has one in
+    ``tickets``, else the oldest: a caller that took another request's ticket would leave its
+    own behind, and that request's pin could end before its own reader came. (Callers take
+    the only ticket of a hash themselves: the caller's or the oldest alike.)"""
     if mine is not None and mine in tickets:
         tickets.remove(mine)
         return mine
@@ -109,8 +109,9 @@ class Holds:
         self._backing: dict[str, list[Prefetch]] = {}  # hash -> the prefetches those pin it
         self._live: OrderedDict[Prefetch | Staged, float] = OrderedDict()  # -> deadline
         # At most every deadline in _live: lowered as one is added, recomputed by expire
-        # (a hold that ends otherwise only raises the true minimum).
-        self._earliest = float("inf")
+        # (a hold that ends otherwise only raises the true minimum). Read without the lock
+        # (a float read is atomic): ``expire`` has nothing to do before it.
+        self.earliest = float("inf")
 
     def start(
         self, prefetch: Prefetch, deadline: float, served: Sequence[bool] | None = None
@@ -122,7 +123,7 @@ class Holds:
             old = self._running.pop(prefetch.req_id, None)
             self._running[prefetch.req_id] = prefetch
             self._live[prefetch] = deadline
-            self._earliest = min(self._earliest, deadline)
+            self.earliest = min(self.earliest, deadline)
             closing = [] if old is None else self._close(old)
             if served is not None:
                 closing += self._finish(prefetch, served)
@@ -155,15 +156,16 @@ class Holds:
             return []
         prefetch.finished = True
         self._running.pop(prefetch.req_id, None)
-        serves, tickets = prefetch.serves, self._tickets
-        for i, (item, ok) in enumerate(zip(prefetch.items, served, strict=True)):
-            key = item.key
-            if ok and key not in serves:
-                serves[key] = i
-                if key in tickets:
-                    tickets[key].append(prefetch)
-                else:
-                    tickets[key] = [prefetch]
+        items = prefetch.items
+        assert len(items) == len(served), "one outcome per item"
+        # Each served hash and the index of its first occurrence (the reversed walk leaves
+        # the smallest index last).
+        serves = prefetch.serves = {
+            items[i].key: i for i in range(len(items) - 1, -1, -1) if served[i]
+        }
+        tickets = self._tickets
+        for key in serves:
+            tickets.setdefault(key, []).append(prefetch)
         prefetch.kept.update(serves)
         return [] if serves else self._close(prefetch)
 
@@ -180,23 +182,30 @@ class Holds:
     def take(self, keys: Iterable[str]) -> list[tuple[Prefetch, int] | None]:
         """Make each key's caller a reader: the prefetch that pins it and the item index."""
         taken: list[tuple[Prefetch, int] | None] = []
-        readers, backing = self._readers, self._backing
+        readers, backing, all_tickets = self._readers, self._backing, self._tickets
+        mine = _mine.get()
         with self._lock:
             for key in keys:
-                tickets = self._tickets.get(key)
+                tickets = all_tickets.get(key)
                 if tickets:
-                    prefetch = _take_ticket(tickets)
-                    if not tickets:
-                        del self._tickets[key]
-                    if key in readers:
-                        backing[key].append(prefetch)
+                    if len(tickets) > 1:
+                        prefetch = _take_ticket(tickets, mine)
                     else:
-                        readers[key] = 0
+                        prefetch = tickets[0]
+                        del all_tickets[key]
+                    count = readers.get(key)
+                    if count is None:  # the first reader: its ticket's prefetch backs it
+                        readers[key] = 1
                         backing[key] = [prefetch]
-                elif key not in readers:
+                        taken.append((prefetch, prefetch.serves[key]))
+                        continue
+                    readers[key] = count + 1
+                    backing[key].append(prefetch)
+                elif key in readers:
+                    readers[key] += 1
+                else:
                     taken.append(None)
                     continue
-                readers[key] += 1
                 prefetch = backing[key][0]
                 taken.append((prefetch, prefetch.serves[key]))
         return taken
@@ -204,20 +213,27 @@ class Holds:
     def give_back(self, keys: Iterable[str]) -> list[Request]:
         """End one reader of each key (or consume a ticket where no reader is left)."""
         closing: list[Request] = []
-        readers = self._readers
+        readers, backing, all_tickets = self._readers, self._backing, self._tickets
+        mine = _mine.get()
         with self._lock:
             for key in keys:
-                if key in readers:
-                    readers[key] -= 1
-                    if readers[key] > 0:
+                count = readers.get(key)
+                if count is not None:
+                    if count > 1:
+                        readers[key] = count - 1
                         continue
                     del readers[key]
-                    for prefetch in self._backing.pop(key):
-                        closing += self._drop(prefetch, key)
-                elif tickets := self._tickets.get(key):
-                    prefetch = _take_ticket(tickets)
-                    if not tickets:
-                        del self._tickets[key]
+                    for prefetch in backing.pop(key):
+                        kept = prefetch.kept  # (``_drop`` inlined: once per hash read)
+                        kept.discard(key)
+                        if not kept:
+                            closing += self._close(prefetch)
+                elif tickets := all_tickets.get(key):
+                    if len(tickets) > 1:
+                        prefetch = _take_ticket(tickets, mine)
+                    else:
+                        prefetch = tickets[0]
+                        del all_tickets[key]
                     closing += self._drop(prefetch, key)
         return closing
 
@@ -225,7 +241,7 @@ class Holds:
         """Register a staged store until ``claim`` or expiry."""
         with self._lock:
             self._live[staged] = deadline
-            self._earliest = min(self._earliest, deadline)
+            self.earliest = min(self.earliest, deadline)
 
     def claim(self, staged: Staged) -> bool:
         """Take ``staged`` for its wait; False if it was claimed or expired already."""
@@ -240,7 +256,7 @@ class Holds:
         """Expire what started before its deadline (module docstring); the requests to close.
         Before the earliest deadline it returns at once, without the lock."""
         closing: list[Request] = []
-        if now < self._earliest:  # a float read: atomic; a lower bound of every deadline
+        if now < self.earliest:  # a float read: atomic; a lower bound of every deadline
             return closing
         with self._lock:
             while self._live:
@@ -264,7 +280,7 @@ class Holds:
                         if not tickets:
                             del self._tickets[key]
                         closing += self._drop(held, key)
-            self._earliest = next(iter(self._live.values()), float("inf"))
+            self.earliest = next(iter(self._live.values()), float("inf"))
         return closing
 
     def _drop(self, prefetch: Prefetch, key: str) -> list[Request]:

@@ -46,9 +46,11 @@ class ModalityDims:
 
     def dim_or_warn(self, modality: object, method: str) -> int | None:
         """``dim``; the first time a modality has no pool, one warning naming ``method``."""
-        dim = self.dim(modality)
+        dim = self._dims.get(modality_name(modality))  # (``dim``)
+        if dim is not None:
+            return dim
         token = object()
-        if dim is None and self._warned.setdefault(repr(modality), token) is token:
+        if self._warned.setdefault(repr(modality), token) is token:
             logger.warning(
                 "%s: unknown modality %r, no pool for it: its items are not cached and fall back "
                 "to the encoder (warned once per modality; hidden_dims has %s: give its dim "

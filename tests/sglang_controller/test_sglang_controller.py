@@ -109,6 +109,23 @@ def test_a_release_without_a_read_ends_the_prefetch_pin(ctl: EmbeddingCacheContr
     idle(ctl)
 
 
+def test_a_prefetch_with_a_repeated_hash_and_a_miss_serves_each_hit_once(
+    ctl: EmbeddingCacheController,
+) -> None:
+    insert(ctl, ["a", "b"], [3, 2])
+    prefetch(ctl, "r", ["a", "zz", "b", "a"], [3, 4, 2, 3])  # "zz": nowhere, no load
+    assert [ctl.has_local_embedding(k) for k in ("a", "zz", "b")] == [True, False, True]
+    views = ctl.get_pool_views(["a", "b", "zz"])
+    assert views[0] is not None and raw(views[0][0]) == raw(embedding("a", 3))
+    assert views[1] is not None and raw(views[1][0]) == raw(embedding("b", 2))
+    assert views[2] is None
+    ctl.release_pool_views(["a", "b", "zz"])
+    idle(ctl)
+    assert ctl.get_stats()["holds"] == dict.fromkeys(
+        ("running", "tickets", "readers", "backing", "live"), 0
+    )
+
+
 def test_unheld_hashes_get_nothing(ctl: EmbeddingCacheController) -> None:
     insert(ctl, ["a"], [3])  # READY but never prefetched
     assert not ctl.has_local_embedding("a")
