@@ -481,6 +481,21 @@ CATALOGUE: dict[str, Row | Any] = {  # Any: a pytest.param row carrying a bug ma
         InvalidTypeError,
         "dtype must be a torch.dtype, got 'float16'",
     ),
+    "Item.of_matrices: keys a str": (
+        lambda w: Item.of_matrices("kj", [4, 4], 8, torch.float16),  # type: ignore[arg-type]
+        InvalidTypeError,
+        "of_matrices takes keys as a sequence (a list), got str",
+    ),
+    "Item.of_matrices: keys a generator": (
+        lambda w: Item.of_matrices((k for k in "kj"), [4, 4], 8, torch.float16),  # type: ignore[arg-type]
+        InvalidTypeError,
+        "of_matrices takes keys as a sequence (a list), got generator",
+    ),
+    "Item.of_matrices: rows an int": (
+        lambda w: Item.of_matrices(["k"], 4, 8, torch.float16),  # type: ignore[arg-type]
+        InvalidTypeError,
+        "of_matrices takes rows as a sequence (a list), got int",
+    ),
     "Item.of_matrices: lengths differ": (
         lambda w: Item.of_matrices(["k", "j"], [4], 8, torch.float16),
         InvalidArgumentError,

@@ -80,8 +80,11 @@ class Item:
     ) -> list[Item]:
         """``[Item.of_matrix(k, r, width, dtype) for k, r in zip(keys, rows)]`` (an engine's
         batch of items of one width), with ``width`` and ``dtype`` checked once and each key
-        and row count per item. Raises as ``Item(...)`` does, and ``InvalidArgumentError``
-        when ``rows`` and ``keys`` differ in length. O(keys)."""
+        and row count per item. Raises as ``Item(...)`` does, ``InvalidTypeError`` when
+        ``keys`` or ``rows`` is not a sequence (a ``str`` is not a sequence of keys here), and
+        ``InvalidArgumentError`` when they differ in length. O(keys)."""
+        if type(keys) not in _LISTS or type(rows) not in _LISTS:
+            _check_sequences(keys, rows)  # raises unless both are sequences (not str)
         if len(keys) != len(rows):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(rows)} row counts")
         if not (type(width) is int and width > 0 and isinstance(dtype, torch.dtype)):
@@ -108,6 +111,7 @@ class Item:
 _new = object.__new__
 _set = object.__setattr__  # (the dataclass is frozen)
 _STR, _INT = frozenset((str,)), frozenset((int,))
+_LISTS = frozenset((list, tuple))  # the sequences ``of_matrices`` takes without an ABC check
 # The slots' own setters (member descriptors), for ``of_matrices``.
 _KEY, _SHAPE, _DTYPE, _NBYTES = (vars(Item)[f].__set__ for f in ("key", "shape", "dtype", "nbytes"))
 
@@ -119,3 +123,12 @@ def check_key(key: object) -> str:
     if not key:
         raise InvalidArgumentError("key must be a non-empty str")
     return key
+
+
+def _check_sequences(keys: object, rows: object) -> None:
+    """Raise ``InvalidTypeError`` unless ``keys`` and ``rows`` are sequences, neither a str."""
+    for name, value in (("keys", keys), ("rows", rows)):
+        if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+            raise InvalidTypeError(
+                f"of_matrices takes {name} as a sequence (a list), got {type(value).__name__}"
+            )
