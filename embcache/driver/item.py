@@ -33,7 +33,7 @@ class Item:
                 raise InvalidArgumentError(f"shape dims must be > 0, got {self.shape!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise InvalidTypeError(f"dtype must be a torch.dtype, got {self.dtype!r}")
-        _set(self, "nbytes", math.prod(self.shape) * self.dtype.itemsize)
+        _NBYTES(self, math.prod(self.shape) * self.dtype.itemsize)
 
     @classmethod
     def of(cls, key: str, tensor: torch.Tensor) -> Item:
@@ -45,12 +45,8 @@ class Item:
             )
         shape = tuple(tensor.shape)  # a torch.Size: ints, none negative
         if shape and min(shape) > 0 and type(key) is str and key:  # what __post_init__ checks
-            item = _new(cls)  # a tensor's fields pass every check: no __init__/__post_init__
-            _set(item, "key", key)
-            _set(item, "shape", shape)
-            _set(item, "dtype", tensor.dtype)
-            _set(item, "nbytes", math.prod(shape) * tensor.dtype.itemsize)
-            return item
+            dtype = tensor.dtype  # a tensor's fields pass every check: no __post_init__
+            return _checked(cls, key, shape, dtype, math.prod(shape) * dtype.itemsize)
         return cls(key, shape, tensor.dtype)  # raises what the checks say
 
     @classmethod
@@ -66,12 +62,7 @@ class Item:
             and width > 0
             and isinstance(dtype, torch.dtype)
         ):  # what __post_init__ checks
-            item = _new(cls)
-            _set(item, "key", key)
-            _set(item, "shape", (rows, width))
-            _set(item, "dtype", dtype)
-            _set(item, "nbytes", rows * width * dtype.itemsize)
-            return item
+            return _checked(cls, key, (rows, width), dtype, rows * width * dtype.itemsize)
         return cls(key, (rows, width), dtype)  # raises what the checks say
 
     @classmethod
@@ -95,25 +86,31 @@ class Item:
         ):  # (every key and row count checked in C: no bytecode per item)  # fmt: skip
             for key, n in zip(keys, rows, strict=True):
                 cls(key, (n, width), dtype)  # raises what the checks say at the first bad one
-        itemsize = dtype.itemsize
-        new, set_key, set_shape, set_dtype, set_nbytes = _new, _KEY, _SHAPE, _DTYPE, _NBYTES
-        items: list[Item] = []
-        for key, n in zip(keys, rows, strict=True):
-            item = new(cls)  # (the slots' own setters: no __init__, no __setattr__ per field)
-            set_key(item, key)
-            set_shape(item, (n, width))
-            set_dtype(item, dtype)
-            set_nbytes(item, n * width * itemsize)
-            items.append(item)
-        return items
+        itemsize, checked = dtype.itemsize, _checked
+        return [
+            checked(cls, key, (n, width), dtype, n * width * itemsize)
+            for key, n in zip(keys, rows, strict=True)
+        ]
 
 
 _new = object.__new__
-_set = object.__setattr__  # (the dataclass is frozen)
 _STR, _INT = frozenset((str,)), frozenset((int,))
 _LISTS = frozenset((list, tuple))  # the sequences ``of_matrices`` takes without an ABC check
-# The slots' own setters (member descriptors), for ``of_matrices``.
+# The slots' own setters (member descriptors: the dataclass is frozen).
 _KEY, _SHAPE, _DTYPE, _NBYTES = (vars(Item)[f].__set__ for f in ("key", "shape", "dtype", "nbytes"))
+
+
+def _checked(
+    cls: type[Item], key: str, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int
+) -> Item:
+    """An item of fields its caller checked as ``__post_init__`` would: made without
+    ``__init__`` (the constructors' fast path)."""
+    item = _new(cls)
+    _KEY(item, key)
+    _SHAPE(item, shape)
+    _DTYPE(item, dtype)
+    _NBYTES(item, nbytes)
+    return item
 
 
 def check_key(key: object) -> str:
