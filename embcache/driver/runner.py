@@ -195,11 +195,8 @@ class StepRunner:
                 self.io.submit(self.run_publishes, *writes)
             except Exception as exc:
                 refused = refused or exc
-                request_id, entries = writes.request_id, list(writes.entries)
-                outcomes = [TransferOutcome.FAILED] * len(entries)
-                self.run(self.core.end_publishes, request_id, entries, outcomes)
-                if self._published is not None:
-                    self._published(entries, outcomes)
+                failed = [TransferOutcome.FAILED] * len(writes.entries)
+                self._end_publishes(writes.request_id, list(writes.entries), failed)
         if isinstance(refused, RuntimeError):
             raise ClosedError(
                 "the cache closed while this step handed its store transfers over: none "
@@ -277,6 +274,12 @@ class StepRunner:
         except Exception:
             pass  # the store failed: the writes may still read the ranges, so UNKNOWN
         finally:
-            self.run(self.core.end_publishes, request_id, entries, outcomes)
-            if self._published is not None:
-                self._published(entries, outcomes)
+            self._end_publishes(request_id, entries, outcomes)
+
+    def _end_publishes(
+        self, request_id: str, entries: list[Entry], outcomes: list[TransferOutcome]
+    ) -> None:
+        """End each publish with its outcome and tell ``published`` (the backlog) of them."""
+        self.run(self.core.end_publishes, request_id, entries, outcomes)
+        if self._published is not None:
+            self._published(entries, outcomes)
